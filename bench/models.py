@@ -1,0 +1,77 @@
+"""Models for benchmarks: a bench-sized random Llama, and tiny models of each architecture.
+
+Nothing is downloaded. :func:`bench_model_path` builds (once, cached like the built-in
+stand-in model) a ~40M-parameter Llama with random weights and a 32000-id byte-level BPE
+tokenizer; it exercises the engine with realistic shapes (head_dim 64, GQA 2:1, 32k
+vocab) while staying small enough for a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from radixserve.model.builtin import (
+    TINY_ARCHS,
+    build_builtin_model_dir,
+    builtin_config,
+    default_cache_dir,
+    make_tiny_model_dir,
+    tiny_config,
+)
+
+__all__ = [
+    "BENCH_VERSION",
+    "BENCH_VOCAB_SIZE",
+    "BENCH_SEED",
+    "TINY_ARCHS",
+    "bench_config",
+    "bench_model_path",
+    "make_tiny_model_dir",
+    "tiny_config",
+    "tiny_model_dir",
+]
+
+logger = logging.getLogger("radixserve")
+
+BENCH_VERSION = "bench-llama-v1"
+BENCH_VOCAB_SIZE = 32000
+BENCH_SEED = 1234
+
+
+def bench_config(vocab_size: int = BENCH_VOCAB_SIZE, *, bos_token_id: int = 0, eos_token_id: int = 1,
+                 pad_token_id: int | None = 2):
+    """LlamaConfig of the bench model: hidden 512, 8 layers, 8 heads / 4 KV heads
+    (head_dim 64), intermediate 1408, 8192 positions, tied embeddings, fp32."""
+    return builtin_config(
+        vocab_size,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1408,
+        max_position_embeddings=8192,
+    )
+
+
+def bench_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the bench model, creating it on first use (a few seconds)."""
+    path = default_cache_dir(cache_dir) / BENCH_VERSION
+    if (path / "config.json").is_file():
+        return path
+    logger.info("creating the bench model (random weights) at %s", path)
+    t0 = time.perf_counter()
+    build_builtin_model_dir(path, BENCH_VOCAB_SIZE, config=bench_config(), seed=BENCH_SEED)
+    logger.info("bench model ready in %.1fs", time.perf_counter() - t0)
+    return path
+
+
+def tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, **overrides) -> Path:
+    """Alias of :func:`radixserve.model.builtin.make_tiny_model_dir`."""
+    return make_tiny_model_dir(path, arch, seed=seed, **overrides)

@@ -1,0 +1,27 @@
+"""The contract every attention backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a KV pool, driven by :class:`AttentionMetadata`.
+
+    ``plan`` is called once per batch, before the first layer; ``forward`` once per layer. The
+    backend writes the new tokens' K/V into the pool at ``metadata.out_slots`` before attending,
+    so a sequence attends to its cached prefix and its own new tokens (causal, bottom-right).
+    """
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""

@@ -1,0 +1,63 @@
+"""Validated engine settings. Every field has a sane default and a one-line meaning."""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixserve.errors import BadRequestError
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    """Local Hugging Face model directory; None creates and uses the built-in stand-in model."""
+    device: str = "cpu"
+    dtype: str | None = None
+    """float32, bfloat16 or float16; None takes the checkpoint's dtype (float32 on CPU for fp16)."""
+    page_size: int = 1
+    """Tokens per KV page. 1 gives token-granular prefix hits; FlashInfer likes 16 on GPU."""
+    kv_cache_tokens: int | None = None
+    """KV capacity in tokens; None sizes it from ``kv_memory_gb``."""
+    kv_memory_gb: float | None = None
+    """KV memory budget; None: 1 GiB on CPU, 85% of free memory after weights on CUDA."""
+    max_running: int = 64
+    """Most requests in one decode batch."""
+    max_batched_tokens: int = 2048
+    """Token budget of one step, shared by decode tokens and prefill chunks."""
+    max_prefill_chunk: int | None = None
+    """Largest prefill chunk of one request in one step; None: max_batched_tokens."""
+    max_model_len: int | None = None
+    """Context length; None: the model's (capped by a sliding window if it has one)."""
+    enable_prefix_cache: bool = True
+    """Reuse KV of cached prompt prefixes through the radix tree (off: every prompt is prefilled)."""
+    eviction: str = "lru"
+    """Eviction policy of the prefix cache: lru or lfu."""
+    schedule_policy: str = "lpm"
+    """Admission order: lpm (longest cached prefix first, with aging) or fcfs."""
+    max_wait_bonus_s: float = 2.0
+    """lpm: a request waiting longer than this is admitted in arrival order, before cache-friendlier ones."""
+    dedup_min_tokens: int = 32
+    """In-batch dedup: defer a request whose uncached prefix shares >= this many tokens with one being prefilled."""
+    pin_budget_tokens: int | None = None
+    """Most tokens that pinned prefixes may hold; None: a quarter of the KV pool."""
+    seed: int = 0
+    """Seed of the engine's sampler, for requests that bring no seed of their own."""
+    debug_checks: bool = False
+    """Check KV accounting (free + cached + running == total) whenever the engine goes idle."""
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise BadRequestError(name, f"must be an integer >= 1, got {value!r}")
+
+        for name in ("page_size", "kv_cache_tokens", "max_running", "max_batched_tokens",
+                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens"):
+            positive(name)
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise BadRequestError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.eviction not in ("lru", "lfu"):
+            raise BadRequestError("eviction", f"must be lru or lfu, got {self.eviction!r}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise BadRequestError("schedule_policy", f"must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise BadRequestError("kv_memory_gb", f"must be > 0, got {self.kv_memory_gb!r}")

@@ -1,0 +1,155 @@
+"""KV ownership for requests: prefix matching, page allocation, insertion into the radix tree.
+
+Invariants (checked by :meth:`CacheManager.check`):
+
+* free pages + pages held by the tree + pages owned by running requests == total pages;
+* ``req.pages[: req.cached_len // page_size]`` are the tree's canonical pages for that prefix,
+  kept from eviction by the lock on ``req.node``; the rest of ``req.pages`` are the request's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Hashable, Iterable
+
+from radixserve.engine.request import Request
+from radixserve.kv.pool import KVPool
+from radixserve.kv.radix import RadixCache
+
+log = logging.getLogger("radixserve")
+
+
+class CacheManager:
+    def __init__(self, pool: KVPool, *, enable_prefix_cache: bool, eviction: str = "lru"):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.tree = RadixCache(pool.page_size, pool, eviction=eviction) if enable_prefix_cache else None
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.alignment_waste_tokens = 0
+        self.pins: dict[tuple[Hashable, tuple[int, ...]], object] = {}
+
+    # -- derived state -------------------------------------------------------------------------
+    @property
+    def available_pages(self) -> int:
+        """Pages that an allocation can get: free now, or freed by evicting unlocked cache."""
+        return self.pool.num_free + (self.tree.evictable_pages if self.tree else 0)
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages if self.tree else 0
+
+    @property
+    def locked_pages(self) -> int:
+        return self.tree.protected_pages if self.tree else 0
+
+    @property
+    def pinned_tokens(self) -> int:
+        return sum(len(key) for _, key in self.pins)
+
+    # -- matching ------------------------------------------------------------------------------
+    def peek(self, req: Request) -> int:
+        """Cached prefix length of ``req``, without touching the tree (for ordering the queue)."""
+        if self.tree is None:
+            return 0
+        return self.tree.match(req.tokens, req.namespace, split=False, max_len=req.num_tokens - 1).length
+
+    def match(self, req: Request) -> None:
+        """Attach the longest cached prefix to ``req`` and lock it. The last token is never
+        matched: its logits are needed."""
+        assert not req.pages and req.node is None
+        length = 0
+        if self.tree is not None:
+            m = self.tree.match(req.tokens, req.namespace, max_len=req.num_tokens - 1)
+            self.tree.lock(m.node)
+            req.node, req.pages, length = m.node, list(m.pages), m.length
+        req.cached_len = req.computed = length
+
+    def record_admission(self, req: Request) -> None:
+        """Count the prefix query and hit of a first admission (a retry after preemption
+        recomputes or re-reads its own KV: that is never a hit)."""
+        if req.cached_tokens is None:
+            req.cached_tokens = req.cached_len
+            self.query_tokens += len(req.prompt_ids)
+            self.hit_tokens += req.cached_len
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate(self, req: Request, num_new: int) -> bool:
+        """Make ``req.pages`` cover ``req.computed + num_new`` tokens, evicting cache if needed.
+        All or nothing: on False nothing was taken."""
+        need = -(-(req.computed + num_new) // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.pool.num_free < need and self.tree is not None:
+            self.tree.evict(need - self.pool.num_free)
+        pages = self.pool.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    # -- insertion and release -----------------------------------------------------------------
+    def commit(self, req: Request) -> None:
+        """Insert ``req``'s computed full pages into the tree, free its duplicates, and rewrite its
+        page table to the tree's canonical pages (moving its lock down to the new node)."""
+        if self.tree is None:
+            return
+        aligned = req.computed // self.page_size * self.page_size
+        if aligned <= req.cached_len:
+            return
+        tokens = req.tokens[:aligned]
+        num_pages = aligned // self.page_size
+        already = self.tree.insert(tokens, req.pages[:num_pages], req.namespace)
+        self.pool.free(req.pages[req.cached_len // self.page_size : already // self.page_size])
+        m = self.tree.match(tokens, req.namespace)
+        assert m.length == aligned, (m.length, aligned)
+        req.pages[:num_pages] = m.pages
+        self.tree.lock(m.node)
+        self.tree.unlock(req.node)
+        req.node, req.cached_len = m.node, aligned
+
+    def release(self, req: Request, *, finished: bool = False) -> None:
+        """Give back everything ``req`` holds; its computed KV stays cached in the tree (so a
+        preempted request's retry, or the next turn of a conversation, hits it)."""
+        if self.tree is not None:
+            self.commit(req)
+            self.alignment_waste_tokens += req.computed - req.cached_len
+            if finished and req.pin:
+                self._pin(req)
+            self.tree.unlock(req.node)
+        self.pool.free(req.pages[req.cached_len // self.page_size :])
+        req.pages, req.node, req.cached_len, req.computed = [], None, 0, 0
+
+    # -- pinning -------------------------------------------------------------------------------
+    def _pin(self, req: Request) -> None:
+        aligned = len(req.prompt_ids) // self.page_size * self.page_size
+        key = (req.namespace, tuple(req.prompt_ids[:aligned]))
+        if aligned and key not in self.pins:
+            m = self.tree.match(key[1], req.namespace)
+            self.tree.lock(m.node)
+            self.pins[key] = m.node
+
+    def unpin(self, namespace: Hashable, prompt_ids: Iterable[int]) -> bool:
+        prompt_ids = list(prompt_ids)
+        aligned = len(prompt_ids) // self.page_size * self.page_size
+        node = self.pins.pop((namespace, tuple(prompt_ids[:aligned])), None)
+        if node is None:
+            return False
+        self.tree.unlock(node)
+        return True
+
+    # -- integrity -----------------------------------------------------------------------------
+    def check(self, running: Iterable[Request]) -> None:
+        owned: list[int] = []
+        for req in running:
+            owned.extend(req.pages[req.cached_len // self.page_size :])
+        tree_pages = self.tree.all_pages() if self.tree else []
+        free = self.pool._free
+        total = len(free) + len(tree_pages) + len(owned)
+        assert total == self.pool.num_pages, (
+            f"KV accounting broken: free {len(free)} + cached {len(tree_pages)} + running {len(owned)}"
+            f" = {total} != total {self.pool.num_pages}"
+        )
+        assert len(set(free) | set(tree_pages) | set(owned)) == total, "a KV page is held twice"
+        if self.tree is not None:
+            self.tree.check_integrity()

@@ -1,0 +1,46 @@
+"""One forward pass over a scheduled batch: build inputs and attention metadata, return logits."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.attention.metadata import build_metadata
+from radixserve.attention.torch_backend import TorchAttention
+from radixserve.engine.scheduler import ScheduledItem
+from radixserve.kv.pool import KVPool
+from radixserve.model.llama import CausalLM, ForwardBatch, head_dim_of
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device):
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.attention = TorchAttention(pool, scale=head_dim_of(model.config) ** -0.5)
+
+    def forward(self, items: list[ScheduledItem]) -> torch.Tensor:
+        """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for item in items:
+            end = item.start + item.num_tokens
+            ids.extend(item.req.tokens[item.start : end])
+            positions.extend(range(item.start, end))
+            if item.samples:
+                logits_rows.append(len(ids) - 1)
+        metadata = build_metadata(
+            [item.req.pages for item in items],
+            [item.start + item.num_tokens for item in items],
+            [item.num_tokens for item in items],
+            self.pool.page_size,
+            self.device,
+        )
+        self.attention.plan(metadata)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            attention=self.attention,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+        return self.model(batch)

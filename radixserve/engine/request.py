@@ -1,0 +1,129 @@
+"""A request's lifecycle state and the result handed back to users."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import msgspec
+import torch
+
+from radixserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n alternatives (token id, logprob), best first
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What one request produced. ``cached_tokens`` counts prompt tokens served from the prefix
+    cache at admission (0 when none); recomputation after preemption never counts."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None  # stop | length | abort | error
+    logprobs: list[TokenLogprob] | None = None
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    error: str | None = None
+
+
+class StreamChunk(msgspec.Struct, kw_only=True):
+    """New tokens of a running request; the final chunk carries ``output``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: Hashable = None
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    generator: torch.Generator | None = None
+    stream: bool = False  # detokenize every step (streaming consumers, stop strings)
+    pin: bool = False  # on finish, keep the prompt's KV locked in the cache (Engine.pin)
+
+    # KV state. pages[: cached_len // page_size] belong to the radix tree and are locked through
+    # `node`; the rest are owned by this request. KV of tokens[: computed] is in the pages.
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0
+    cached_len: int = 0
+    node: Any = None
+
+    cached_tokens: int | None = None  # prefix hit at first admission
+    admit_seq: int = 0  # admission order among running requests (preemption picks the newest)
+    preemptions: int = 0
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    text: str = ""  # detokenized output, stop strings applied
+    emitted_tokens: int = 0  # how many output tokens were streamed out
+    emitted_chars: int = 0
+    stop_at_char: int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV still has to be computed before the next token can be sampled."""
+        return self.num_tokens - self.computed
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pending > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        now = self.finished_at or time.monotonic()
+        start = self.first_scheduled or now
+        return RequestOutput(
+            request_id=self.rid,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.output_ids),
+            text=self.text,
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens or 0,
+            finish_reason=self.finish_reason,
+            logprobs=self.logprobs,
+            queue_s=start - self.arrival,
+            ttft_s=(self.first_token_at or now) - self.arrival,
+            e2e_s=now - self.arrival,
+        )

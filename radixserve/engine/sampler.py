@@ -1,0 +1,75 @@
+"""Turn a batch of logits into next tokens, each row under its own request's parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.engine.request import Request, TokenLogprob
+
+
+class Sampler:
+    """Greedy rows take one batched argmax; sampled rows are filtered and drawn one by one, each
+    from its request's own generator when it brought a seed (so batch-mates never change its
+    tokens), else from the engine's seeded generator."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def generator_for(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        raw = logits
+        if any(r.params.needs_penalties for r in reqs):
+            logits = logits.clone()
+            for row, r in enumerate(reqs):
+                if r.params.needs_penalties:
+                    _apply_penalties(logits[row], r)
+        tokens = logits.argmax(dim=-1)
+        for row, r in enumerate(reqs):
+            if not r.params.greedy:
+                tokens[row] = self._sample_row(logits[row], r)
+        token_list = tokens.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        wanted = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
+        if wanted:
+            lp = torch.log_softmax(raw[wanted], dim=-1)
+            for i, row in enumerate(wanted):
+                n = reqs[row].params.logprobs
+                top = torch.topk(lp[i], n) if n else None
+                alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if n else []
+                logprobs[row] = TokenLogprob(token_list[row], float(lp[i, token_list[row]]), alternatives)
+        return token_list, logprobs
+
+    def _sample_row(self, row: torch.Tensor, r: Request) -> int:
+        p = r.params
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        generator = r.generator or self.generator
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _apply_penalties(row: torch.Tensor, r: Request) -> None:
+    """In place. Repetition penalty (as in transformers) over prompt and output; presence and
+    frequency penalties (as in OpenAI) over the output only."""
+    p = r.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if r.output_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(r.output_ids, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

@@ -1,0 +1,163 @@
+"""Continuous batching: every step builds one batch of decode tokens and prefill chunks under a
+token budget, admitting waiting requests (longest cached prefix first) and preempting the newest
+running ones when KV runs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from radixserve.config import EngineConfig
+from radixserve.engine.cache_manager import CacheManager
+from radixserve.engine.request import Request, Status
+from radixserve.kv.radix import RadixCache
+
+log = logging.getLogger("radixserve")
+
+
+@dataclass(frozen=True)
+class ScheduledItem:
+    req: Request
+    start: int  # first token position computed in this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence, so its last row's logits give a token."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+class _NullFreer:
+    def free(self, pages: list[int]) -> None:
+        pass
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunk = config.max_prefill_chunk or config.max_batched_tokens
+        self.preemptions = 0
+        self._admitted = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
+        """The next batch, and requests that had to be finished without running (no KV ever fits)."""
+        budget = self.config.max_batched_tokens
+        items: list[ScheduledItem] = []
+        failed: list[Request] = []
+
+        # Running requests: decodes first, then unfinished prefills; victims come from the end.
+        order = sorted(self.running, key=lambda r: (r.prefilling, r.admit_seq))
+        i = 0
+        while i < len(order) and budget > 0:
+            req = order[i]
+            n = min(req.pending, budget, self.chunk)
+            while not self.cache.allocate(req, n):
+                if len(order) > i + 1:
+                    self._preempt(order.pop())
+                    continue
+                if len(self.running) == 1 and not items:
+                    failed.append(req)  # alone, with all cache evicted, and still no room
+                else:
+                    self._preempt(req)
+                    order.pop(i)
+                req = None
+                break
+            if req is None:
+                break
+            items.append(ScheduledItem(req, req.computed, n))
+            budget -= n
+            i += 1
+
+        if self.waiting and budget > 0 and len(self.running) < self.config.max_running and not failed:
+            items.extend(self._admit(budget))
+        return items, failed
+
+    def _admit(self, budget: int) -> list[ScheduledItem]:
+        items: list[ScheduledItem] = []
+        in_flight = self._in_flight_prefills()
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_running:
+                break
+            if in_flight is not None and self._duplicates_in_flight(req, in_flight):
+                continue  # wait a step: it will hit what the in-flight request inserts
+            self.cache.match(req)
+            n = min(req.pending, budget, self.chunk)
+            headroom = len(self.running) + 1  # one page per running request for its next decode
+            if not self.cache.allocate(req, n) or self.cache.available_pages < headroom:
+                self.cache.release(req)
+                break
+            self.waiting.remove(req)
+            self.cache.record_admission(req)
+            req.status = Status.RUNNING
+            req.admit_seq = self._admitted
+            self._admitted += 1
+            if req.first_scheduled is None:
+                req.first_scheduled = time.monotonic()
+            self.running.append(req)
+            items.append(ScheduledItem(req, req.computed, n))
+            budget -= n
+            if in_flight is not None:
+                in_flight.insert(req.tokens, list(range(req.num_tokens)), req.namespace)
+        return items
+
+    def _admission_order(self) -> list[Request]:
+        if self.config.schedule_policy == "fcfs" or self.cache.tree is None or len(self.waiting) == 1:
+            return list(self.waiting)
+        now = time.monotonic()
+        aged = [r for r in self.waiting if now - r.arrival > self.config.max_wait_bonus_s]
+        fresh = [r for r in self.waiting if now - r.arrival <= self.config.max_wait_bonus_s]
+        fresh.sort(key=lambda r: (-self.cache.peek(r), r.arrival))
+        return sorted(aged, key=lambda r: r.arrival) + fresh
+
+    def _in_flight_prefills(self) -> RadixCache | None:
+        """A scratch token tree of what running requests are prefilling right now (for dedup)."""
+        if self.cache.tree is None or self.config.dedup_min_tokens <= 0:
+            return None
+        if len(self.waiting) < 2 and not any(r.prefilling for r in self.running):
+            return None
+        tree = RadixCache(1, _NullFreer())
+        for req in self.running:
+            if req.prefilling:
+                tree.insert(req.tokens, list(range(req.num_tokens)), req.namespace)
+        return tree
+
+    def _duplicates_in_flight(self, req: Request, in_flight: RadixCache) -> bool:
+        shared = in_flight.match(req.tokens, req.namespace, split=False, max_len=req.num_tokens - 1).length
+        return shared - self.cache.peek(req) >= self.config.dedup_min_tokens
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s KV (keeping what it computed in the cache) and requeue it at the front."""
+        self.cache.release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+        log.debug("preempted %s (%d tokens)", req.rid, req.num_tokens)
+
+    # -- after the forward pass ----------------------------------------------------------------
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finished_at = time.monotonic()
+        if req in self.running:
+            self.cache.release(req, finished=True)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def check(self) -> None:
+        self.cache.check(self.running)

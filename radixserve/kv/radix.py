@@ -1,0 +1,314 @@
+"""Token-level radix tree over cached KV pages.
+
+The tree maps token prefixes to the KV pages that hold them. Every edge (node) carries a run of
+whole pages: ``len(node.key) == len(node.pages) * page_size``. Matches, inserts and splits happen
+only at page boundaries, so a match is the longest cached prefix rounded down to a page. With
+``page_size == 1`` a page id is simply a KV slot.
+
+Ownership contract (the engine relies on it):
+
+* Pages inside the tree belong to the tree. Unlocked ones may be freed at any time by ``evict``
+  through the ``PageFreer`` given at construction.
+* A caller that uses matched pages must ``lock`` the returned node *before* anything can evict
+  (any allocation) and ``unlock`` it when done. Locking a node protects its whole root path.
+* ``insert`` takes ownership of the pages past the already-cached prefix; the caller keeps (and
+  must free) its duplicates of the cached prefix, then re-``match`` to use the canonical pages.
+
+Namespaces (tenant id, LoRA id, cache salt: any hashable, ``None`` by default) are part of the
+child key at the root, so two namespaces never share a node.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, NamedTuple, Protocol, Sequence
+
+
+class PageFreer(Protocol):
+    """Whatever owns the page pool (the KV allocator): takes evicted pages back."""
+
+    def free(self, pages: list[int]) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class RadixNode:
+    """One edge of the tree: ``key`` tokens backed by ``pages`` (internal; identity-hashed)."""
+
+    key: list[int]
+    pages: list[int]
+    children: dict = field(default_factory=dict)
+    parent: RadixNode | None = None
+    lock_ref: int = 0
+    last_access: float = 0.0
+    hit_count: int = 0
+    namespace: Hashable = None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(tokens={len(self.key)}, pages={len(self.pages)}, "
+                f"children={len(self.children)}, lock_ref={self.lock_ref}, ns={self.namespace!r})")
+
+
+class MatchResult(NamedTuple):
+    pages: list[int]  # page ids of the matched prefix, root to node order
+    length: int  # matched tokens == len(pages) * page_size
+    node: RadixNode  # deepest node on the match (root when nothing matched); see RadixCache.match
+
+
+# Eviction priority: the leaf with the smallest value goes first.
+EVICTION_POLICIES: dict[str, Callable[[RadixNode], tuple]] = {
+    "lru": lambda n: (n.last_access,),
+    "lfu": lambda n: (n.hit_count, n.last_access),
+}
+
+
+class RadixCache:
+    """Radix tree of token prefixes -> KV pages, with locking and leaf eviction.
+
+    Invariants (checked by ``check_integrity``): ``evictable_pages`` counts pages of nodes with
+    ``lock_ref == 0``, ``protected_pages`` those with ``lock_ref > 0``; a node's ``lock_ref`` is
+    at least the sum of its children's; every page id is held by at most one node.
+    """
+
+    def __init__(self, page_size: int, freer: PageFreer, *, eviction: str = "lru",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction!r}; "
+                             f"choose one of {sorted(EVICTION_POLICIES)}")
+        self.page_size = page_size
+        self.freer = freer
+        self.eviction = eviction
+        self._priority = EVICTION_POLICIES[eviction]
+        self.clock = clock
+        self.root = RadixNode(key=[], pages=[], lock_ref=1)  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+        self.evictions = 0  # pages evicted over the cache's lifetime
+
+    # ------------------------------------------------------------------ derived state
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        return self._protected
+
+    @property
+    def total_pages(self) -> int:
+        return self._evictable + self._protected
+
+    # ------------------------------------------------------------------ match / insert
+    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True,
+              max_len: int | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens[:max_len]``, rounded down to a whole page.
+
+        ``split=True``: if the match ends inside a node, that node is split at the match so
+        ``result.node`` ends exactly at ``result.length``; the matched nodes are touched
+        (``last_access`` = now, ``hit_count`` += 1). Lock ``result.node`` before allocating.
+
+        ``split=False`` mutates nothing (for peeking at waiting requests). ``length`` and
+        ``pages`` are the same as with ``split=True``, but when the match ends inside a node,
+        ``result.node`` is that node's parent (the deepest *fully* matched node), which ends
+        before ``length``: do not lock it on behalf of ``pages``.
+        """
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
+        path, length, partial = self._walk(tokens, limit - limit % self.page_size, namespace, split)
+        if split and path:
+            now = self.clock()
+            for node in path:
+                node.last_access = now
+                node.hit_count += 1
+        pages: list[int] = []
+        for node in path:  # extend per node, not per page: C speed
+            pages += node.pages
+        pages += partial
+        return MatchResult(pages, length, path[-1] if path else self.root)
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None) -> int:
+        """Cache ``tokens`` backed by ``pages`` (``len(pages) * page_size == len(tokens)``).
+
+        Returns how many leading tokens were already cached (a multiple of ``page_size``). The
+        tree takes ownership of ``pages[already // page_size:]``. The caller keeps
+        ``pages[:already // page_size]``: it must free those that differ from the tree's
+        canonical pages and re-``match`` to get the canonical ones.
+        """
+        P = self.page_size
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        if len(tokens) % P or len(pages) * P != len(tokens):
+            raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages, "
+                             f"page_size {P}")
+        path, already, _ = self._walk(tokens, len(tokens), namespace, split=True)
+        now = self.clock()
+        for node in path:
+            node.last_access = now
+        if already < len(tokens):
+            parent = path[-1] if path else self.root
+            leaf = RadixNode(key=tokens[already:], pages=list(pages[already // P:]), parent=parent,
+                             last_access=now, namespace=namespace)
+            parent.children[self._child_key(leaf)] = leaf
+            self._evictable += len(leaf.pages)
+        return already
+
+    def _walk(self, tokens: list[int], limit: int, namespace: Hashable,
+              split: bool) -> tuple[list[RadixNode], int, list[int]]:
+        """Walk ``tokens[:limit]`` (``limit`` page-aligned) from the root.
+
+        Returns (fully matched nodes root-first, matched tokens, pages matched inside the node
+        where the match stops). With ``split`` that node is split and appended to the path instead,
+        so the third item is always empty.
+        """
+        P = self.page_size
+        node, path, pos = self.root, [], 0
+        child_key: Hashable = (namespace, tuple(tokens[:P]))
+        while pos < limit:
+            child = node.children.get(child_key)
+            if child is None:
+                break
+            key = child.key
+            end = pos + len(key)
+            if end <= limit and tokens[pos:end] == key:  # fast path: whole node matches (C speed)
+                path.append(child)
+                node, pos = child, end
+                child_key = tuple(tokens[pos:pos + P])
+                continue
+            # The match ends inside `child`; its first page matched (the dict key), so find where.
+            stop, i = min(len(key), limit - pos), P
+            while i < stop and key[i] == tokens[pos + i]:
+                i += 1
+            i -= i % P  # P <= i < len(key)
+            if not split:
+                return path, pos + i, child.pages[:i // P]
+            path.append(self._split(child, i))
+            return path, pos + i, []
+        return path, pos, []
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut ``node`` after ``at`` tokens; returns the new upper node. ``node`` keeps the tail,
+        so a node a caller holds still ends at the same depth."""
+        P = self.page_size
+        parent = node.parent
+        upper = RadixNode(key=node.key[:at], pages=node.pages[:at // P], parent=parent,
+                          lock_ref=node.lock_ref, last_access=node.last_access,
+                          hit_count=node.hit_count, namespace=node.namespace)
+        parent.children[self._child_key(upper)] = upper  # same key as `node` had
+        node.key, node.pages, node.parent = node.key[at:], node.pages[at // P:], upper
+        upper.children[self._child_key(node)] = node
+        return upper
+
+    def _child_key(self, node: RadixNode) -> Hashable:
+        first_page = tuple(node.key[:self.page_size])
+        return (node.namespace, first_page) if node.parent is self.root else first_page
+
+    # ------------------------------------------------------------------ locking
+    def lock(self, node: RadixNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (reference counted)."""
+        self._check_attached(node)
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
+                self._protected += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one ``lock(node)``. Raises ``RuntimeError`` if ``node`` is not locked."""
+        self._check_attached(node)
+        if node is not self.root and node.lock_ref <= 0:
+            raise RuntimeError(f"unlock of an unlocked node {node!r}")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.pages)
+                self._evictable += len(node.pages)
+            node = node.parent
+
+    def _check_attached(self, node: RadixNode) -> None:
+        if node is not self.root and node.parent is None:
+            raise RuntimeError(f"{node!r} was evicted; lock the node a fresh match returned")
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages (or all evictable ones) via ``freer.free``.
+
+        Removes whole unlocked leaves in policy order; a parent left as an unlocked childless node
+        becomes a candidate. May free more than asked (whole nodes). Never touches locked nodes
+        or the root. Returns the number of pages freed.
+        """
+        if num_pages <= 0 or self._evictable == 0:
+            return 0
+        tie = itertools.count()
+        heap = [(self._priority(n), next(tie), n) for n in self._nodes()
+                if n.is_leaf and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[self._child_key(node)]
+            node.parent = None  # detached: lock() on a stale handle now raises
+            freed += node.pages
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (self._priority(parent), next(tie), parent))
+        self._evictable -= len(freed) - (len(freed) > 3)
+        self.evictions += len(freed)
+        if freed:
+            self.freer.free(freed)
+        return len(freed)
+
+    def reset(self) -> None:
+        """Evict every unlocked node (locked paths stay: they are in use)."""
+        self.evict(self._evictable)
+
+    # ------------------------------------------------------------------ inspection
+    def _nodes(self):
+        """Every non-root node, depth first."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_pages(self) -> list[int]:
+        """Every page the tree holds (for the engine's page accounting)."""
+        pages: list[int] = []
+        for node in self._nodes():
+            pages += node.pages
+        return pages
+
+    def check_integrity(self) -> None:
+        """Recompute everything from the tree; raise ``AssertionError`` on any inconsistency."""
+        P, root = self.page_size, self.root
+        assert root.lock_ref == 1 and not root.key and not root.pages, "root was modified"
+        evictable = protected = 0
+        seen: set[int] = set()
+        for node in self._nodes():
+            parent = node.parent
+            assert parent is not None and parent.children.get(self._child_key(node)) is node, \
+                f"{node!r} is not filed under its parent by its first page"
+            assert node.key and len(node.key) % P == 0, f"{node!r}: key not whole pages"
+            assert len(node.pages) * P == len(node.key), f"{node!r}: pages do not cover the key"
+            assert parent is root or node.namespace == parent.namespace, \
+                f"{node!r}: namespace differs from its parent's"
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_locks >= 0, \
+                f"{node!r}: lock_ref below its children's total {child_locks}"
+            if node.lock_ref == 0:
+                evictable += len(node.pages)
+            else:
+                protected += len(node.pages)
+            dup = seen.intersection(node.pages)
+            assert not dup and len(set(node.pages)) == len(node.pages), \
+                f"pages held twice in the tree: {sorted(dup) or node.pages}"
+            seen.update(node.pages)
+        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != recount {protected}"

@@ -1,0 +1,156 @@
+"""Load a local Hugging Face model directory: config, safetensors weights (sharded too), tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from radixserve.errors import ModelLoadError
+from radixserve.model.llama import ARCHITECTURES, CausalLM
+
+log = logging.getLogger("radixserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: object
+    tokenizer: object
+    path: Path
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+def load_config(path: str | Path):
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory, or no model for the built-in one")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {archs[0] if archs else getattr(config, 'model_type', '?')!r} in {str(path)!r}; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return config
+
+
+def context_length(config) -> int:
+    """The model's context, capped at its sliding window (we attend globally)."""
+    length = int(getattr(config, "max_position_embeddings", 2048))
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = config.architectures[0] == "MistralForCausalLM" or "sliding_attention" in layer_types
+    if window and uses_window:
+        length = min(length, int(window))
+    return length
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    path = Path(path).expanduser()
+    config = load_config(path)
+    torch_dtype = _pick_dtype(config, dtype, torch.device(device))
+    limit = context_length(config)
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
+        limit = max_model_len
+
+    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
+        model = CausalLM(config, max_positions=limit)
+    model = model.to_empty(device=device)
+    _load_weights(model, path)
+    model.to(dtype=torch_dtype).eval()
+    model.model.rotary.build(device)  # fp32 cos/sin tables, cast per use like transformers
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        path=path,
+        dtype=torch_dtype,
+        max_model_len=limit,
+        eos_token_ids=frozenset(_eos_ids(config, path)),
+    )
+
+
+def _pick_dtype(config, requested: str | None, device: torch.device) -> torch.dtype:
+    if requested is not None:
+        return DTYPES[requested]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+    if device.type == "cpu" and stored == torch.float16:
+        return torch.float32  # fp16 matmuls on CPU are slow and lossy
+    return stored
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights (pickled .bin checkpoints are not loaded, for safety)")
+    return files
+
+
+def _load_weights(model: CausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in params:
+                    if name == "lm_head.weight" and model.tie_word_embeddings:
+                        continue  # some tied checkpoints store the copy anyway
+                    if "rotary_emb" in name:
+                        continue
+                    raise ModelLoadError(f"unexpected weight {name!r} in {file.name}")
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tensor.shape != param.shape:
+                    raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint in {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _eos_ids(config, path: Path) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(config, "eos_token_id", None))
+    if (path / "generation_config.json").is_file():
+        add(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
+    return ids
