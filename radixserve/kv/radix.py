@@ -251,7 +251,7 @@ class RadixCache:
                 if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
-        while len(freed) < num_pages and heap:
+        while len(freed) < num_pages - 1 and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[self._child_key(node)]
@@ -259,7 +259,7 @@ class RadixCache:
             freed += node.pages
             if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), next(tie), parent))
-        self._evictable -= len(freed) - (len(freed) > 3)
+        self._evictable -= len(freed)
         self.evictions += len(freed)
         if freed:
             self.freer.free(freed)
