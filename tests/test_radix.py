@@ -99,6 +99,8 @@ def test_match_without_split_mutates_nothing():
     res = tree.match([1, 2, 9], split=False)
     assert res.length == 2 and res.pages == [10, 11]
     assert res.node is tree.root  # the partially matched node's parent
+    assert tree.peek([1, 2, 9]) == 2 and tree.peek([1, 2, 3, 4], max_len=3) == 3
+    assert tree.peek([1, 2, 3], namespace="other") == 0
     assert snapshot(tree) == before
     whole = tree.match([1, 2, 3, 4, 5], split=False)
     assert whole.node is node and whole.length == 4 and snapshot(tree) == before
@@ -370,6 +372,7 @@ class RadixMachine(RuleBasedStateMachine):
         want = self.oracle(tokens, ns, limit - limit % self.P)
         before = snapshot(self.tree)
         peek = self.tree.match(tokens, ns, split=False, max_len=limit)
+        assert self.tree.peek(tokens, ns, max_len=limit) == want[0]
         assert snapshot(self.tree) == before and (peek.length, peek.pages) == want
         res = self.tree.match(tokens, ns, max_len=limit)
         assert (res.length, res.pages) == want and path_pages(self.tree, res.node) == res.pages

@@ -52,7 +52,7 @@ class CacheManager:
         """Cached prefix length of ``req``, without touching the tree (for ordering the queue)."""
         if self.tree is None:
             return 0
-        return self.tree.match(req.tokens, req.namespace, split=False, max_len=req.num_tokens - 1).length
+        return self.tree.peek(req.tokens, req.namespace, max_len=req.num_tokens - 1)
 
     def match(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` and lock it. The last token is never

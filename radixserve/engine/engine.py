@@ -190,7 +190,7 @@ class Engine:
         now = time.monotonic()
         for item, token, logprob in zip(sampling, tokens, logprobs):
             req = item.req
-            req.output_ids.append(token)
+            req.append(token)
             self._counters["generated_tokens"] += 1
             if req.first_token_at is None:
                 req.first_token_at = now

@@ -90,13 +90,21 @@ class Request:
     emitted_chars: int = 0
     stop_at_char: int | None = None
 
+    def __post_init__(self) -> None:
+        self._tokens = list(self.prompt_ids)  # prompt + output, kept so hot paths never concatenate
+
     @property
     def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+        """Prompt and output tokens so far (read-only: use :meth:`append`)."""
+        return self._tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self._tokens)
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._tokens.append(token)
 
     @property
     def pending(self) -> int:

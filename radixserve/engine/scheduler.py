@@ -135,7 +135,7 @@ class Scheduler:
         return tree
 
     def _duplicates_in_flight(self, req: Request, in_flight: RadixCache) -> bool:
-        shared = in_flight.match(req.tokens, req.namespace, split=False, max_len=req.num_tokens - 1).length
+        shared = in_flight.peek(req.tokens, req.namespace, max_len=req.num_tokens - 1)
         return shared - self.cache.peek(req) >= self.config.dedup_min_tokens
 
     def _preempt(self, req: Request) -> None:
