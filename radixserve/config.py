@@ -39,6 +39,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """In-batch dedup: defer a request whose uncached prefix shares >= this many tokens with one being prefilled."""
     pin_budget_tokens: int | None = None
     """Most tokens that pinned prefixes may hold; None: a quarter of the KV pool."""
+    cascade_min_shared_tokens: int | None = 16384
+    """Shared-prefix (cascade) decode attention for a group of running requests that share a cached
+    prefix, when group size x prefix length reaches this; None turns it off."""
     seed: int = 0
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
@@ -51,7 +54,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise BadRequestError(name, f"must be an integer >= 1, got {value!r}")
 
         for name in ("page_size", "kv_cache_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens"):
+                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens",
+                     "cascade_min_shared_tokens"):
             positive(name)
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise BadRequestError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")

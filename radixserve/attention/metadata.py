@@ -10,6 +10,10 @@ For a batch of B sequences (all int32):
 A sequence's KV length is ``(pages - 1) * page_size + last_page_len`` and covers its cached
 prefix plus its new tokens; the new tokens are its *last* ``qo_len`` KV positions (the causal
 mask is aligned bottom-right). Every backend consumes exactly this.
+
+Optionally, runs of decode sequences that share a cached prefix form *cascade groups*: level 0
+holds each group's shared prefix once (FlashInfer's multi-level cascade format, one entry per
+group), level 1 each grouped sequence's own suffix.
 """
 
 from __future__ import annotations
@@ -19,6 +23,19 @@ from itertools import accumulate
 from typing import Sequence
 
 import torch
+
+
+@dataclass(frozen=True)
+class CascadeMetadata:
+    groups: tuple[tuple[int, int, int], ...]
+    """(first sequence, number of sequences, shared prefix tokens) per group."""
+    prefix_qo_indptr: torch.Tensor  # [G+1] queries per group (one per grouped sequence)
+    prefix_kv_indptr: torch.Tensor  # [G+1]
+    prefix_kv_indices: torch.Tensor  # shared prefix pages, once per group
+    prefix_kv_last_page_len: torch.Tensor  # [G]
+    suffix_kv_indptr: torch.Tensor  # [S+1] over the S grouped sequences, in batch order
+    suffix_kv_indices: torch.Tensor
+    suffix_kv_last_page_len: torch.Tensor  # [S]
 
 
 @dataclass(frozen=True)
@@ -32,6 +49,7 @@ class AttentionMetadata:
     """int64 KV slot (``page * page_size + offset``) of every new token, where its K/V is written."""
     qo_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
+    cascade: CascadeMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -48,11 +66,15 @@ def build_metadata(
     qo_lens: Sequence[int],
     page_size: int,
     device: torch.device | str = "cpu",
+    groups: Sequence[tuple[int, int, int]] = (),
 ) -> AttentionMetadata:
     """Metadata for sequences whose ``qo_lens[i]`` new tokens end at KV length ``kv_lens[i]``.
 
     ``page_tables[i]`` must hold at least ``ceil(kv_lens[i] / page_size)`` pages; extra pages
-    are ignored.
+    are ignored. ``groups`` lists cascade groups as (first sequence, count, prefix tokens): the
+    sequences are consecutive decodes whose page tables agree on the first
+    ``prefix / page_size`` pages (``prefix`` a multiple of ``page_size``, below every kv_len;
+    0 is allowed and attends to nothing at level 0).
     """
     assert len(page_tables) == len(kv_lens) == len(qo_lens)
     indices: list[int] = []
@@ -68,7 +90,9 @@ def build_metadata(
         last_page_len.append(kv_len - (num_pages - 1) * page_size)
         slots.append(_slots_of(table, kv_len - qo_len, kv_len, page_size))
     qo_indptr = torch.tensor([0, *accumulate(qo_lens)], dtype=torch.int32)
+    cascade = _cascade(page_tables, kv_lens, qo_lens, page_size, groups, device) if groups else None
     return AttentionMetadata(
+        cascade=cascade,
         qo_indptr=qo_indptr.to(device),
         kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32, device=device),
         kv_indices=torch.tensor(indices, dtype=torch.int32, device=device),
@@ -87,3 +111,38 @@ def _slots_of(table: Sequence[int], start: int, end: int, page_size: int) -> tor
         return torch.tensor(table[start:end], dtype=torch.int64)
     pages = torch.tensor(table[start // page_size : -(-end // page_size)], dtype=torch.int64)
     return pages[positions // page_size - start // page_size] * page_size + positions % page_size
+
+
+def _cascade(page_tables, kv_lens, qo_lens, page_size, groups, device) -> CascadeMetadata:
+    prefix_indices: list[int] = []
+    prefix_indptr, prefix_qo, prefix_last = [0], [0], []
+    suffix_indices: list[int] = []
+    suffix_indptr, suffix_last = [0], []
+    for first, count, prefix in groups:
+        assert prefix >= 0 and prefix % page_size == 0, (prefix, page_size)
+        shared = page_tables[first][: prefix // page_size]
+        prefix_indices.extend(shared)
+        prefix_indptr.append(len(prefix_indices))
+        prefix_qo.append(prefix_qo[-1] + count)
+        prefix_last.append(page_size)
+        for i in range(first, first + count):
+            assert qo_lens[i] == 1 and kv_lens[i] > prefix, "cascade groups hold decodes past the prefix"
+            assert list(page_tables[i][: prefix // page_size]) == list(shared), "group members must share pages"
+            num_pages = -(-kv_lens[i] // page_size)
+            suffix_indices.extend(page_tables[i][prefix // page_size : num_pages])
+            suffix_indptr.append(len(suffix_indices))
+            suffix_last.append(kv_lens[i] - (num_pages - 1) * page_size)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return CascadeMetadata(
+        groups=tuple(tuple(g) for g in groups),
+        prefix_qo_indptr=i32(prefix_qo),
+        prefix_kv_indptr=i32(prefix_indptr),
+        prefix_kv_indices=i32(prefix_indices),
+        prefix_kv_last_page_len=i32(prefix_last),
+        suffix_kv_indptr=i32(suffix_indptr),
+        suffix_kv_indices=i32(suffix_indices),
+        suffix_kv_last_page_len=i32(suffix_last),
+    )

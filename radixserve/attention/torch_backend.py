@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.cascade import attend_with_lse, from_gqa, merge_states, to_gqa
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.kv.pool import KVPool
 
 
 class TorchAttention(AttentionBackend):
-    """Decode tokens are attended in one padded, masked SDPA call; prefill chunks one by one.
+    """Decode tokens are attended in one padded, masked SDPA call; prefill chunks one by one;
+    cascade groups (decodes sharing a cached prefix) attend to the prefix once per group and to
+    their own suffixes, merged by log-sum-exp.
 
     ``plan`` turns the shared page metadata into gather indices and masks once per batch; every
     layer then reuses them.
@@ -34,16 +37,24 @@ class TorchAttention(AttentionBackend):
             pages = metadata.kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long()
             return (pages[:, None] * page_size + offsets).flatten()[: metadata.kv_lens[i]]
 
-        decode = [i for i, n in enumerate(metadata.qo_lens) if n == 1]
+        grouped: set[int] = set()
+        self._groups = []
+        if metadata.cascade is not None:
+            cascade_rows, suffixes = [], []
+            for first, count, prefix in metadata.cascade.groups:
+                members = range(first, first + count)
+                grouped.update(members)
+                local = torch.arange(len(cascade_rows), len(cascade_rows) + count, device=device)
+                cascade_rows += [qo_indptr[i] for i in members]
+                suffixes += [slots(i)[prefix:] for i in members]
+                self._groups.append((local, slots(first)[:prefix]))
+            self._cascade_rows = torch.tensor(cascade_rows, dtype=torch.long, device=device)
+            self._suffix_slots, self._suffix_mask = _padded(suffixes, device)
+
+        decode = [i for i, n in enumerate(metadata.qo_lens) if n == 1 and i not in grouped]
         self._decode_rows = torch.tensor([qo_indptr[i] for i in decode], dtype=torch.long, device=device)
         if decode:
-            max_len = max(metadata.kv_lens[i] for i in decode)
-            table = torch.zeros(len(decode), max_len, dtype=torch.long, device=device)
-            for row, i in enumerate(decode):
-                table[row, : metadata.kv_lens[i]] = slots(i)
-            lens = torch.tensor([metadata.kv_lens[i] for i in decode], device=device)
-            self._decode_slots = table
-            self._decode_mask = (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
+            self._decode_slots, self._decode_mask = _padded([slots(i) for i in decode], device)
 
         self._prefills = []
         for i, (qo_len, kv_len) in enumerate(zip(metadata.qo_lens, metadata.kv_lens)):
@@ -70,6 +81,8 @@ class TorchAttention(AttentionBackend):
                 qd, kd, vd, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True
             )
             out[self._decode_rows] = od.squeeze(2)
+        if self._groups:
+            out[self._cascade_rows] = self._cascade(q[self._cascade_rows], k_cache, v_cache)
         for start, end, slots, mask in self._prefills:
             qp = q[start:end].transpose(0, 1)  # [Hq, n, D]
             kp = k_cache[slots].transpose(0, 1)  # [Hkv, L, D]
@@ -79,3 +92,33 @@ class TorchAttention(AttentionBackend):
             )
             out[start:end] = op.transpose(0, 1)
         return out
+
+    def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        num_kv = k_cache.shape[1]
+        group = num_heads // num_kv
+        # Level 1: every grouped query against its own suffix (padded, masked).
+        qs = q.view(n, num_kv, group, head_dim)
+        ks = k_cache[self._suffix_slots].transpose(1, 2)  # [n, Hkv, L, D]
+        vs = v_cache[self._suffix_slots].transpose(1, 2)
+        out_s, lse_s = attend_with_lse(qs, ks, vs, self.scale, self._suffix_mask)
+        out_s, lse_s = out_s.reshape(n, num_heads, head_dim), lse_s.reshape(n, num_heads)
+        # Level 0: each group's queries against its shared prefix, once, as one GEMM.
+        out = torch.empty_like(q)
+        for local, prefix_slots in self._groups:
+            kp = k_cache[prefix_slots].transpose(0, 1)  # [Hkv, P, D]
+            vp = v_cache[prefix_slots].transpose(0, 1)
+            out_p, lse_p = attend_with_lse(to_gqa(q[local], num_kv), kp, vp, self.scale)
+            m = len(local)
+            out[local] = merge_states(from_gqa(out_p, m), from_gqa(lse_p, m), out_s[local], lse_s[local])
+        return out
+
+
+def _padded(slot_lists: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot lists padded into one [n, max_len] gather table, and the mask [n, 1, 1, max_len]."""
+    max_len = max(len(s) for s in slot_lists)
+    table = torch.zeros(len(slot_lists), max_len, dtype=torch.long, device=device)
+    for row, s in enumerate(slot_lists):
+        table[row, : len(s)] = s
+    lens = torch.tensor([len(s) for s in slot_lists], device=device)
+    return table, (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]

@@ -138,6 +138,37 @@ class CacheManager:
         self.tree.unlock(node)
         return True
 
+    # -- shared prefixes -----------------------------------------------------------------------
+    def shared_prefix_groups(self, reqs: Iterable[Request], min_tokens: int) -> list[tuple[list[Request], int]]:
+        """Group requests by the longest cached prefix they share, read off the radix tree: those
+        locked below the same top-level node share every node down to where their paths part.
+        Keeps groups whose size x shared length reaches ``min_tokens``."""
+        if self.tree is None:
+            return []
+        by_top: dict[int, list[tuple[Request, list]]] = {}
+        for req in reqs:
+            path = []
+            node = req.node
+            while node is not None and node is not self.tree.root:
+                path.append(node)
+                node = node.parent
+            if path:
+                path.reverse()
+                by_top.setdefault(id(path[0]), []).append((req, path))
+        groups = []
+        for members in by_top.values():
+            if len(members) < 2:
+                continue
+            first = members[0][1]
+            depth = min(len(path) for _, path in members)
+            length = d = 0
+            while d < depth and all(path[d] is first[d] for _, path in members):
+                length += len(first[d].key)
+                d += 1
+            if len(members) * length >= min_tokens:
+                groups.append(([req for req, _ in members], length))
+        return groups
+
     # -- integrity -----------------------------------------------------------------------------
     def check(self, running: Iterable[Request]) -> None:
         owned: list[int] = []

@@ -86,7 +86,7 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, errors=0)
+        self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
         log.info(
             "engine ready: model=%s arch=%s dtype=%s device=%s | KV capacity %d tokens (%d pages x %d) "
             "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s",
@@ -179,7 +179,8 @@ class Engine:
             if self.config.debug_checks and not self.scheduler.has_work:
                 self.scheduler.check()
             return chunks
-        logits = self.runner.forward(items)
+        items, groups = self._cascade_groups(items)
+        logits = self.runner.forward(items, groups)
         self._counters["steps"] += 1
         sampling = [item for item in items if item.samples]
         for item in items:
@@ -203,6 +204,23 @@ class Engine:
         if self.config.debug_checks:
             self.scheduler.check()
         return chunks
+
+    def _cascade_groups(self, items: list) -> tuple[list, list[tuple[int, int, int]]]:
+        """Put decodes that share a long cached prefix next to each other, as cascade groups."""
+        threshold = self.config.cascade_min_shared_tokens
+        if threshold is None:
+            return items, []
+        decodes = [item.req for item in items if item.num_tokens == 1]
+        found = self.cache.shared_prefix_groups(decodes, threshold) if len(decodes) > 1 else []
+        if not found:
+            return items, []
+        by_req = {id(item.req): item for item in items}
+        ordered, groups = [], []
+        for members, prefix in found:
+            groups.append((len(ordered), len(members), prefix))
+            ordered += [by_req.pop(id(req)) for req in members]
+        self._counters["cascade_steps"] += 1
+        return ordered + [item for item in items if id(item.req) in by_req], groups
 
     def _drain_inbox(self) -> None:
         while True:

@@ -18,8 +18,9 @@ class ModelRunner:
         self.device = device
         self.attention = TorchAttention(pool, scale=head_dim_of(model.config) ** -0.5)
 
-    def forward(self, items: list[ScheduledItem]) -> torch.Tensor:
-        """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order."""
+    def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
+        ``groups``: cascade groups (first item, count, shared prefix tokens) of decode items."""
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -35,6 +36,7 @@ class ModelRunner:
             [item.num_tokens for item in items],
             self.pool.page_size,
             self.device,
+            groups,
         )
         self.attention.plan(metadata)
         batch = ForwardBatch(

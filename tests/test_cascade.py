@@ -1,0 +1,85 @@
+"""Shared-prefix (cascade) attention equals flat paged attention, and leaves greedy tokens alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts
+from radixserve import Engine, SamplingParams
+from radixserve.attention.cascade import attend_with_lse, merge_states
+from radixserve.attention.metadata import build_metadata
+from radixserve.attention.torch_backend import TorchAttention
+from radixserve.kv.pool import KVPool
+
+
+def run_attention(pool, q, k, v, tables, kv_lens, page_size, groups=()):
+    backend = TorchAttention(pool, scale=q.shape[-1] ** -0.5)
+    backend.plan(build_metadata(tables, kv_lens, [1] * len(tables), page_size, groups=groups))
+    return backend.forward(q, k, v, layer=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_cascade_equals_flat(page_size, seed):
+    rng = random.Random(seed)
+    heads, kv_heads, dim = rng.choice([(4, 2, 16), (8, 8, 8), (6, 1, 16)])
+    pool = KVPool(num_layers=1, num_pages=4096 // page_size, page_size=page_size,
+                  num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    pool.k[0].normal_(generator=g)
+    pool.v[0].normal_(generator=g)
+
+    tables, kv_lens, groups = [], [], []
+    for _ in range(rng.randint(1, 4)):  # groups, each with its own shared prefix (maybe empty)
+        prefix_pages = pool.alloc(rng.choice([0, 1, 3, 17]))
+        members = rng.randint(1, 5)
+        groups.append((len(tables), members, len(prefix_pages) * page_size))
+        for _ in range(members):
+            suffix = rng.randint(1, 3 * page_size + 5)  # includes the new token
+            tables.append(prefix_pages + pool.alloc(-(-suffix // page_size)))
+            kv_lens.append(len(prefix_pages) * page_size + suffix)
+    for _ in range(rng.randint(0, 3)):  # ungrouped decodes alongside
+        n = rng.randint(1, 40)
+        tables.append(pool.alloc(-(-n // page_size)))
+        kv_lens.append(n)
+
+    q = torch.randn(len(tables), heads, dim, generator=g)
+    k = torch.randn(len(tables), kv_heads, dim, generator=g)
+    v = torch.randn(len(tables), kv_heads, dim, generator=g)
+    flat = run_attention(pool, q, k, v, tables, kv_lens, page_size)
+    cascade = run_attention(pool, q, k, v, tables, kv_lens, page_size, groups)
+    torch.testing.assert_close(cascade, flat, atol=1e-5, rtol=0)
+
+
+def test_empty_kv_sets_merge_as_no_ops():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, generator=g) for _ in range(3))
+    out, lse = attend_with_lse(q, k, v, 0.3)
+    empty_out, empty_lse = attend_with_lse(q, k[:, :0], v[:, :0], 0.3)
+    assert torch.isneginf(empty_lse).all() and (empty_out == 0).all()
+    torch.testing.assert_close(merge_states(out, lse, empty_out, empty_lse), out)
+    masked_out, masked_lse = attend_with_lse(q, k, v, 0.3, torch.zeros(1, 1, 3, dtype=torch.bool))
+    torch.testing.assert_close(merge_states(masked_out, masked_lse, out, lse), out)
+
+
+def test_lse_is_base_2():
+    q, k, v = torch.ones(1, 1, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4)
+    _, lse = attend_with_lse(q, k, v, 1.0)
+    assert lse.item() == pytest.approx(1.0)  # log2(e^0 + e^0)
+
+
+def test_greedy_tokens_unchanged_with_cascade(llama_dir):
+    system = random_prompts((160,), seed=21)[0]
+    prompts = [system + tail for tail in random_prompts((3, 9, 14, 20, 31), seed=22)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reference = hf_greedy(llama_dir, prompts, 12)
+    engine = Engine(llama_dir, kv_cache_tokens=4096, cascade_min_shared_tokens=1, debug_checks=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == reference
+    assert engine.stats()["cascade_steps"] > 0
+    off = Engine(llama_dir, kv_cache_tokens=4096, cascade_min_shared_tokens=None)
+    off.generate(prompts, params)
+    assert off.stats()["cascade_steps"] == 0
