@@ -76,7 +76,7 @@ class Engine:
         self.pool = self._make_pool()
         self.cache = CacheManager(self.pool, enable_prefix_cache=enable_prefix_cache, eviction=config.eviction)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(loaded.model, self.pool, self.device)
+        self.runner = ModelRunner(loaded.model, self.pool, self.device, config.attention)
         self.sampler = Sampler(seed, self.device)
         self.pin_budget_tokens = config.pin_budget_tokens or self.pool.capacity_tokens // 4
 
@@ -88,10 +88,10 @@ class Engine:
         self._stopping = threading.Event()
         self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
         log.info(
-            "engine ready: model=%s arch=%s dtype=%s device=%s | KV capacity %d tokens (%d pages x %d) "
+            "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d) "
             "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s",
             loaded.path, loaded.config.architectures[0], str(loaded.dtype).removeprefix("torch."),
-            device, self.pool.capacity_tokens, self.pool.num_pages, page_size, max_running,
+            device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size, max_running,
             max_batched_tokens, self.max_model_len, "on" if enable_prefix_cache else "off",
         )
 

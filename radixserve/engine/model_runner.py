@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.attention.base import AttentionBackend
 from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
+from radixserve.errors import BadRequestError
 from radixserve.engine.scheduler import ScheduledItem
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import CausalLM, ForwardBatch, head_dim_of
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device):
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, attention: str = "auto"):
         self.model = model
         self.pool = pool
         self.device = device
-        self.attention = TorchAttention(pool, scale=head_dim_of(model.config) ** -0.5)
+        self.attention = make_attention(attention, model, pool, device)
 
     def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
@@ -46,3 +48,17 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
         return self.model(batch)
+
+
+def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:
+    """``auto``: FlashInfer on CUDA when it imports, else the torch backend."""
+    from radixserve.attention import flashinfer_backend
+
+    scale = head_dim_of(model.config) ** -0.5
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" and flashinfer_backend.available() else "torch"
+    if name == "flashinfer":
+        if device.type != "cuda" or not flashinfer_backend.available():
+            raise BadRequestError("attention", "flashinfer needs a CUDA device and the flashinfer package (pip install 'radixserve[gpu]')")
+        return flashinfer_backend.FlashInferAttention(pool, scale, num_qo_heads=model.config.num_attention_heads)
+    return TorchAttention(pool, scale)
