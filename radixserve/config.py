@@ -33,6 +33,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Reuse KV of cached prompt prefixes through the radix tree (off: every prompt is prefilled)."""
     eviction: str = "lru"
     """Eviction policy of the prefix cache: lru or lfu."""
+    batching: str = "continuous"
+    """continuous: requests join and leave at every step. static (for comparisons): a batch is
+    admitted together and runs until its longest member finishes."""
     schedule_policy: str = "lpm"
     """Admission order: lpm (longest cached prefix first, with aging) or fcfs."""
     max_wait_bonus_s: float = 2.0
@@ -65,6 +68,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise BadRequestError("attention", f"must be auto, torch or flashinfer, got {self.attention!r}")
         if self.eviction not in ("lru", "lfu"):
             raise BadRequestError("eviction", f"must be lru or lfu, got {self.eviction!r}")
+        if self.batching not in ("continuous", "static"):
+            raise BadRequestError("batching", f"must be continuous or static, got {self.batching!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise BadRequestError("schedule_policy", f"must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:

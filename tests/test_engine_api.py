@@ -192,3 +192,15 @@ def test_async_stream_and_abort(llama_dir):
     finally:
         engine.shutdown()
     engine.scheduler.check()
+
+
+def test_static_batching_waits_for_the_whole_batch(llama_dir):
+    prompts = random_prompts((10, 12, 14), seed=30)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (2, 9, 3)]
+    static = Engine(llama_dir, kv_cache_tokens=2048, batching="static", max_running=2)
+    continuous = Engine(llama_dir, kv_cache_tokens=2048, max_running=2)
+    a, b = static.generate(prompts, params), continuous.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    # Continuous admits the third request as soon as the first (2 tokens) leaves; static waits for
+    # the 9-token one, so the third request's first token comes ~7 decode steps later.
+    assert static.stats()["steps"] > continuous.stats()["steps"]

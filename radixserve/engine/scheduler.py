@@ -81,7 +81,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if self.waiting and budget > 0 and len(self.running) < self.config.max_running and not failed:
+        # Static batching (for comparisons): a new batch only once the last one has fully drained.
+        static_busy = self.config.batching == "static" and bool(self.running)
+        if self.waiting and budget > 0 and len(self.running) < self.config.max_running and not failed and not static_busy:
             items.extend(self._admit(budget))
         return items, failed
 
