@@ -1,7 +1,5 @@
 """radixserve: serve many LLM agents that share long prompts."""
 
-from radixserve.engine.engine import Engine
-from radixserve.engine.request import RequestOutput, StreamChunk, TokenLogprob
 from radixserve.errors import BadRequestError, ModelLoadError, RadixServeError, TooLongError
 from radixserve.sampling_params import SamplingParams
 
@@ -10,3 +8,17 @@ __all__ = [
     "RadixServeError", "BadRequestError", "TooLongError", "ModelLoadError",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {"Engine": "radixserve.engine.engine", "RequestOutput": "radixserve.engine.request",
+         "StreamChunk": "radixserve.engine.request", "TokenLogprob": "radixserve.engine.request"}
+
+
+def __getattr__(name: str):
+    """Import the engine (torch) only when used: the SDK (radixserve.client) stays light."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

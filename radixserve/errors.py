@@ -41,3 +41,39 @@ class OverloadedError(RadixServeError):
 
 class ShuttingDownError(RadixServeError):
     code = "shutting_down"
+
+
+class WorkerLostError(RadixServeError):
+    """The worker serving the request died after it had streamed tokens (or no worker is left);
+    retry the call."""
+
+    code = "worker_lost"
+
+
+class InternalError(RadixServeError):
+    code = "internal"
+
+
+class RequestTimeoutError(RadixServeError, TimeoutError):
+    """The client gave up waiting (its ``timeout``); the request was aborted on the server."""
+
+    code = "timeout"
+
+
+_BY_CODE: dict[str, type[RadixServeError]] = {
+    "bad_request": BadRequestError, "too_long": TooLongError, "overloaded": OverloadedError,
+    "worker_lost": WorkerLostError, "shutting_down": ShuttingDownError, "internal": InternalError,
+    "timeout": RequestTimeoutError,
+}
+
+
+def error_from_code(code: str, message: str) -> RadixServeError:
+    """The exception for a wire error ``code`` (unknown codes become :class:`InternalError`)."""
+    cls = _BY_CODE.get(code, InternalError)
+    exc = cls.__new__(cls)
+    RadixServeError.__init__(exc, message)
+    if issubclass(cls, BadRequestError):
+        exc.field = message.split(":", 1)[0] if ":" in message else ""
+    if cls is InternalError and code not in _BY_CODE:
+        exc.code = code
+    return exc

@@ -77,7 +77,8 @@ class RadixCache:
     """
 
     def __init__(self, page_size: int, freer: PageFreer, *, eviction: str = "lru",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_event: Callable[..., None] | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if eviction not in EVICTION_POLICIES:
@@ -92,6 +93,11 @@ class RadixCache:
         self._evictable = 0
         self._protected = 0
         self.evictions = 0  # pages evicted over the cache's lifetime
+        # Cache events for a router mirroring this tree (read at call time, so it can be set
+        # after construction): ``("insert", namespace, path_tokens)`` when insert creates a
+        # leaf (path_tokens: root to the leaf's end), ``("evict", namespace, path_tokens,
+        # node_len)`` per evicted node. Called on the thread that mutates the tree.
+        self.on_event = on_event
 
     # ------------------------------------------------------------------ derived state
     @property
@@ -165,6 +171,8 @@ class RadixCache:
                              last_access=now, namespace=namespace)
             parent.children[self._child_key(leaf)] = leaf
             self._evictable += len(leaf.pages)
+            if self.on_event is not None:
+                self.on_event(("insert", namespace, list(tokens)))
         return already
 
     def _walk(self, tokens: list[int], limit: int, namespace: Hashable,
@@ -266,9 +274,12 @@ class RadixCache:
                 if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        on_event = self.on_event
         while len(freed) < num_pages and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
+            if on_event is not None:
+                on_event(("evict", node.namespace, self._path_tokens(node), len(node.key)))
             del parent.children[self._child_key(node)]
             node.parent = None  # detached: lock() on a stale handle now raises
             freed += node.pages
@@ -285,6 +296,17 @@ class RadixCache:
         self.evict(self._evictable)
 
     # ------------------------------------------------------------------ inspection
+    def _path_tokens(self, node: RadixNode) -> list[int]:
+        """Tokens from the root to the end of ``node`` (``node`` still attached)."""
+        keys = []
+        while node is not None and node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        path: list[int] = []
+        for key in reversed(keys):
+            path += key
+        return path
+
     def _nodes(self):
         """Every non-root node, depth first."""
         stack = list(self.root.children.values())

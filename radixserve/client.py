@@ -1,0 +1,320 @@
+"""The Python SDK: talk to a radixserve router.
+
+```python
+from radixserve.client import Client
+
+with Client("tcp://127.0.0.1:7700") as c:
+    out = c.generate("Play e2e4 or d2d4?", max_tokens=8, temperature=0)
+    print(out.text, out.usage.cached_tokens, out.timings.ttft_s)
+    for chunk in c.stream("Tell me a story", max_tokens=32):
+        print(chunk.text, end="", flush=True)
+```
+
+:class:`AsyncClient` has the same methods as coroutines (``stream`` is an async iterator).
+Errors are :class:`radixserve.errors.RadixServeError` subclasses carrying the wire ``code``
+(``OverloadedError``, ``WorkerLostError``, ``BadRequestError`` ...); a timeout raises
+:class:`RequestTimeoutError` and aborts the request on the server.
+
+Concurrency: one DEALER socket per client, owned by one asyncio loop, with replies demultiplexed
+by request id. ``AsyncClient`` is safe from many tasks of one loop; ``Client`` runs an
+``AsyncClient`` on a background thread and is safe from many threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Iterator, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve import protocol as P
+from radixserve.errors import BadRequestError, RadixServeError, RequestTimeoutError, error_from_code
+from radixserve.protocol import Chunk, Timings, Usage
+from radixserve.sampling_params import SamplingParams
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
+Prompt = str | Sequence[int]
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """The result of one generate call."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+    timings: Timings
+    worker: str = ""
+
+
+_SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
+
+
+def _params(sampling: dict) -> SamplingParams:
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise BadRequestError(sorted(unknown)[0], f"is not a sampling parameter; expected one of {sorted(_SAMPLING_FIELDS)}")
+    return SamplingParams(**sampling)
+
+
+class AsyncClient:
+    """asyncio client. ``timeout`` (seconds, None: wait forever) bounds each call end to end."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = 60.0,
+                 max_frame_bytes: int = P.DEFAULT_LIMITS.max_frame_bytes):
+        self.address = address
+        self.timeout = timeout
+        self.max_frame_bytes = max_frame_bytes
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self._pending: dict[str, asyncio.Queue] = {}
+        self._sock = None
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _ensure(self) -> None:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        if self._sock is None:
+            self._ctx = zmq.asyncio.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)
+            self._sock.connect(self.address)
+            self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                msg = P.decode(frame, max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
+            except P.DecodeError:
+                continue
+            q = self._pending.get(getattr(msg, "id", None))
+            if q is not None:
+                q.put_nowait(msg)
+            elif isinstance(msg, P.Error) and not msg.id and len(self._pending) == 1:
+                next(iter(self._pending.values())).put_nowait(msg)  # unattributable: only one waiter
+
+    def _new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    async def _send(self, msg) -> None:
+        frame = P.encode(msg)
+        if len(frame) > self.max_frame_bytes:
+            raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
+        await self._sock.send(frame)
+
+    async def _call(self, msg, timeout: float | None):
+        """One request, one reply (health, stats)."""
+        self._ensure()
+        q: asyncio.Queue = asyncio.Queue()
+        self._pending[msg.id] = q
+        try:
+            await self._send(msg)
+            reply = await asyncio.wait_for(q.get(), timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"no reply from {self.address} within {timeout} s") from None
+        finally:
+            self._pending.pop(msg.id, None)
+        if isinstance(reply, P.Error):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    def _generate_msg(self, prompt: Prompt, sampling: dict, namespace: str | None, stream: bool) -> P.Generate:
+        params = sampling.pop("params", None) or _params(sampling)
+        if isinstance(prompt, str):
+            return P.Generate(id=self._new_id(), prompt=prompt, params=params, namespace=namespace, stream=stream)
+        if not isinstance(prompt, (list, tuple)):
+            raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        return P.Generate(id=self._new_id(), token_ids=list(prompt), params=params, namespace=namespace, stream=stream)
+
+    async def _events(self, msg: P.Generate, timeout: float | None) -> AsyncIterator:
+        self._ensure()
+        q: asyncio.Queue = asyncio.Queue()
+        self._pending[msg.id] = q
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = False
+        try:
+            await self._send(msg)
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    reply = await asyncio.wait_for(q.get(), left)
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(f"request {msg.id} did not finish within {timeout} s; it was aborted") from None
+                if isinstance(reply, P.Error):
+                    done = True
+                    raise error_from_code(reply.code, reply.message)
+                if isinstance(reply, P.Final):
+                    done = True
+                yield reply
+                if done:
+                    return
+        finally:
+            self._pending.pop(msg.id, None)
+            if not done and self._sock is not None and not self._closed:
+                try:
+                    await self._send(P.Abort(id=msg.id))
+                except Exception:
+                    pass
+
+    # -- API -----------------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+                       **sampling) -> Completion:
+        """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields."""
+        timeout = self.timeout if timeout is ... else timeout
+        msg = self._generate_msg(prompt, sampling, namespace, stream=False)
+        final = None
+        async for reply in self._events(msg, timeout):
+            final = reply if isinstance(reply, P.Final) else final
+        return Completion(request_id=msg.id, text=final.text, token_ids=final.token_ids,
+                          finish_reason=final.finish_reason, usage=final.usage, timings=final.timings,
+                          worker=final.worker)
+
+    async def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+                     **sampling) -> AsyncIterator[Chunk | Completion]:
+        """Yield :class:`~radixserve.protocol.Chunk` (new token_ids, text) as they come, then one
+        :class:`Completion`. Leaving early aborts the request."""
+        timeout = self.timeout if timeout is ... else timeout
+        msg = self._generate_msg(prompt, sampling, namespace, stream=True)
+        async for reply in self._events(msg, timeout):
+            if isinstance(reply, P.Final):
+                yield Completion(request_id=msg.id, text=reply.text, token_ids=reply.token_ids,
+                                 finish_reason=reply.finish_reason, usage=reply.usage, timings=reply.timings,
+                                 worker=reply.worker)
+            else:
+                yield reply
+
+    async def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None,
+                    return_exceptions: bool = False, timeout: float | None = ..., **sampling) -> list:
+        """Complete many prompts concurrently; results in prompt order."""
+        return await asyncio.gather(
+            *(self.generate(p, namespace=namespace, timeout=timeout, **dict(sampling)) for p in prompts),
+            return_exceptions=return_exceptions,
+        )
+
+    async def health(self, timeout: float | None = 5.0) -> dict:
+        reply = await self._call(P.Health(id=self._new_id()), timeout)
+        return {"status": reply.status, "workers": reply.workers, "workers_alive": reply.workers_alive}
+
+    async def stats(self, *, probe: Prompt | None = None, namespace: str | None = None,
+                    timeout: float | None = 5.0) -> dict:
+        probe = list(probe) if probe is not None and not isinstance(probe, str) else probe
+        reply = await self._call(P.Stats(id=self._new_id(), probe=probe, namespace=namespace), timeout)
+        return reply.stats
+
+    async def wait_ready(self, workers: int = 1, timeout: float = 60.0) -> dict:
+        """Wait until the router has ``workers`` live workers."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                h = await self.health(timeout=1.0)
+                if h["workers_alive"] >= workers:
+                    return h
+            except RequestTimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                raise RequestTimeoutError(f"{self.address}: fewer than {workers} workers after {timeout} s")
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class Client:
+    """Blocking client, safe from many threads: an :class:`AsyncClient` on a private loop thread."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = 60.0, **options):
+        self.address = address
+        self.timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-client", daemon=True)
+        self._thread.start()
+        self._async = self._run(self._make(address, timeout, options))
+        self._closed = False
+
+    @staticmethod
+    async def _make(address, timeout, options) -> AsyncClient:
+        return AsyncClient(address, timeout=timeout, **options)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+                 **sampling) -> Completion:
+        return self._run(self._async.generate(prompt, namespace=namespace, timeout=timeout, **sampling))
+
+    def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+               **sampling) -> Iterator[Chunk | Completion]:
+        agen = self._async.stream(prompt, namespace=namespace, timeout=timeout, **sampling)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:
+                self._run(agen.aclose())
+
+    def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None,
+              return_exceptions: bool = False, timeout: float | None = ..., **sampling) -> list:
+        return self._run(self._async.batch(prompts, namespace=namespace, return_exceptions=return_exceptions,
+                                           timeout=timeout, **sampling))
+
+    def health(self, timeout: float | None = 5.0) -> dict:
+        return self._run(self._async.health(timeout))
+
+    def stats(self, *, probe: Prompt | None = None, namespace: str | None = None, timeout: float | None = 5.0) -> dict:
+        return self._run(self._async.stats(probe=probe, namespace=namespace, timeout=timeout))
+
+    def wait_ready(self, workers: int = 1, timeout: float = 60.0) -> dict:
+        return self._run(self._async.wait_ready(workers, timeout))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._run(self._async.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort, never blocks (it may run at interpreter exit)
+        try:
+            if not self._closed:
+                self._closed = True
+                self._loop.call_soon_threadsafe(self._loop.stop)
+        except Exception:
+            pass
+
+
+__all__ = ["Client", "AsyncClient", "Completion", "Chunk", "Usage", "Timings", "RadixServeError"]

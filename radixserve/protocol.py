@@ -1,0 +1,272 @@
+"""Wire protocol: msgspec Structs encoded as msgpack, tagged by ``type``, over ZMQ.
+
+Sockets: the router binds one ROUTER socket; clients (SDK, ``radixserve stats``) and workers
+connect DEALER sockets to it. Every ZMQ message is one frame holding one encoded Struct (the
+ROUTER adds the peer identity frame). No pickle anywhere.
+
+Client -> router: :class:`Generate`, :class:`Abort`, :class:`Health`, :class:`Stats`.
+Router -> client: :class:`Chunk` (streamed tokens), then exactly one :class:`Final` or
+:class:`Error` per generate; :class:`HealthReply`, :class:`StatsReply`.
+Worker -> router: :class:`Register`, :class:`Heartbeat`, :class:`CacheEvents`, :class:`Chunk`,
+:class:`Final`, :class:`Error`, :class:`Goodbye`. Router -> worker: :class:`Work`,
+:class:`Abort`, :class:`Ping`, :class:`Shutdown`.
+
+Every request carries a request ``id`` (chosen by the caller, unique per connection) and the
+protocol version ``v``; a mismatch is answered with ``bad_request``. Every peer-controlled size
+is bounded (:class:`Limits`); a frame larger than ``max_frame_bytes`` or one that does not
+decode gets an :class:`Error` reply and the server keeps going.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from radixserve.errors import BadRequestError
+from radixserve.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# Error codes (stable strings; the SDK maps each to an exception class in radixserve.errors).
+BAD_REQUEST = "bad_request"
+TOO_LONG = "too_long"
+OVERLOADED = "overloaded"
+WORKER_LOST = "worker_lost"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+ERROR_CODES = (BAD_REQUEST, TOO_LONG, OVERLOADED, WORKER_LOST, SHUTTING_DOWN, INTERNAL)
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """Bounds on everything a client controls (checked by the router before any work)."""
+
+    max_frame_bytes: int = 4 * 2**20
+    max_prompt_tokens: int = 1 << 17
+    max_prompt_chars: int = 1 << 21
+    max_tokens: int = 1 << 15
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_id_chars: int = 128
+    max_namespace_chars: int = 256
+    max_probe_tokens: int = 1 << 17
+
+
+DEFAULT_LIMITS = Limits()
+WORKER_MAX_FRAME_BYTES = 256 * 2**20  # workers are trusted peers; cache-event batches can be big
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
+    pass
+
+
+# ------------------------------------------------------------------------------ client -> router
+class Generate(_Msg, tag="generate"):
+    id: str
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    namespace: str | None = None
+    stream: bool = False
+    v: int = PROTOCOL_VERSION
+
+
+class Abort(_Msg, tag="abort"):
+    id: str
+    v: int = PROTOCOL_VERSION
+
+
+class Health(_Msg, tag="health"):
+    id: str
+    v: int = PROTOCOL_VERSION
+
+
+class Stats(_Msg, tag="stats"):
+    id: str
+    # optional probe: per-worker cached-prefix length of these tokens in the router's index
+    probe: str | list[int] | None = None
+    namespace: str | None = None
+    v: int = PROTOCOL_VERSION
+
+
+# ------------------------------------------------------------------------------ replies
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    queue_s: float
+    ttft_s: float
+    e2e_s: float
+
+
+class Chunk(_Msg, tag="chunk"):
+    id: str
+    token_ids: list[int]
+    text: str = ""
+
+
+class Final(_Msg, tag="final"):
+    id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    timings: Timings
+    worker: str = ""
+
+
+class Error(_Msg, tag="error"):
+    id: str
+    code: str
+    message: str
+
+
+class HealthReply(_Msg, tag="health_reply"):
+    id: str
+    status: str  # ok | degraded (no live worker) | shutting_down
+    workers: int
+    workers_alive: int
+    v: int = PROTOCOL_VERSION
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    id: str
+    stats: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------ router <-> worker
+class Register(_Msg, tag="register"):
+    worker: str
+    pid: int
+    host: str = ""
+    max_model_len: int = 0
+    kv_total_tokens: int = 0
+    page_size: int = 1
+    v: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    worker: str
+    running: int = 0
+    waiting: int = 0
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class CacheEvent(msgspec.Struct, array_like=True):
+    kind: str  # insert | evict
+    namespace: str | None
+    tokens: list[int]  # root to the end of the inserted leaf / evicted node
+    length: int = 0  # evict: the evicted node's own length (its tail of `tokens`)
+
+
+class CacheEvents(_Msg, tag="cache_events"):
+    worker: str
+    events: list[CacheEvent]
+
+
+class Goodbye(_Msg, tag="goodbye"):
+    worker: str
+
+
+class Work(_Msg, tag="work"):
+    id: str  # the router's work id (one per attempt)
+    token_ids: list[int]
+    params: SamplingParams
+    namespace: str | None = None
+    stream: bool = False
+
+
+class Ping(_Msg, tag="ping"):
+    pass
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    grace_s: float = 5.0
+
+
+Message = Union[
+    Generate, Abort, Health, Stats, Chunk, Final, Error, HealthReply, StatsReply,
+    Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+class DecodeError(BadRequestError):
+    """A frame that is not a valid message; ``request_id`` is recovered when possible."""
+
+    def __init__(self, message: str, request_id: str = ""):
+        super().__init__("frame", message)
+        self.request_id = request_id
+
+
+def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
+    """Decode one frame; raise :class:`DecodeError` (with the request id when it can be read)."""
+    if max_frame_bytes is not None and len(frame) > max_frame_bytes:
+        raise DecodeError(f"is {len(frame)} bytes; the limit is {max_frame_bytes} bytes")
+    try:
+        msg = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
+    v = getattr(msg, "v", PROTOCOL_VERSION)
+    if v != PROTOCOL_VERSION:
+        raise DecodeError(f"protocol version {v} is not supported; this server speaks {PROTOCOL_VERSION}",
+                          getattr(msg, "id", ""))
+    return msg
+
+
+def _guess_id(frame: bytes) -> str:
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:
+        return ""
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid[:128] if isinstance(rid, str) else ""
+
+
+def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Check every client-controlled size of a generate; raises :class:`BadRequestError`."""
+
+    def bad(field: str, text: str) -> None:
+        raise BadRequestError(field, text)
+
+    if not msg.id or len(msg.id) > limits.max_id_chars:
+        bad("id", f"must be 1..{limits.max_id_chars} characters")
+    if (msg.prompt is None) == (msg.token_ids is None):
+        bad("prompt", "give exactly one of prompt (text) or token_ids")
+    if msg.prompt is not None:
+        if not msg.prompt:
+            bad("prompt", "is empty")
+        if len(msg.prompt) > limits.max_prompt_chars:
+            bad("prompt", f"has {len(msg.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if msg.token_ids is not None:
+        if not msg.token_ids:
+            bad("token_ids", "is empty")
+        if len(msg.token_ids) > limits.max_prompt_tokens:
+            raise _too_long(len(msg.token_ids), limits)
+    if msg.namespace is not None and len(msg.namespace) > limits.max_namespace_chars:
+        bad("namespace", f"must be at most {limits.max_namespace_chars} characters")
+    p = msg.params
+    if not isinstance(p.max_tokens, int) or not 1 <= p.max_tokens <= limits.max_tokens:
+        bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}], got {p.max_tokens!r}")
+    if p.stop is not None:
+        if len(p.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in p.stop):
+            bad("stop", f"at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters")
+    if p.stop_token_ids is not None and len(p.stop_token_ids) > limits.max_stop_token_ids:
+        bad("stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
+    p.validate(vocab_size=1 << 31)  # ranges; the worker checks ids against the real vocabulary
+
+
+def _too_long(n: int, limits: Limits):
+    from radixserve.errors import TooLongError
+
+    return TooLongError("prompt", f"has {n} tokens; the router accepts at most {limits.max_prompt_tokens}")

@@ -1,0 +1,234 @@
+"""A worker process: one Engine behind a DEALER socket connected to the router.
+
+Threads: the asyncio loop (uvloop) owns the socket; the Engine's scheduler runs in its own
+thread. Everything the engine thread produces (token chunks, finals, cache events) is handed
+to the loop with ``call_soon_threadsafe`` into ONE ordered outbox, so the router always sees a
+request's cache insert events before its final message. Cache events are batched: the engine
+thread appends to a list and schedules one flush per burst (about once per step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve import protocol as P
+from radixserve.errors import RadixServeError
+from radixserve.serve.metrics import Histogram
+
+log = logging.getLogger("radixserve.worker")
+
+HEARTBEAT_S = 0.5
+ROUTER_TIMEOUT_S = 5.0  # no word from the router this long: re-register
+
+
+class Worker:
+    def __init__(self, engine, router: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
+                 exit_with_parent: bool = False):
+        self.parent = os.getppid() if exit_with_parent else None
+        self.engine = engine
+        self.router = router
+        self.name = name
+        self.heartbeat_s = heartbeat_s
+        self.active: dict[str, Any] = {}  # work id -> Request
+        self.stopping = False
+        self._events: list[P.CacheEvent] = []
+        self._events_lock = threading.Lock()
+        self._flush_scheduled = False
+        self._last_router = time.monotonic()
+        self.ttft = Histogram()
+        self.e2e = Histogram()
+
+    # -- engine thread -> loop -----------------------------------------------------------------
+    def _on_cache_event(self, event: tuple) -> None:  # engine thread
+        kind, namespace, tokens = event[0], event[1], event[2]
+        length = event[3] if kind == "evict" else 0
+        ns = namespace if isinstance(namespace, str) or namespace is None else str(namespace)
+        with self._events_lock:
+            self._events.append(P.CacheEvent(kind, ns, tokens, length))
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        self.loop.call_soon_threadsafe(self._flush_events)
+
+    def _flush_events(self) -> None:  # loop
+        with self._events_lock:
+            events, self._events = self._events, []
+            self._flush_scheduled = False
+        if events:
+            self._send(P.CacheEvents(worker=self.name, events=events))
+
+    def _on_chunk(self, work: P.Work, chunk) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self._forward_chunk, work, chunk)
+
+    def _forward_chunk(self, work: P.Work, chunk) -> None:  # loop
+        self._flush_events()  # keep order: cache events produced before this chunk go first
+        out = chunk.output
+        if work.stream and (chunk.token_ids or chunk.text) and (out is None or out.finish_reason in ("stop", "length")):
+            self._send(P.Chunk(id=work.id, token_ids=chunk.token_ids, text=chunk.text))
+        if out is None:
+            return
+        self.active.pop(work.id, None)
+        if out.finish_reason == "abort" and self.stopping:
+            self._send(P.Error(id=work.id, code=P.SHUTTING_DOWN, message=f"worker {self.name} is shutting down"))
+            return
+        if out.finish_reason == "error":
+            self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"worker {self.name}: engine step failed"))
+            return
+        self.ttft.observe(out.ttft_s)
+        self.e2e.observe(out.e2e_s)
+        self._send(P.Final(
+            id=work.id, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason,
+            usage=P.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                          completion_tokens=len(out.token_ids)),
+            timings=P.Timings(queue_s=out.queue_s, ttft_s=out.ttft_s, e2e_s=out.e2e_s),
+            worker=self.name,
+        ))
+
+    # -- socket --------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        self._outq.put_nowait(P.encode(msg))
+
+    async def _sender(self) -> None:
+        while True:
+            frame = await self._outq.get()
+            await self.sock.send(frame)
+
+    def _register(self) -> None:
+        e = self.engine
+        self._send(P.Register(worker=self.name, pid=os.getpid(), host=socket.gethostname(),
+                              max_model_len=e.max_model_len, kv_total_tokens=e.pool.capacity_tokens,
+                              page_size=e.pool.page_size))
+
+    def _handle(self, msg) -> None:
+        self._last_router = time.monotonic()
+        if isinstance(msg, P.Work):
+            self._start(msg)
+        elif isinstance(msg, P.Abort):
+            if msg.id in self.active:
+                self.engine.abort(msg.id)
+        elif isinstance(msg, P.Shutdown):
+            asyncio.ensure_future(self.drain(msg.grace_s))
+        elif isinstance(msg, P.Ping):
+            pass
+
+    def _start(self, work: P.Work) -> None:
+        if self.stopping:
+            self._send(P.Error(id=work.id, code=P.SHUTTING_DOWN, message=f"worker {self.name} is shutting down"))
+            return
+        try:
+            req = self.engine.make_request(work.token_ids, work.params, request_id=work.id, namespace=work.namespace)
+        except RadixServeError as exc:
+            self._send(P.Error(id=work.id, code=exc.code, message=str(exc)))
+            return
+        except Exception as exc:  # never leave a request without a final message
+            log.exception("make_request failed")
+            self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"{type(exc).__name__}: {exc}"))
+            return
+        self.active[work.id] = req
+        self.engine.add_request(req, lambda chunk: self._on_chunk(work, chunk))
+        if not work.stream and not work.params.stop:
+            # add_request turns streaming on for any listener; a call that only wants the final
+            # needs no per-step detokenizing or chunk callbacks (the final is sent either way).
+            req.stream = False
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                stats = dict(self.engine.stats())
+            except RuntimeError:  # a dict changed size under us (engine thread): next time
+                stats = {}
+            stats["ttft_s"] = self.ttft.to_dict()
+            stats["e2e_s"] = self.e2e.to_dict()
+            self._send(P.Heartbeat(worker=self.name, running=stats.get("running", 0),
+                                   waiting=stats.get("waiting", 0), stats=stats))
+            if self.parent is not None and os.getppid() != self.parent and not self.stopping:
+                log.warning("the serve process that started this worker is gone; exiting")
+                asyncio.ensure_future(self.drain(0.0))
+            if time.monotonic() - self._last_router > ROUTER_TIMEOUT_S and not self.stopping:
+                log.warning("no word from the router for %.0f s; registering again", ROUTER_TIMEOUT_S)
+                for rid in list(self.active):
+                    self.engine.abort(rid)  # the router has given these up
+                self._register()
+                self._last_router = time.monotonic()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking work, let requests in flight finish for ``grace_s``, fail the rest."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self._send(P.Goodbye(worker=self.name))
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.active):
+            self.engine.abort(rid)  # ends with finish 'abort' -> shutting_down error
+        while self.active and time.monotonic() < deadline + 2.0:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        flush_by = time.monotonic() + 1.0  # the router may be gone: do not wait forever
+        while not self._outq.empty() and time.monotonic() < flush_by:
+            await asyncio.sleep(0.01)
+        self._done.set()
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(self.router)
+        self._outq: asyncio.Queue[bytes] = asyncio.Queue()
+        self._done = asyncio.Event()
+        if self.engine.cache.tree is not None:
+            self.engine.cache.tree.on_event = self._on_cache_event
+        self.engine.start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain(5.0)))
+            except (NotImplementedError, RuntimeError):
+                pass
+        self._register()
+        tasks = [asyncio.ensure_future(self._sender()), asyncio.ensure_future(self._heartbeats())]
+        receiver = asyncio.ensure_future(self._receiver())
+        log.info("worker %s (pid %d) connected to %s", self.name, os.getpid(), self.router)
+        await self._done.wait()
+        for t in tasks + [receiver]:
+            t.cancel()
+        self.engine.shutdown()
+        self.sock.close(linger=500)
+        self.ctx.term()
+
+    async def _receiver(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                msg = P.decode(frame, max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
+            except P.DecodeError as exc:
+                log.warning("bad frame from the router: %s", exc)
+                continue
+            try:
+                self._handle(msg)
+            except Exception:
+                log.exception("worker failed handling %s", type(msg).__name__)
+
+
+def run_worker(engine, router: str, name: str | None = None, *, exit_with_parent: bool = False) -> None:
+    name = name or f"{socket.gethostname()}-{os.getpid()}"
+    worker = Worker(engine, router, name, exit_with_parent=exit_with_parent)
+    try:
+        import uvloop
+
+        uvloop.run(worker.run())
+    except ImportError:
+        asyncio.run(worker.run())

@@ -1,0 +1,92 @@
+"""Test helper: a `radixserve serve` cluster in real processes on loopback (not a test module)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from radixserve.client import Client
+
+ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+class Cluster:
+    """`radixserve serve --port 0 ...`; ``address`` is read from its first stdout line."""
+
+    def __init__(self, model_dir: str, workers: int = 2, *extra: str, kv_cache_tokens: int = 8192,
+                 ready_timeout: float = 90.0):
+        cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", model_dir,
+               "--workers", str(workers), "--port", "0", "--kv-cache-tokens", str(kv_cache_tokens),
+               "--worker-threads", "1", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
+        self.workers = workers
+        self.extra_procs: list[subprocess.Popen] = []
+        self.worker_pids: list[int] = []
+        self.address = self._read_address(ready_timeout)
+        with Client(self.address, timeout=10) as c:
+            c.wait_ready(workers, timeout=ready_timeout)
+            self.pids = {name: w["pid"] for name, w in c.stats()["workers"].items()}
+            self.worker_pids = [self.pids[name] for name in sorted(self.pids)]
+
+    def _read_address(self, timeout: float) -> str:
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        line = box[0] if box else ""
+        if "tcp://" not in line:
+            self.stop()
+            raise RuntimeError(f"serve did not start: {line!r}")
+        return line.split("listening on ", 1)[1].split()[0]
+
+    def start_worker(self, model_dir: str, name: str, *extra: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "worker", "--router", self.address,
+             "--model", model_dir, "--worker-id", name, "--kv-cache-tokens", "8192", "--threads", "1", *extra],
+            env=ENV,
+        )
+        self.extra_procs.append(proc)
+        return proc
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        pids = list(self.worker_pids)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for p in self.extra_procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        deadline = time.monotonic() + 5
+        for pid in pids:  # workers exit with the router; make sure of it
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        return self.proc.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
