@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="per worker (default: half the groups' prefixes + room)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--policies", default="round_robin,least_load,cache_aware")
+    ap.add_argument("--policies", default="single,round_robin,least_load,cache_aware",
+                    help="'single' is the baseline: one worker holding the pooled KV of all workers")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -115,18 +116,24 @@ def main(argv: list[str] | None = None) -> int:
           f"KV {kv} tokens each; ideal hit rate {ideal:.1%}", flush=True)
     rows = []
     for policy in args.policies.split(","):
-        proc, address = _start(model, policy, args.workers, kv, args.threads)
+        single = policy == "single"
+        workers = 1 if single else args.workers
+        proc, address = _start(model, "round_robin" if single else policy, workers,
+                               kv * args.workers if single else kv, args.threads)
         try:
-            rows.append((policy, asyncio.run(_run(address, args.workers, prompts, args.max_tokens, args.concurrency))))
+            rows.append((policy, asyncio.run(_run(address, workers, prompts, args.max_tokens, args.concurrency))))
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print(f"{'policy':<12} {'hit rate':>9} {'req/s':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  routed per worker")
+    base = dict(rows).get("single", {}).get("hit_rate")
+    print(f"{'policy':<12} {'hit rate':>9} {'of single':>10} {'req/s':>8} {'tok/s':>9} {'TTFT p50 ms':>12} "
+          f"{'TTFT p99 ms':>12}  routed per worker")
     for policy, r in rows:
-        print(f"{policy:<12} {r['hit_rate']:>9.1%} {r['req_per_s']:>8.1f} {r['tok_per_s']:>9.0f} "
+        share = f"{r['hit_rate'] / base:>10.1%}" if base else f"{'-':>10}"
+        print(f"{policy:<12} {r['hit_rate']:>9.1%} {share} {r['req_per_s']:>8.1f} {r['tok_per_s']:>9.0f} "
               f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f}  {r['per_worker']}")
     if tmp is not None:
         tmp.cleanup()
