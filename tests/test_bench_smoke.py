@@ -1,0 +1,97 @@
+"""Smoke tests of ``python -m bench``: the commands run end to end on a tiny model and print
+well-formed JSON with sane values. Speed is never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from radixserve.model.builtin import make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("bench") / "m", "llama"))
+
+
+def run_bench(*args: str, timeout: float = 300) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "bench", *args, "--json", "--threads", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"--json must print exactly one line on stdout, got {len(lines)}"
+    return json.loads(lines[0])
+
+
+def test_fleet_quick(tiny_model):
+    res = run_bench("fleet", "--quick", "--model", tiny_model)
+    assert res["command"] == "fleet" and res["quick"] is True
+
+    fleet = res["fleet"]
+    cfg = fleet["config"]
+    on, off = fleet["runs"]["cache_on"], fleet["runs"]["cache_off"]
+    assert fleet["kv_cache_tokens"] >= fleet["working_set_tokens"]
+    for run in (on, off):
+        assert run["requests"] == cfg["agents"] * cfg["turns"]
+        assert run["output_tokens"] == run["requests"] * cfg["output_tokens"]
+        assert run["finish_reasons"] == ["length"]
+        assert 0.0 <= run["hit_rate"] <= run["ideal_hit_rate"] <= 1.0
+        assert run["wall_s"] > 0 and run["req_per_s"] > 0 and run["tok_per_s"] > 0
+        assert 0 <= run["ttft_p50_ms"] <= run["ttft_p99_ms"]
+        assert run["prefilled_tokens"] == run["prompt_tokens"] - run["cached_tokens"]
+    assert off["hit_rate"] == 0.0 and off["cached_tokens"] == 0
+    assert on["hit_rate"] > off["hit_rate"]
+    assert on["pct_of_ideal"] >= 90  # the shared system prompt and every earlier turn hit
+    assert fleet["speedup"] > 0
+
+    gsp = res["gsp"]
+    g = gsp["config"]
+    assert set(gsp["runs"]) == {"lpm", "lpm_no_aging", "fcfs"}
+    # Ideal: every prompt but each group's first hits the whole prefix.
+    ideal = g["groups"] * (g["prompts"] - 1) * g["prefix_tokens"] / (
+        g["groups"] * g["prompts"] * (g["prefix_tokens"] + g["question_tokens"]))
+    for name, run in gsp["runs"].items():
+        assert run["requests"] == g["groups"] * g["prompts"], name
+        assert run["ideal_hit_rate"] == pytest.approx(ideal, abs=0.01), name
+        assert 0.0 <= run["hit_rate"] <= run["ideal_hit_rate"] + 1e-9, name
+    assert gsp["runs"]["lpm_no_aging"]["hit_rate"] > gsp["runs"]["fcfs"]["hit_rate"]
+
+
+def test_throughput_tiny(tiny_model):
+    res = run_bench("throughput", "--concurrency", "1,4", "--gen-len", "4", "--prompt-len", "8",
+                    "--repeats", "1", "--no-hf", "--model", tiny_model)
+    assert res["command"] == "throughput" and res["serial"] is None
+    rows = {r["concurrency"]: r for r in res["engine"]}
+    assert set(rows) == {1, 4}
+    assert rows[1]["ratio_vs_c1"] == pytest.approx(1.0)
+    for c, r in rows.items():
+        assert r["aggregate_tok_s"] > 0 and r["wall_s"] > 0
+        assert r["per_stream_tok_s"] == pytest.approx(r["aggregate_tok_s"] / c)
+        assert r["decode_phase_tok_s"] > 0 and r["prefill_tok_s"] > 0
+        assert 0 < r["prefill_phase_s"] <= r["wall_s"]
+    assert res["config"]["prefix_hit_tokens"] == 0  # prefix cache off
+
+
+def test_throughput_serial_baseline(tiny_model):
+    res = run_bench("throughput", "--concurrency", "1,2", "--gen-len", "3", "--prompt-len", "8",
+                    "--repeats", "1", "--hf-sample", "1", "--model", tiny_model)
+    serial = {s["concurrency"]: s for s in res["serial"]}
+    assert set(serial) == {1, 2}
+    assert serial[2]["extrapolated"] and serial[2]["prompts_timed"] == 1
+    assert all(s["tok_s"] > 0 for s in serial.values())
+    assert all(r["ratio_vs_serial"] > 0 for r in res["engine"])
+
+
+def test_help_lists_commands():
+    proc = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    assert "throughput" in proc.stdout and "fleet" in proc.stdout
