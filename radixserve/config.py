@@ -38,8 +38,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     admitted together and runs until its longest member finishes."""
     schedule_policy: str = "lpm"
     """Admission order: lpm (longest cached prefix first, with aging) or fcfs."""
-    max_wait_bonus_s: float = 2.0
-    """lpm: a request waiting longer than this is admitted in arrival order, before cache-friendlier ones."""
+    max_overtakes: int = 256
+    """lpm aging: once this many later arrivals were admitted ahead of a waiting request, it goes
+    next (in arrival order). Bounds the extra wait that cache-friendlier requests can cause."""
     dedup_min_tokens: int = 32
     """In-batch dedup: defer a request whose uncached prefix shares >= this many tokens with one being prefilled."""
     pin_budget_tokens: int | None = None
@@ -59,7 +60,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise BadRequestError(name, f"must be an integer >= 1, got {value!r}")
 
         for name in ("page_size", "kv_cache_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens",
+                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens", "max_overtakes",
                      "cascade_min_shared_tokens"):
             positive(name)
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

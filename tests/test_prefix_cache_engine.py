@@ -138,14 +138,16 @@ def test_longest_prefix_first_admits_cache_friendly_requests_first(llama_dir):
 
 
 def test_aging_bounds_the_wait(llama_dir):
-    engine = make(llama_dir, max_running=1, max_wait_bonus_s=0.0)
+    """A cold request is overtaken by at most max_overtakes warm later arrivals."""
+    engine = make(llama_dir, max_running=1, max_overtakes=2)
     warm = random_prompts((100,), seed=17)[0]
     engine.generate([warm], GREEDY)
-    cold = random_prompts((30,), seed=18)[0]
-    reqs = [engine.make_request(p, GREEDY) for p in (cold, warm + [7, 8])]
-    for r in reqs:
+    cold = engine.make_request(random_prompts((30,), seed=18)[0], GREEDY)
+    warms = [engine.make_request(warm + [7, i], GREEDY) for i in range(5)]
+    for r in [cold, *warms]:
         engine.add_request(r)
     order = []
-    while len(order) < 2:
+    while len(order) < 6:
         order += [c.request_id for c in engine.step() if c.finished]
-    assert order == [reqs[0].rid, reqs[1].rid]  # past the bound, arrival order wins
+    assert order.index(cold.rid) == 2  # two warm ones overtook it, then its bound was reached
+    assert order[3:] == [r.rid for r in warms[2:]]

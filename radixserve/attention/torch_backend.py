@@ -75,8 +75,8 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if len(self._decode_rows):
             qd = q[self._decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_cache[self._decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[self._decode_slots].transpose(1, 2)
+            kd = _gather(k_cache, self._decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = _gather(v_cache, self._decode_slots).transpose(1, 2)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True
             )
@@ -84,13 +84,14 @@ class TorchAttention(AttentionBackend):
         if self._groups:
             out[self._cascade_rows] = self._cascade(q[self._cascade_rows], k_cache, v_cache)
         for start, end, slots, mask in self._prefills:
-            qp = q[start:end].transpose(0, 1)  # [Hq, n, D]
-            kp = k_cache[slots].transpose(0, 1)  # [Hkv, L, D]
-            vp = v_cache[slots].transpose(0, 1)
+            # 4-D inputs: on CPU, 3-D ones fall back to torch's slow unfused attention.
+            qp = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
+            kp = _gather(k_cache, slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
+            vp = _gather(v_cache, slots).transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
             )
-            out[start:end] = op.transpose(0, 1)
+            out[start:end] = op[0].transpose(0, 1)
         return out
 
     def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -99,15 +100,15 @@ class TorchAttention(AttentionBackend):
         group = num_heads // num_kv
         # Level 1: every grouped query against its own suffix (padded, masked).
         qs = q.view(n, num_kv, group, head_dim)
-        ks = k_cache[self._suffix_slots].transpose(1, 2)  # [n, Hkv, L, D]
-        vs = v_cache[self._suffix_slots].transpose(1, 2)
+        ks = _gather(k_cache, self._suffix_slots).transpose(1, 2)  # [n, Hkv, L, D]
+        vs = _gather(v_cache, self._suffix_slots).transpose(1, 2)
         out_s, lse_s = attend_with_lse(qs, ks, vs, self.scale, self._suffix_mask)
         out_s, lse_s = out_s.reshape(n, num_heads, head_dim), lse_s.reshape(n, num_heads)
         # Level 0: each group's queries against its shared prefix, once, as one GEMM.
         out = torch.empty_like(q)
         for local, prefix_slots in self._groups:
-            kp = k_cache[prefix_slots].transpose(0, 1)  # [Hkv, P, D]
-            vp = v_cache[prefix_slots].transpose(0, 1)
+            kp = _gather(k_cache, prefix_slots).transpose(0, 1)  # [Hkv, P, D]
+            vp = _gather(v_cache, prefix_slots).transpose(0, 1)
             out_p, lse_p = attend_with_lse(to_gqa(q[local], num_kv), kp, vp, self.scale)
             m = len(local)
             out[local] = merge_states(from_gqa(out_p, m), from_gqa(lse_p, m), out_s[local], lse_s[local])
@@ -122,3 +123,8 @@ def _padded(slot_lists: list[torch.Tensor], device) -> tuple[torch.Tensor, torch
         table[row, : len(s)] = s
     lens = torch.tensor([len(s) for s in slot_lists], device=device)
     return table, (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` for a 1-D or 2-D slot tensor; index_select is several times faster on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
