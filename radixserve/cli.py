@@ -86,6 +86,11 @@ def cmd_serve(args) -> int:
     devices = [d.strip() for d in args.device.split(",") if d.strip()] or ["cpu"]
     print(f"radixserve: router listening on {address} (policy {args.policy}, {args.workers} workers on "
           f"{', '.join(devices)}; max queue {args.max_queue}, {args.max_inflight} in flight per worker)", flush=True)
+    gateway = None
+    if args.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/http.py)
+        from radixserve.serve.http import start_gateway
+
+        gateway = start_gateway(args, connect, config.limits)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if args.worker_threads:
         env["OMP_NUM_THREADS"] = str(args.worker_threads)
@@ -101,6 +106,8 @@ def cmd_serve(args) -> int:
     try:
         _run_async(router.serve())
     finally:
+        if gateway is not None:
+            gateway.stop()
         for proc in router.local_procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -151,6 +158,42 @@ def _run_async(coro) -> None:
         asyncio.run(coro)
 
 
+def cmd_demo(args) -> int:
+    """Start a server on the built-in (or given) model, play a small chess + janggi fleet over
+    the SDK, print the fleet report."""
+    import asyncio
+    import os
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "examples" / "chess_janggi" / "fleet.py").exists():
+        print("radixserve demo: needs the examples/ folder of a source checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    try:
+        from examples.chess_janggi import fleet
+    except ImportError as exc:
+        print(f"radixserve demo: {exc}; install the games extra: pip install 'radixserve[games]'", file=sys.stderr)
+        return 2
+
+    t0 = time.monotonic()
+    print(f"radixserve demo: starting a server ({args.model or 'built-in stand-in model'}, {args.workers} worker) ...", flush=True)
+    threads = max(1, (os.cpu_count() or 2) // args.workers)
+    proc, address = fleet.start_server(args.workers, args.model, ["--worker-threads", str(threads)])
+    try:
+        print(f"radixserve demo: server at {address}; playing {args.chess} chess + {args.janggi} janggi games, "
+              f"{args.moves} plies each, LLM moves by choice scoring over the legal moves", flush=True)
+        report = asyncio.run(fleet.run_fleet(address, args.chess, args.janggi, args.moves, seed=args.seed,
+                                             out=args.out, show_progress=True,
+                                             ideal_tokenizer=fleet._tokenizer_for(args.model)))
+    finally:
+        fleet.stop_server(proc)
+    print(fleet.format_report(report))
+    print(f"radixserve demo: done in {time.monotonic() - t0:.1f} s (server start included)")
+    return 0 if not report["errors"] and report["illegal_moves_applied"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description="Serve many LLM agents that share long prompts.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: INFO)")
@@ -185,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-log", default=None, help="append one JSON line of stats per interval to this file")
     srv.add_argument("--metrics-interval", type=float, default=10.0, help="seconds between --metrics-log lines (default: 10)")
     srv.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    srv.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")
+    srv.add_argument("--api-key", action="append", default=None, help="HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")
+    srv.add_argument("--api-keys-file", default=None, help="file of HTTP API keys: lines 'KEY [TENANT]' or a JSON object {KEY: TENANT}")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="start a worker that joins a running router")
@@ -194,6 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     wrk.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it exits (set by serve)")
     wrk.set_defaults(func=cmd_worker)
+
+    demo = sub.add_parser("demo", help="start a server and play a small chess + janggi agent fleet against it")
+    demo.add_argument("--model", default=None, help="local model dir (default: the built-in stand-in model)")
+    demo.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
+    demo.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
+    demo.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
+    demo.add_argument("--moves", type=int, default=20, help="plies per game at most (default: 20)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default=None, help="write PGN / JSON game records and report.json here")
+    demo.set_defaults(func=cmd_demo)
 
     st = sub.add_parser("stats", help="print router and worker metrics")
     st.add_argument("address", nargs="?", default="tcp://127.0.0.1:7700", help="router address (default: tcp://127.0.0.1:7700)")

@@ -35,7 +35,7 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.errors import BadRequestError, RadixServeError, RequestTimeoutError, error_from_code
-from radixserve.protocol import Chunk, Timings, Usage
+from radixserve.protocol import ChoiceUsage, Chunk, RankedChoice, Timings, Usage
 from radixserve.sampling_params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
@@ -50,6 +50,22 @@ class Completion(msgspec.Struct, kw_only=True):
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage
+    timings: Timings
+    worker: str = ""
+    logprobs: list[P.TokenLogprob] | None = None  # when SamplingParams.logprobs was set
+
+
+class Choice(msgspec.Struct, kw_only=True):
+    """The result of one choose call: ``best`` (and its ``index`` in the choices), ``ranked``
+    ``[(choice, logprob_sum, logprob_mean, n_tokens), ...]`` best first, ``usage`` (prompt and
+    choice tokens; query and cached tokens over the prompt prefill and the per-choice scoring
+    requests), ``timings`` and ``worker``."""
+
+    request_id: str
+    best: str
+    index: int
+    ranked: list[RankedChoice]
+    usage: ChoiceUsage
     timings: Timings
     worker: str = ""
 
@@ -154,7 +170,7 @@ class AsyncClient:
                 if isinstance(reply, P.Error):
                     done = True
                     raise error_from_code(reply.code, reply.message)
-                if isinstance(reply, P.Final):
+                if isinstance(reply, (P.Final, P.ChoiceFinal)):
                     done = True
                 yield reply
                 if done:
@@ -178,7 +194,29 @@ class AsyncClient:
             final = reply if isinstance(reply, P.Final) else final
         return Completion(request_id=msg.id, text=final.text, token_ids=final.token_ids,
                           finish_reason=final.finish_reason, usage=final.usage, timings=final.timings,
-                          worker=final.worker)
+                          worker=final.worker, logprobs=final.logprobs)
+
+    async def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum",
+                     temperature: float = 0.0, seed: int | None = None, namespace: str | None = None,
+                     timeout: float | None = ...) -> Choice:
+        """Rank ``choices`` as continuations of ``prompt`` by token log-probabilities (SGLang's
+        ``select``): the prompt is prefilled once, every ``prompt + choice`` is scored on top of
+        its cached KV. ``normalize``: ``sum`` or ``mean`` (per token); ``temperature > 0`` samples
+        ``best`` from softmax(score / temperature), reproducibly with ``seed``."""
+        timeout = self.timeout if timeout is ... else timeout
+        if isinstance(prompt, str):
+            msg = P.Choose(id=self._new_id(), prompt=prompt, choices=list(choices), normalize=normalize,
+                           temperature=temperature, seed=seed, namespace=namespace)
+        elif isinstance(prompt, (list, tuple)):
+            msg = P.Choose(id=self._new_id(), token_ids=list(prompt), choices=list(choices), normalize=normalize,
+                           temperature=temperature, seed=seed, namespace=namespace)
+        else:
+            raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        final = None
+        async for reply in self._events(msg, timeout):
+            final = reply
+        return Choice(request_id=msg.id, best=final.best, index=final.index, ranked=final.ranked, usage=final.usage,
+                      timings=final.timings, worker=final.worker)
 
     async def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
                      **sampling) -> AsyncIterator[Chunk | Completion]:
@@ -190,7 +228,7 @@ class AsyncClient:
             if isinstance(reply, P.Final):
                 yield Completion(request_id=msg.id, text=reply.text, token_ids=reply.token_ids,
                                  finish_reason=reply.finish_reason, usage=reply.usage, timings=reply.timings,
-                                 worker=reply.worker)
+                                 worker=reply.worker, logprobs=reply.logprobs)
             else:
                 yield reply
 
@@ -266,6 +304,11 @@ class Client:
                  **sampling) -> Completion:
         return self._run(self._async.generate(prompt, namespace=namespace, timeout=timeout, **sampling))
 
+    def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum", temperature: float = 0.0,
+               seed: int | None = None, namespace: str | None = None, timeout: float | None = ...) -> Choice:
+        return self._run(self._async.choose(prompt, choices, normalize=normalize, temperature=temperature, seed=seed,
+                                            namespace=namespace, timeout=timeout))
+
     def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
                **sampling) -> Iterator[Chunk | Completion]:
         agen = self._async.stream(prompt, namespace=namespace, timeout=timeout, **sampling)
@@ -317,4 +360,4 @@ class Client:
             pass
 
 
-__all__ = ["Client", "AsyncClient", "Completion", "Chunk", "Usage", "Timings", "RadixServeError"]
+__all__ = ["Client", "AsyncClient", "Completion", "Choice", "Chunk", "Usage", "Timings", "RadixServeError"]

@@ -4,11 +4,12 @@ Sockets: the router binds one ROUTER socket; clients (SDK, ``radixserve stats``)
 connect DEALER sockets to it. Every ZMQ message is one frame holding one encoded Struct (the
 ROUTER adds the peer identity frame). No pickle anywhere.
 
-Client -> router: :class:`Generate`, :class:`Abort`, :class:`Health`, :class:`Stats`.
+Client -> router: :class:`Generate`, :class:`Choose`, :class:`Abort`, :class:`Health`, :class:`Stats`.
 Router -> client: :class:`Chunk` (streamed tokens), then exactly one :class:`Final` or
-:class:`Error` per generate; :class:`HealthReply`, :class:`StatsReply`.
+:class:`Error` per generate; exactly one :class:`ChoiceFinal` or :class:`Error` per choose;
+:class:`HealthReply`, :class:`StatsReply`.
 Worker -> router: :class:`Register`, :class:`Heartbeat`, :class:`CacheEvents`, :class:`Chunk`,
-:class:`Final`, :class:`Error`, :class:`Goodbye`. Router -> worker: :class:`Work`,
+:class:`Final`, :class:`ChoiceFinal`, :class:`Error`, :class:`Goodbye`. Router -> worker: :class:`Work`, :class:`ChooseWork`,
 :class:`Abort`, :class:`Ping`, :class:`Shutdown`.
 
 Every request carries a request ``id`` (chosen by the caller, unique per connection) and the
@@ -23,6 +24,7 @@ from typing import Any, Union
 
 import msgspec
 
+from radixserve.engine.choice import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice
 from radixserve.errors import BadRequestError
 from radixserve.sampling_params import SamplingParams
 
@@ -72,6 +74,20 @@ class Generate(_Msg, tag="generate"):
     v: int = PROTOCOL_VERSION
 
 
+class Choose(_Msg, tag="choose"):
+    """Rank ``choices`` as continuations of the prompt by token log-probabilities."""
+
+    id: str
+    choices: list[str]
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    normalize: str = "sum"  # sum | mean
+    temperature: float = 0.0
+    seed: int | None = None
+    namespace: str | None = None
+    v: int = PROTOCOL_VERSION
+
+
 class Abort(_Msg, tag="abort"):
     id: str
     v: int = PROTOCOL_VERSION
@@ -103,10 +119,19 @@ class Timings(msgspec.Struct, kw_only=True):
     e2e_s: float
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's logprob and its top alternatives (same wire form as the engine's)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 class Chunk(_Msg, tag="chunk"):
     id: str
     token_ids: list[int]
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Final(_Msg, tag="final"):
@@ -115,6 +140,17 @@ class Final(_Msg, tag="final"):
     text: str
     finish_reason: str | None
     usage: Usage
+    timings: Timings
+    worker: str = ""
+    logprobs: list[TokenLogprob] | None = None
+
+
+class ChoiceFinal(_Msg, tag="choice_final"):
+    id: str
+    best: str
+    index: int
+    ranked: list[RankedChoice]  # (choice, logprob_sum, logprob_mean, n_tokens), best first
+    usage: ChoiceUsage
     timings: Timings
     worker: str = ""
 
@@ -180,6 +216,17 @@ class Work(_Msg, tag="work"):
     stream: bool = False
 
 
+class ChooseWork(_Msg, tag="choose_work"):
+    id: str
+    token_ids: list[int]
+    choices: list[str]
+    choice_ids: list[list[int]]
+    normalize: str = "sum"
+    temperature: float = 0.0
+    seed: int | None = None
+    namespace: str | None = None
+
+
 class Ping(_Msg, tag="ping"):
     pass
 
@@ -190,7 +237,7 @@ class Shutdown(_Msg, tag="shutdown"):
 
 Message = Union[
     Generate, Abort, Health, Stats, Chunk, Final, Error, HealthReply, StatsReply,
-    Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown,
+    Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown, Choose, ChoiceFinal, ChooseWork,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -264,6 +311,30 @@ def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:
     if p.stop_token_ids is not None and len(p.stop_token_ids) > limits.max_stop_token_ids:
         bad("stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
     p.validate(vocab_size=1 << 31)  # ranges; the worker checks ids against the real vocabulary
+
+
+def validate_choose(msg: Choose, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Check every client-controlled size of a choose; raises :class:`BadRequestError`."""
+    if not msg.id or len(msg.id) > limits.max_id_chars:
+        raise BadRequestError("id", f"must be 1..{limits.max_id_chars} characters")
+    if (msg.prompt is None) == (msg.token_ids is None):
+        raise BadRequestError("prompt", "give exactly one of prompt (text) or token_ids")
+    if not (msg.prompt or msg.token_ids):
+        raise BadRequestError("prompt", "is empty")
+    if msg.prompt is not None and len(msg.prompt) > limits.max_prompt_chars:
+        raise BadRequestError("prompt", f"has {len(msg.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    if msg.token_ids is not None and len(msg.token_ids) > limits.max_prompt_tokens:
+        raise _too_long(len(msg.token_ids), limits)
+    if not msg.choices or len(msg.choices) > MAX_CHOICES:
+        raise BadRequestError("choices", f"must hold 1..{MAX_CHOICES} strings, got {len(msg.choices)}")
+    if any(not c for c in msg.choices) or sum(map(len, msg.choices)) > limits.max_prompt_chars:
+        raise BadRequestError("choices", f"must be non-empty strings of at most {limits.max_prompt_chars} characters in all")
+    if msg.normalize not in NORMALIZE:
+        raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {msg.normalize!r}")
+    if not msg.temperature >= 0.0:
+        raise BadRequestError("temperature", f"must be >= 0, got {msg.temperature!r}")
+    if msg.namespace is not None and len(msg.namespace) > limits.max_namespace_chars:
+        raise BadRequestError("namespace", f"must be at most {limits.max_namespace_chars} characters")
 
 
 def _too_long(n: int, limits: Limits):

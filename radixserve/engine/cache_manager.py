@@ -52,15 +52,17 @@ class CacheManager:
         """Cached prefix length of ``req``, without touching the tree (for ordering the queue)."""
         if self.tree is None:
             return 0
-        return self.tree.peek(req.tokens, req.namespace, max_len=req.num_tokens - 1)
+        return self.tree.peek(req.tokens, req.namespace, max_len=req.match_limit)
 
     def match(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` and lock it. The last token is never
-        matched: its logits are needed."""
+        matched: its logits are needed (nor, for a scoring request, any scored position)."""
         assert not req.pages and req.node is None
         length = 0
+        if req.scoring:  # every scored row is (re)computed from here on
+            req.score_logprobs = [None] * (req.num_tokens - req.score_from)
         if self.tree is not None:
-            m = self.tree.match(req.tokens, req.namespace, max_len=req.num_tokens - 1)
+            m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
             self.tree.lock(m.node)
             req.node, req.pages, length = m.node, list(m.pages), m.length
         req.cached_len = req.computed = length

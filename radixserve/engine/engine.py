@@ -15,6 +15,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_manager import CacheManager
+from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices, validate_choose
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Request, RequestOutput, StreamChunk
 from radixserve.engine.sampler import Sampler
@@ -187,8 +188,15 @@ class Engine:
             item.req.computed += item.num_tokens
             if item.num_tokens > 1:
                 self.cache.commit(item.req)  # prefill chunk done: later requests can hit it now
-        tokens, logprobs = self.sampler(logits, [item.req for item in sampling])
         now = time.monotonic()
+        for req, first, values in self.runner.scores:
+            req.score_logprobs[first - req.score_from : first - req.score_from + len(values)] = values
+        for item in items:
+            req = item.req
+            if req.scoring and req.computed == req.num_tokens:  # prefill done: scored, no sampling
+                req.first_token_at = now
+                chunks.append(self._finish(req, "stop"))
+        tokens, logprobs = self.sampler(logits, [item.req for item in sampling])
         for item, token, logprob in zip(sampling, tokens, logprobs):
             req = item.req
             req.append(token)
@@ -340,6 +348,48 @@ class Engine:
             while len(results) < len(reqs):
                 self.step()
         return [results[r.rid] for r in reqs]
+
+    # -- choice scoring ------------------------------------------------------------------------
+    def submit_choose(self, prompt: Prompt, choices: Sequence, on_done, *, normalize: str = "sum",
+                      temperature: float = 0.0, seed: int | None = None, namespace: Hashable = None,
+                      request_id: str | None = None, choice_ids: list[list[int]] | None = None) -> ChoiceJob:
+        """Start a choose call; ``on_done(result, error_reason)`` is called once from the engine
+        thread. Bad input raises here (:class:`BadRequestError` / :class:`TooLongError`)."""
+        validate_choose(choices, normalize, temperature)
+        if not isinstance(prompt, (str, list, tuple)) or not prompt:
+            raise BadRequestError("prompt", "must be a non-empty string or list of token ids")
+        if choice_ids is None:
+            choice_ids = tokenize_choices(self.tokenizer, choices)
+        rid = request_id or f"choose-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        job = ChoiceJob(self, rid, self.tokenize(prompt), choice_ids, choices, normalize=normalize,
+                        temperature=temperature, seed=seed, namespace=namespace, on_done=on_done)
+        job.start()
+        return job
+
+    def choose(self, prompt: Prompt, choices: Sequence, *, normalize: str = "sum", temperature: float = 0.0,
+               seed: int | None = None, namespace: Hashable = None) -> ChoiceResult:
+        """Rank ``choices`` as continuations of ``prompt`` by their tokens' log-probabilities.
+        The prompt is prefilled once and every ``prompt + choice`` is scored in one batch on top
+        of its cached KV. ``normalize``: ``sum`` (sequence likelihood) or ``mean`` (per token).
+        ``temperature > 0`` samples ``best`` from softmax(score / temperature) (``seed``: reproducible)."""
+        box: list = []
+        done = threading.Event()
+
+        def on_done(result, error):
+            box.append((result, error))
+            done.set()
+
+        self.submit_choose(prompt, choices, on_done, normalize=normalize, temperature=temperature, seed=seed,
+                           namespace=namespace)
+        if self._thread is not None:
+            done.wait()
+        else:
+            while not box:
+                self.step()
+        result, error = box[0]
+        if result is None:
+            raise RuntimeError(f"choose ended without a result ({error})")
+        return result
 
     # -- pinning -------------------------------------------------------------------------------
     def pin(self, prompt: Prompt, *, namespace: Hashable = None) -> int:

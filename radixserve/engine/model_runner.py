@@ -19,19 +19,33 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.attention = make_attention(attention, model, pool, device)
+        self.scores: list[tuple] = []
 
     def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
-        ``groups``: cascade groups (first item, count, shared prefix tokens) of decode items."""
+        ``groups``: cascade groups (first item, count, shared prefix tokens) of decode items.
+        Scoring items' rows are turned into next-token logprobs here: :attr:`scores` holds
+        ``(request, first scored position, [logprob, ...])`` for this batch."""
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        score_rows: list[int] = []
+        score_targets: list[int] = []
+        score_spans: list[tuple] = []
         for item in items:
             end = item.start + item.num_tokens
+            base = len(ids)
             ids.extend(item.req.tokens[item.start : end])
             positions.extend(range(item.start, end))
             if item.samples:
                 logits_rows.append(len(ids) - 1)
+            scored = item.score_positions
+            if scored:
+                score_spans.append((item.req, scored.start + 1, len(scored)))
+                score_rows.extend(base + p - item.start for p in scored)
+                score_targets.extend(item.req.tokens[scored.start + 1 : scored.stop + 1])
+        num_sample = len(logits_rows)
+        logits_rows += score_rows
         metadata = build_metadata(
             [item.req.pages for item in items],
             [item.start + item.num_tokens for item in items],
@@ -47,7 +61,18 @@ class ModelRunner:
             attention=self.attention,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
-        return self.model(batch)
+        logits = self.model(batch)
+        self.scores = []
+        if score_rows:
+            lp = torch.log_softmax(logits[num_sample:].float(), dim=-1)
+            target = torch.tensor(score_targets, dtype=torch.long, device=lp.device)
+            values = lp.gather(1, target[:, None])[:, 0].tolist()
+            offset = 0
+            for req, first, n in score_spans:
+                self.scores.append((req, first, values[offset : offset + n]))
+                offset += n
+            logits = logits[:num_sample]
+        return logits
 
 
 def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:

@@ -41,6 +41,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     error: str | None = None
+    score_logprobs: list[float] | None = None  # scoring requests: logprob of each scored token
 
 
 class StreamChunk(msgspec.Struct, kw_only=True):
@@ -70,6 +71,10 @@ class Request:
     generator: torch.Generator | None = None
     stream: bool = False  # detokenize every step (streaming consumers, stop strings)
     pin: bool = False  # on finish, keep the prompt's KV locked in the cache (Engine.pin)
+    # Scoring mode (Engine.choose): no sampling; the request ends right after its prefill with the
+    # logprob of every token at positions score_from .. end-1 (score_from == len: prefill only).
+    score_from: int | None = None
+    score_logprobs: list[float | None] = field(default_factory=list)
 
     # KV state. pages[: cached_len // page_size] belong to the radix tree and are locked through
     # `node`; the rest are owned by this request. KV of tokens[: computed] is in the pages.
@@ -80,6 +85,8 @@ class Request:
 
     cached_tokens: int | None = None  # prefix hit at first admission
     admit_seq: int = 0  # admission order among running requests (preemption picks the newest)
+    arrival_seq: int = 0  # arrival order at the scheduler
+    overtaken: int = 0  # later arrivals admitted ahead of this request while it waited (aging)
     preemptions: int = 0
     first_scheduled: float | None = None
     first_token_at: float | None = None
@@ -105,6 +112,18 @@ class Request:
     def append(self, token: int) -> None:
         self.output_ids.append(token)
         self._tokens.append(token)
+
+    @property
+    def scoring(self) -> bool:
+        return self.score_from is not None
+
+    @property
+    def match_limit(self) -> int:
+        """Longest prefix the cache may serve: never the last token (its logits are needed), and
+        for a scoring request never a scored position (their logits rows must be computed)."""
+        if self.score_from is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, self.score_from - 1)
 
     @property
     def pending(self) -> int:
@@ -134,4 +153,5 @@ class Request:
             queue_s=start - self.arrival,
             ttft_s=(self.first_token_at or now) - self.arrival,
             e2e_s=now - self.arrival,
+            score_logprobs=[float(x) for x in self.score_logprobs] if self.scoring else None,
         )

@@ -4,6 +4,7 @@ running ones when KV runs out."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -25,8 +26,17 @@ class ScheduledItem:
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the sequence, so its last row's logits give a token."""
-        return self.start + self.num_tokens == self.req.num_tokens
+        """This chunk reaches the end of the sequence, so its last row's logits give a token
+        (never for a scoring request: it ends after its prefill)."""
+        return self.start + self.num_tokens == self.req.num_tokens and self.req.score_from is None
+
+    @property
+    def score_positions(self) -> range:
+        """Positions of this chunk whose logits score the next token (scoring requests only)."""
+        req = self.req
+        if req.score_from is None:
+            return range(0)
+        return range(max(self.start, req.score_from - 1), min(self.start + self.num_tokens, req.num_tokens - 1))
 
 
 class _NullFreer:
@@ -43,12 +53,15 @@ class Scheduler:
         self.chunk = config.max_prefill_chunk or config.max_batched_tokens
         self.preemptions = 0
         self._admitted = 0
+        self._arrivals = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        req.arrival_seq = self._arrivals
+        self._arrivals += 1
         self.waiting.append(req)
 
     # -- one step ------------------------------------------------------------------------------
@@ -88,6 +101,19 @@ class Scheduler:
         return items, failed
 
     def _admit(self, budget: int) -> list[ScheduledItem]:
+        items = self._admit_in_order(budget)
+        self._count_overtakes([item.req.arrival_seq for item in items])
+        return items
+
+    def _count_overtakes(self, admitted: list[int]) -> None:
+        """Aging: each waiting request counts the later arrivals admitted ahead of it."""
+        if not admitted or self.config.schedule_policy == "fcfs":
+            return
+        admitted.sort()
+        for req in self.waiting:
+            req.overtaken += len(admitted) - bisect.bisect_right(admitted, req.arrival_seq)
+
+    def _admit_in_order(self, budget: int) -> list[ScheduledItem]:
         items: list[ScheduledItem] = []
         in_flight = self._in_flight_prefills()
         for req in self._admission_order():
@@ -118,11 +144,14 @@ class Scheduler:
     def _admission_order(self) -> list[Request]:
         if self.config.schedule_policy == "fcfs" or self.cache.tree is None or len(self.waiting) == 1:
             return list(self.waiting)
-        now = time.monotonic()
-        aged = [r for r in self.waiting if now - r.arrival > self.config.max_wait_bonus_s]
-        fresh = [r for r in self.waiting if now - r.arrival <= self.config.max_wait_bonus_s]
-        fresh.sort(key=lambda r: (-self.cache.peek(r), r.arrival))
-        return sorted(aged, key=lambda r: r.arrival) + fresh
+        # Longest cached prefix first; a request overtaken by max_overtakes later arrivals goes
+        # first, in arrival order, so no request waits forever (counted in admissions, not
+        # seconds, so the bound means the same on a slow CPU and a fast GPU).
+        bound = self.config.max_overtakes
+        aged = [r for r in self.waiting if r.overtaken >= bound]
+        fresh = [r for r in self.waiting if r.overtaken < bound]
+        fresh.sort(key=lambda r: (-self.cache.peek(r), r.arrival_seq))
+        return sorted(aged, key=lambda r: r.arrival_seq) + fresh
 
     def _in_flight_prefills(self) -> RadixCache | None:
         """A scratch token tree of what running requests are prefilling right now (for dedup)."""
@@ -137,7 +166,7 @@ class Scheduler:
         return tree
 
     def _duplicates_in_flight(self, req: Request, in_flight: RadixCache) -> bool:
-        shared = in_flight.peek(req.tokens, req.namespace, max_len=req.num_tokens - 1)
+        shared = in_flight.peek(req.tokens, req.namespace, max_len=req.match_limit)
         return shared - self.cache.peek(req) >= self.config.dedup_min_tokens
 
     def _preempt(self, req: Request) -> None:

@@ -78,6 +78,7 @@ class Job:
     first_chunk_at: float | None = None
     dispatched_at: float = 0.0
     queued_at: float = 0.0
+    choose: Any = None  # a choose call: the ChooseWork fields other than id/token_ids/namespace
 
 
 @dataclass(eq=False)
@@ -100,7 +101,7 @@ class WorkerState:
 
 
 COUNTERS = (
-    "requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
+    "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
@@ -253,6 +254,53 @@ class Router:
                               f"all {len(self._alive())} workers are at their in-flight cap and the router queue "
                               f"is full ({self.config.max_queue}); retry later or add workers")
 
+    def _on_choose(self, identity: bytes, worker, msg: P.Choose) -> None:
+        if self.shutting_down:
+            self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
+            return
+        key = (identity, msg.id)
+        if key in self.jobs:
+            self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
+            return
+        try:
+            P.validate_choose(msg, self.config.limits)
+            if self.tokenizer is None:
+                raise P.DecodeError("this router has no tokenizer; choose needs one", msg.id)
+            ids = msg.token_ids if msg.token_ids is not None else self.tokenizer.encode(msg.prompt)
+            if len(ids) > self.config.limits.max_prompt_tokens:
+                raise P._too_long(len(ids), self.config.limits)
+            choice_ids = [self.tokenizer.encode(c, add_special_tokens=False) for c in msg.choices]
+            if not ids or not all(choice_ids):
+                raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        self.counters["requests"] += 1
+        self.counters["choose_requests"] += 1
+        now = time.monotonic()
+        job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=None,
+                  namespace=msg.namespace, stream=False, arrival=now,
+                  choose=dict(choices=msg.choices, choice_ids=choice_ids, normalize=msg.normalize,
+                              temperature=msg.temperature, seed=msg.seed))
+        self._admit(key, job)
+
+    def _admit(self, key, job: Job) -> None:
+        identity = job.client
+        self.hist["queue_depth_at_arrival"].observe(len(self.queue))
+        candidates = self._candidates()
+        if candidates:
+            self.jobs[key] = job
+            self._dispatch(job, candidates)
+        elif len(self.queue) < self.config.max_queue:
+            self.jobs[key] = job
+            job.queued_at = job.arrival
+            self.queue.append(job)
+        else:
+            self.counters["overloaded"] += 1
+            self._reply_error(identity, job.cid, P.OVERLOADED,
+                              f"all {len(self._alive())} workers are at their in-flight cap and the router queue "
+                              f"is full ({self.config.max_queue}); retry later or add workers")
+
     def _on_abort(self, identity: bytes, worker, msg: P.Abort) -> None:
         job = self.jobs.get((identity, msg.id))
         if job is None:
@@ -263,6 +311,9 @@ class Router:
             except ValueError:
                 pass
             self._finish(job, None)
+            if job.choose is not None:
+                self._reply_error(job.client, job.cid, P.BAD_REQUEST, "aborted by the client")
+                return
             self._send(job.client, P.Final(id=job.cid, token_ids=[], text="", finish_reason="abort",
                                            usage=P.Usage(prompt_tokens=len(job.token_ids), cached_tokens=0, completion_tokens=0),
                                            timings=P.Timings(queue_s=time.monotonic() - job.arrival, ttft_s=0.0,
@@ -337,7 +388,7 @@ class Router:
             job.first_chunk_at = time.monotonic()
         job.streamed += len(msg.token_ids)
         self.counters["streamed_tokens"] += len(msg.token_ids)
-        self._send(job.client, P.Chunk(id=job.cid, token_ids=msg.token_ids, text=msg.text))
+        self._send(job.client, P.Chunk(id=job.cid, token_ids=msg.token_ids, text=msg.text, logprobs=msg.logprobs))
 
     def _on_final(self, identity: bytes, worker, msg: P.Final) -> None:
         job = self._job_of(worker, msg.id)
@@ -360,7 +411,28 @@ class Router:
         worker.ttft.observe(ttft)
         self._send(job.client, P.Final(id=job.cid, token_ids=msg.token_ids, text=msg.text,
                                        finish_reason=msg.finish_reason, usage=msg.usage, timings=timings,
-                                       worker=worker.name))
+                                       worker=worker.name, logprobs=msg.logprobs))
+        self._pump()
+
+    def _on_choice_final(self, identity: bytes, worker, msg: P.ChoiceFinal) -> None:
+        job = self._job_of(worker, msg.id)
+        if job is None:
+            return
+        now = time.monotonic()
+        waited = job.dispatched_at - job.arrival
+        timings = P.Timings(queue_s=waited + msg.timings.queue_s, ttft_s=waited + msg.timings.ttft_s,
+                            e2e_s=now - job.arrival)
+        self._finish(job, worker)
+        worker.completed += 1
+        c = self.counters
+        c["completed"] += 1
+        c["prompt_tokens"] += msg.usage.query_tokens
+        c["cached_tokens"] += msg.usage.cached_tokens
+        self.hist["ttft_s"].observe(timings.ttft_s)
+        self.hist["e2e_s"].observe(timings.e2e_s)
+        worker.ttft.observe(timings.ttft_s)
+        self._send(job.client, P.ChoiceFinal(id=job.cid, best=msg.best, index=msg.index, ranked=msg.ranked,
+                                             usage=msg.usage, timings=timings, worker=worker.name))
         self._pump()
 
     def _on_worker_error(self, identity: bytes, worker, msg: P.Error) -> None:
@@ -399,8 +471,12 @@ class Router:
         self.works[job.work_id] = job
         if self.policy.name == "cache_aware":
             w.index.add_pending(job.work_id, job.namespace, job.token_ids)
-        self._send(w.identity, P.Work(id=job.work_id, token_ids=job.token_ids, params=job.params,
-                                      namespace=job.namespace, stream=job.stream))
+        if job.choose is not None:
+            self._send(w.identity, P.ChooseWork(id=job.work_id, token_ids=job.token_ids, namespace=job.namespace,
+                                                **job.choose))
+        else:
+            self._send(w.identity, P.Work(id=job.work_id, token_ids=job.token_ids, params=job.params,
+                                          namespace=job.namespace, stream=job.stream))
 
     def _pump(self) -> None:
         """Dispatch queued requests while some worker has room."""
@@ -562,6 +638,7 @@ _HANDLERS = {
     P.Stats: Router._on_stats, P.Register: Router._on_register, P.Heartbeat: Router._on_heartbeat,
     P.CacheEvents: Router._on_cache_events, P.Goodbye: Router._on_goodbye,
     P.Chunk: Router._on_chunk, P.Final: Router._on_final, P.Error: Router._on_worker_error,
+    P.Choose: Router._on_choose, P.ChoiceFinal: Router._on_choice_final,
 }
 
 

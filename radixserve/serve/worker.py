@@ -74,7 +74,7 @@ class Worker:
         self._flush_events()  # keep order: cache events produced before this chunk go first
         out = chunk.output
         if work.stream and (chunk.token_ids or chunk.text) and (out is None or out.finish_reason in ("stop", "length")):
-            self._send(P.Chunk(id=work.id, token_ids=chunk.token_ids, text=chunk.text))
+            self._send(P.Chunk(id=work.id, token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs))
         if out is None:
             return
         self.active.pop(work.id, None)
@@ -91,7 +91,7 @@ class Worker:
             usage=P.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
                           completion_tokens=len(out.token_ids)),
             timings=P.Timings(queue_s=out.queue_s, ttft_s=out.ttft_s, e2e_s=out.e2e_s),
-            worker=self.name,
+            worker=self.name, logprobs=out.logprobs,
         ))
 
     # -- socket --------------------------------------------------------------------------------
@@ -109,13 +109,23 @@ class Worker:
                               max_model_len=e.max_model_len, kv_total_tokens=e.pool.capacity_tokens,
                               page_size=e.pool.page_size))
 
+    def _abort(self, work_id: str) -> None:
+        item = self.active.get(work_id)
+        if item is None:
+            return
+        if hasattr(item, "abort"):  # a choose call: its sub-requests
+            item.abort()
+        else:
+            self.engine.abort(work_id)
+
     def _handle(self, msg) -> None:
         self._last_router = time.monotonic()
         if isinstance(msg, P.Work):
             self._start(msg)
+        elif isinstance(msg, P.ChooseWork):
+            self._start_choose(msg)
         elif isinstance(msg, P.Abort):
-            if msg.id in self.active:
-                self.engine.abort(msg.id)
+            self._abort(msg.id)
         elif isinstance(msg, P.Shutdown):
             asyncio.ensure_future(self.drain(msg.grace_s))
         elif isinstance(msg, P.Ping):
@@ -141,6 +151,40 @@ class Worker:
             # needs no per-step detokenizing or chunk callbacks (the final is sent either way).
             req.stream = False
 
+    def _start_choose(self, work: P.ChooseWork) -> None:
+        if self.stopping:
+            self._send(P.Error(id=work.id, code=P.SHUTTING_DOWN, message=f"worker {self.name} is shutting down"))
+            return
+
+        def on_done(result, error) -> None:  # engine thread
+            self.loop.call_soon_threadsafe(self._forward_choice, work, result, error)
+
+        try:
+            job = self.engine.submit_choose(
+                work.token_ids, work.choices, on_done, normalize=work.normalize, temperature=work.temperature,
+                seed=work.seed, namespace=work.namespace, request_id=work.id, choice_ids=work.choice_ids)
+        except RadixServeError as exc:
+            self._send(P.Error(id=work.id, code=exc.code, message=str(exc)))
+            return
+        except Exception as exc:  # never leave a request without a final message
+            log.exception("choose failed to start")
+            self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"{type(exc).__name__}: {exc}"))
+            return
+        self.active[work.id] = job
+
+    def _forward_choice(self, work: P.ChooseWork, result, error) -> None:  # loop
+        self._flush_events()
+        self.active.pop(work.id, None)
+        if result is None:
+            code = P.SHUTTING_DOWN if self.stopping else P.INTERNAL
+            self._send(P.Error(id=work.id, code=code, message=f"worker {self.name}: choose ended ({error})"))
+            return
+        self.ttft.observe(result.ttft_s)
+        self.e2e.observe(result.e2e_s)
+        self._send(P.ChoiceFinal(
+            id=work.id, best=result.best, index=result.index, ranked=result.ranked, usage=result.usage,
+            timings=P.Timings(queue_s=0.0, ttft_s=result.ttft_s, e2e_s=result.e2e_s), worker=self.name))
+
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
@@ -158,7 +202,7 @@ class Worker:
             if time.monotonic() - self._last_router > ROUTER_TIMEOUT_S and not self.stopping:
                 log.warning("no word from the router for %.0f s; registering again", ROUTER_TIMEOUT_S)
                 for rid in list(self.active):
-                    self.engine.abort(rid)  # the router has given these up
+                    self._abort(rid)  # the router has given these up
                 self._register()
                 self._last_router = time.monotonic()
 
@@ -172,7 +216,7 @@ class Worker:
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self.active):
-            self.engine.abort(rid)  # ends with finish 'abort' -> shutting_down error
+            self._abort(rid)  # ends with finish 'abort' -> shutting_down error
         while self.active and time.monotonic() < deadline + 2.0:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)

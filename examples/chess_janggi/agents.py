@@ -1,0 +1,206 @@
+"""Game agents: an LLM agent over the radixserve SDK, a random mover and a one-ply greedy player.
+
+The LLM agent's prompt is a long system prompt (rules and strategy) shared by every agent of a
+game type, followed by a short per-move part: side, ASCII board, FEN, recent moves, legal moves.
+So every agent of a game hits the same cached system prompt, and one agent's consecutive
+prompts share nothing past it (the board changes), which is the realistic fleet workload.
+
+Move selection (``mode``):
+* ``choose``: score every legal move as a continuation of the prompt (``AsyncClient.choose``):
+  legal by construction;
+* ``generate``: free generation, parsed; an unparsable or illegal answer is re-prompted with the
+  reason, at most ``max_retries`` times, then it falls back to ``choose``. Every illegal attempt
+  and every fallback is counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+from examples.chess_janggi.rules import JANGGI_LEGEND, Game, IllegalMove
+
+CHESS_SYSTEM = """You are a chess engine assistant playing a full game of chess against an opponent.
+Rules of chess, briefly. The board has eight files a to h and eight ranks 1 to 8. White moves first, then the
+players alternate. A king moves one square in any direction and may never move into check. A queen moves any
+number of squares along ranks, files and diagonals. A rook moves along ranks and files; a bishop along
+diagonals; neither may jump. A knight moves in an L shape: two squares in one direction and one square to the
+side, and it may jump over pieces. A pawn moves one square forward, or two from its starting rank, and captures
+one square diagonally forward; en passant capture is allowed right after an enemy pawn's double step; a pawn
+reaching the last rank promotes (write the piece letter at the end, like e7e8q). Castling moves the king two
+squares toward a rook (e1g1, e1c1, e8g8, e8c8) when neither has moved, the squares between are empty and the
+king does not pass through check. Checkmate wins; stalemate, threefold repetition, the fifty-move rule and
+insufficient material are draws.
+Strategy. In the opening, control the centre with pawns and pieces, develop knights before bishops, castle
+early, do not move the same piece twice without reason and do not bring the queen out too early. In the
+middlegame, look first for checks, captures and threats, for both sides; keep pieces protected; trade when
+ahead in material; put rooks on open files; avoid weakening the pawns in front of your king. In the endgame,
+activate the king, push passed pawns and use the rooks behind them. Material values: pawn 1, knight 3,
+bishop 3, rook 5, queen 9.
+Notation. Moves are written in UCI: the from-square and the to-square, like e2e4 or g8f6, plus a promotion
+letter when needed. Uppercase letters on the board are White's pieces (K king, Q queen, R rook, B bishop,
+N knight, P pawn), lowercase letters are Black's, and '.' is an empty square. Rank 8 is printed at the top.
+You will be shown the position and the list of legal moves. Answer with exactly one legal move in UCI.
+"""
+
+JANGGI_SYSTEM = """You are a janggi (Korean chess) assistant playing a full game of janggi against an opponent.
+Rules of janggi, briefly. The board has nine files a to i and ten ranks 1 to 10; pieces stand on the
+intersections. Cho (uppercase, at the bottom) moves first; Han (lowercase, at the top) gets 1.5 points of
+compensation. Each side has a palace of three by three points (files d to f, ranks 1 to 3 for Cho and 8 to 10
+for Han) with diagonal lines through its corners and centre. The general (K) and the guards (A) move one step
+along the palace lines and never leave the palace. The horse (N) moves one point orthogonally and then one
+point diagonally outward; it is blocked when the orthogonal point is occupied. The elephant (B) moves one
+point orthogonally and then two points diagonally outward; it is blocked at either intermediate point. The
+chariot (R) moves any distance along files and ranks, and along the palace diagonals. The cannon (C) must
+jump over exactly one piece, the screen, to move or to capture; the screen may not be a cannon, and a cannon
+never captures a cannon. The soldier (P) moves one point forward or sideways, and forward along the diagonals
+inside the enemy palace. A player may pass instead of moving (written as the general moving to its own
+square, like e2e2 or e9e9) unless in check. Two passes in a row end the game by counting points: chariot 13,
+cannon 7, horse 5, elephant 3, guard 3, soldier 2, and 1.5 for Han. Checkmating the general wins. Generals
+facing each other on an open file (bikjang) must be resolved.
+Strategy. Develop the chariots early along the open edge files, bring the horses out before the elephants,
+keep the guards close to the general, use the cannons with a screen in front of the enemy palace and keep a
+screen-free file for your own general. Trade cannons for horses when the board opens up. Look first for
+checks, captures and threats, for both sides, and keep your pieces protected.
+Notation. Moves are written in UCI: the from-point and the to-point, like b1c3 or h10g8 (rank 10 has two
+digits). """ + JANGGI_LEGEND + """
+You will be shown the position and the list of legal moves. Answer with exactly one legal move in UCI.
+"""
+
+SYSTEM_PROMPTS = {"chess": CHESS_SYSTEM, "janggi": JANGGI_SYSTEM}
+_SUBMITTED = itertools.count()  # submission order of SDK calls, over all agents (for the ideal hit rate)
+
+
+def move_prompt(game: Game, recent: int = 8) -> str:
+    """The shared system prompt, then this position: side, board, FEN, recent and legal moves."""
+    side = game.side_to_move
+    last = game.moves[-recent:]
+    history = " ".join(last) if last else "(none: this is the first move)"
+    return (
+        f"{SYSTEM_PROMPTS[game.kind]}\n"
+        f"Position after {game.ply} plies. You play {side.capitalize()}.\n"
+        f"Board:\n{game.ascii()}\n"
+        f"FEN: {game.fen()}\n"
+        f"Recent moves: {history}\n"
+        f"Legal moves: {' '.join(game.legal_moves())}\n"
+        f"Your move:"
+    )
+
+
+@dataclass
+class MoveStats:
+    """What one agent's decisions cost; the fleet sums these."""
+
+    calls: int = 0  # SDK calls (choose or generate)
+    llm_moves: int = 0
+    latency_s: list[float] = field(default_factory=list)  # per move, end to end
+    ttft_s: list[float] = field(default_factory=list)  # per SDK call, as the server measured
+    query_tokens: int = 0
+    cached_tokens: int = 0
+    illegal_attempts: int = 0
+    fallbacks: int = 0
+    requests: list[tuple] = field(default_factory=list)  # (seq, "choose", prompt, choices) | (seq, "generate", prompt, completion ids)
+
+
+class RandomAgent:
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.stats = MoveStats()
+
+    async def select(self, game: Game) -> str:
+        return self.rng.choice(game.legal_moves())
+
+
+class GreedyAgent:
+    """One ply, material only: the move after which the opponent is worst off; ties at random."""
+
+    name = "greedy"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.stats = MoveStats()
+
+    async def select(self, game: Game) -> str:
+        best, best_moves = None, []
+        for move in game.legal_moves():
+            score = -game.after(move).material()
+            if best is None or score > best:
+                best, best_moves = score, [move]
+            elif score == best:
+                best_moves.append(move)
+        return self.rng.choice(best_moves)
+
+
+class LLMAgent:
+    """An agent whose moves come from a radixserve server through :class:`AsyncClient`."""
+
+    name = "llm"
+
+    def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
+                 seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
+                 record: bool = False):
+        if mode not in ("choose", "generate"):
+            raise ValueError(f"mode must be choose or generate, got {mode!r}")
+        self.client = client
+        self.mode = mode
+        self.max_retries = max_retries
+        self.temperature = temperature
+        self.seed = seed
+        self.normalize = normalize
+        self.max_tokens = max_tokens
+        self.namespace = namespace
+        self.record = record
+        self.stats = MoveStats()
+
+    async def select(self, game: Game) -> str:
+        start = time.monotonic()
+        prompt = move_prompt(game)
+        move = None
+        if self.mode == "generate":
+            move = await self._generate(game, prompt)
+            if move is None:
+                self.stats.fallbacks += 1
+        if move is None:
+            move = await self._choose(game, prompt)
+        self.stats.llm_moves += 1
+        self.stats.latency_s.append(time.monotonic() - start)
+        return move
+
+    async def _choose(self, game: Game, prompt: str) -> str:
+        legal = game.legal_moves()
+        choices = [" " + m for m in legal]
+        seed = None if self.seed is None else self.seed + game.ply
+        if self.record:
+            self.stats.requests.append((next(_SUBMITTED), "choose", prompt, choices))
+        result = await self.client.choose(prompt, choices, normalize=self.normalize, temperature=self.temperature,
+                                          seed=seed, namespace=self.namespace)
+        self._account(result.timings.ttft_s, result.usage.query_tokens, result.usage.cached_tokens)
+        return legal[result.index]
+
+    async def _generate(self, game: Game, prompt: str) -> str | None:
+        """Free generation, parsed; re-prompted with the reason; None after max_retries failures."""
+        text = prompt
+        for attempt in range(1 + self.max_retries):
+            seed = None if self.seed is None else self.seed * 1000 + game.ply * 10 + attempt
+            seq = next(_SUBMITTED)
+            out = await self.client.generate(text, max_tokens=self.max_tokens, temperature=self.temperature,
+                                             seed=seed, stop=["\n"], namespace=self.namespace)
+            if self.record:  # the engine caches the completion too
+                self.stats.requests.append((seq, "generate", text, out.token_ids))
+            self._account(out.timings.ttft_s, out.usage.prompt_tokens, out.usage.cached_tokens)
+            try:
+                return game.parse(out.text)
+            except IllegalMove as exc:
+                self.stats.illegal_attempts += 1
+                text = f"{text}{out.text}\nThat answer was rejected: {exc}. Answer again with one legal move.\nYour move:"
+        return None
+
+    def _account(self, ttft: float, query: int, cached: int) -> None:
+        self.stats.calls += 1
+        self.stats.ttft_s.append(ttft)
+        self.stats.query_tokens += query
+        self.stats.cached_tokens += cached

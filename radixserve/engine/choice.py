@@ -1,0 +1,181 @@
+"""Choice scoring (SGLang's ``select``): rank candidate continuations of one prompt by their
+token log-probabilities.
+
+The prompt is prefilled once by a prefill-only scoring request; only when it has finished (and
+its KV sits in the radix tree) are the N ``prompt + choice`` scoring requests submitted, in one
+burst, so each of them hits the cached prompt and computes only its last prompt token and its
+choice tokens: the cost is about ``prompt + sum(|choice| + 1)`` tokens, not ``N x prompt``.
+Choices are tokenized on their own and their ids appended to the prompt's, so the shared prefix
+is exactly the prompt's ids.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import msgspec
+
+from radixserve.errors import BadRequestError
+
+MAX_CHOICES = 1024
+NORMALIZE = ("sum", "mean")
+
+
+class ChoiceUsage(msgspec.Struct, kw_only=True):
+    """Token accounting of one choose call. ``query_tokens``/``cached_tokens`` sum over its
+    sub-requests (the prompt prefill, then one per choice); ``prompt_cached_tokens`` is the
+    prompt's own hit from earlier calls."""
+
+    prompt_tokens: int
+    choice_tokens: int
+    query_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_cached_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.query_tokens - self.cached_tokens
+
+
+class RankedChoice(NamedTuple):
+    choice: str
+    logprob_sum: float
+    logprob_mean: float
+    n_tokens: int
+
+
+class ChoiceResult(msgspec.Struct, kw_only=True):
+    """``best``: the top choice (greedy) or the sampled one (temperature > 0); ``ranked``: every
+    choice, best score first, as ``(choice, logprob_sum, logprob_mean, n_tokens)``."""
+
+    best: str
+    ranked: list[RankedChoice]
+    usage: ChoiceUsage
+    index: int = 0  # index of ``best`` in the caller's choices
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+def validate_choose(choices: Sequence, normalize: str, temperature: float) -> None:
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise BadRequestError("choices", "must be a non-empty list")
+    if len(choices) > MAX_CHOICES:
+        raise BadRequestError("choices", f"has {len(choices)} entries; the limit is {MAX_CHOICES}")
+    if normalize not in NORMALIZE:
+        raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {normalize!r}")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise BadRequestError("temperature", f"must be >= 0, got {temperature!r}")
+
+
+def tokenize_choices(tokenizer, choices: Sequence) -> list[list[int]]:
+    """Each choice on its own, without special tokens (token id lists pass through)."""
+    out = []
+    for i, c in enumerate(choices):
+        ids = tokenizer.encode(c, add_special_tokens=False) if isinstance(c, str) else list(c)
+        if not ids:
+            raise BadRequestError("choices", f"entry {i} ({c!r}) is empty after tokenizing")
+        out.append(ids)
+    return out
+
+
+def rank(choices: Sequence[str], scores: list[list[float]], normalize: str, temperature: float,
+         seed: int | None) -> tuple[list[RankedChoice], int]:
+    """Rank by the normalized score; pick the best, or sample softmax(score / temperature)."""
+    rows = [RankedChoice(str(c), float(sum(lp)), float(sum(lp) / len(lp)), len(lp)) for c, lp in zip(choices, scores)]
+    key = [r.logprob_sum if normalize == "sum" else r.logprob_mean for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: -key[i])
+    if temperature > 0:
+        top = max(key)
+        weights = [math.exp((k - top) / temperature) for k in key]
+        index = random.Random(seed).choices(range(len(rows)), weights=weights)[0]
+    else:
+        index = order[0]
+    return [rows[i] for i in order], index
+
+
+class ChoiceJob:
+    """One choose call inside an engine: prefill the prompt, then score every choice.
+    ``on_done(result, error)`` is called once, from the engine thread (or from ``step``)."""
+
+    def __init__(self, engine, rid: str, prompt_ids: list[int], choice_ids: list[list[int]], choices: Sequence,
+                 *, normalize: str = "sum", temperature: float = 0.0, seed: int | None = None,
+                 namespace=None, on_done: Callable[[ChoiceResult | None, str | None], None]):
+        from radixserve.sampling_params import SamplingParams
+
+        validate_choose(choices, normalize, temperature)
+        if len(choice_ids) != len(choices):
+            raise BadRequestError("choices", "token ids and choices differ in length")
+        self.engine, self.rid = engine, rid
+        self.choices = [c if isinstance(c, str) else engine.tokenizer.decode(c) for c in choices]
+        self.normalize, self.temperature, self.seed = normalize, temperature, seed
+        self.on_done = on_done
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        n = len(prompt_ids)
+        # Build (and so validate) every request up front: errors are raised to the caller here.
+        self.prefill = engine.make_request(prompt_ids, params, request_id=f"{rid}/p", namespace=namespace)
+        self.prefill.score_from = n
+        self.scorers = []
+        for i, ids in enumerate(choice_ids):
+            req = engine.make_request(prompt_ids + list(ids), params, request_id=f"{rid}/{i}", namespace=namespace)
+            req.score_from = n
+            self.scorers.append(req)
+        self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(map(len, choice_ids)))
+        self.outputs: dict[int, object] = {}
+        self.done = False
+        self.aborted = False
+        self._lock = threading.Lock()
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.prefill.rid] + [r.rid for r in self.scorers]
+
+    def start(self) -> None:
+        self.engine.add_request(self.prefill, self._on_prefill)
+
+    def abort(self) -> None:
+        self.aborted = True
+        for rid in self.request_ids:
+            self.engine.abort(rid)
+
+    def _on_prefill(self, chunk) -> None:
+        out = chunk.output
+        if out is None:
+            return
+        if out.finish_reason != "stop" or self.aborted:
+            return self._fail(out.finish_reason or "abort")
+        self.usage.query_tokens += out.prompt_tokens
+        self.usage.cached_tokens += out.cached_tokens
+        self.usage.prompt_cached_tokens = out.cached_tokens
+        now = time.monotonic()
+        for i, req in enumerate(self.scorers):
+            req.arrival = now
+            self.engine.add_request(req, lambda c, i=i: self._on_scored(i, c))
+
+    def _on_scored(self, i: int, chunk) -> None:
+        out = chunk.output
+        if out is None or self.done:
+            return
+        if out.finish_reason != "stop":
+            self.abort()
+            return self._fail(out.finish_reason or "abort")
+        self.outputs[i] = out
+        self.usage.query_tokens += out.prompt_tokens
+        self.usage.cached_tokens += out.cached_tokens
+        if len(self.outputs) == len(self.scorers):
+            ranked, index = rank(self.choices, [self.outputs[k].score_logprobs for k in range(len(self.scorers))],
+                                 self.normalize, self.temperature, self.seed)
+            first = self.prefill.arrival
+            result = ChoiceResult(best=self.choices[index], ranked=ranked, usage=self.usage, index=index,
+                                  ttft_s=(self.prefill.first_token_at or first) - first,
+                                  e2e_s=time.monotonic() - first)
+            self.done = True
+            self.on_done(result, None)
+
+    def _fail(self, reason: str) -> None:
+        if not self.done:
+            self.done = True
+            self.on_done(None, reason)
