@@ -213,13 +213,20 @@ class Router:
         handler(self, identity, worker, msg)
 
     # ------------------------------------------------------------------ client requests
-    def _on_generate(self, identity: bytes, worker, msg: P.Generate) -> None:
+    def _accepting(self, identity: bytes, msg) -> tuple | None:
+        """The job key for a new client call, or None after replying why it can't be taken."""
         if self.shutting_down:
             self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
-            return
+            return None
         key = (identity, msg.id)
         if key in self.jobs:
             self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
+            return None
+        return key
+
+    def _on_generate(self, identity: bytes, worker, msg: P.Generate) -> None:
+        key = self._accepting(identity, msg)
+        if key is None:
             return
         try:
             P.validate_generate(msg, self.config.limits)
@@ -239,28 +246,11 @@ class Router:
         now = time.monotonic()
         job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=msg.params,
                   namespace=msg.namespace, stream=msg.stream, arrival=now)
-        self.hist["queue_depth_at_arrival"].observe(len(self.queue))
-        candidates = self._candidates()
-        if candidates:
-            self.jobs[key] = job
-            self._dispatch(job, candidates)
-        elif len(self.queue) < self.config.max_queue:
-            self.jobs[key] = job
-            job.queued_at = now
-            self.queue.append(job)
-        else:
-            self.counters["overloaded"] += 1
-            self._reply_error(identity, msg.id, P.OVERLOADED,
-                              f"all {len(self._alive())} workers are at their in-flight cap and the router queue "
-                              f"is full ({self.config.max_queue}); retry later or add workers")
+        self._admit(key, job)
 
     def _on_choose(self, identity: bytes, worker, msg: P.Choose) -> None:
-        if self.shutting_down:
-            self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
-            return
-        key = (identity, msg.id)
-        if key in self.jobs:
-            self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
+        key = self._accepting(identity, msg)
+        if key is None:
             return
         try:
             P.validate_choose(msg, self.config.limits)
