@@ -155,11 +155,12 @@ class Engine:
             stream=bool(params.stop),
         )
 
-    def add_request(self, req: Request, on_chunk: OnChunk | None = None) -> str:
+    def add_request(self, req: Request, on_chunk: OnChunk | None = None, *, stream: bool | None = None) -> str:
         """Queue a request built by :meth:`make_request`; ``on_chunk`` gets every new chunk of
-        tokens (from the engine thread) and exactly one final chunk carrying the output."""
-        if on_chunk is not None:
-            req.stream = True
+        tokens (from the engine thread) and exactly one final chunk carrying the output.
+        ``stream=False`` sends only the final chunk (no per-step detokenizing); the default
+        streams whenever there is a listener. Stop strings always detokenize every step."""
+        req.stream = req.stream or (on_chunk is not None if stream is None else stream)
         self._inbox.put(("add", req, on_chunk))
         return req.rid
 

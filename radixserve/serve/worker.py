@@ -145,11 +145,7 @@ class Worker:
             self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"{type(exc).__name__}: {exc}"))
             return
         self.active[work.id] = req
-        self.engine.add_request(req, lambda chunk: self._on_chunk(work, chunk))
-        if not work.stream and not work.params.stop:
-            # add_request turns streaming on for any listener; a call that only wants the final
-            # needs no per-step detokenizing or chunk callbacks (the final is sent either way).
-            req.stream = False
+        self.engine.add_request(req, lambda chunk: self._on_chunk(work, chunk), stream=work.stream)
 
     def _start_choose(self, work: P.ChooseWork) -> None:
         if self.stopping:
