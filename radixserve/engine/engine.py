@@ -64,10 +64,6 @@ class Engine:
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        if model is None:
-            from radixserve.model.builtin import default_model_path
-
-            model = str(default_model_path())
         loaded = load_model(model, device=self.device, dtype=dtype, max_model_len=config.max_model_len)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer

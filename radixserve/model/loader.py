@@ -1,4 +1,6 @@
-"""Load a local Hugging Face model directory: config, safetensors weights (sharded too), tokenizer."""
+"""Load a local Hugging Face model directory: config, safetensors weights (sharded too), tokenizer.
+
+A ``.gguf`` file is converted once into such a directory first (:mod:`radixserve.model.gguf`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixserve.errors import ModelLoadError
+from radixserve.model.default import resolve_model
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 
 log = logging.getLogger("radixserve")
@@ -37,7 +40,7 @@ class LoadedModel:
 def load_config(path: str | Path):
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory, or no model for the built-in one")
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory or .gguf file, or no model for the default one")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -62,13 +65,13 @@ def context_length(config) -> int:
 
 
 def load_model(
-    path: str | Path,
+    path: str | Path | None,
     *,
     device: str | torch.device = "cpu",
     dtype: str | None = None,
     max_model_len: int | None = None,
 ) -> LoadedModel:
-    path = Path(path).expanduser()
+    path = resolve_model(path)  # a .gguf file -> its converted directory
     config = load_config(path)
     torch_dtype = _pick_dtype(config, dtype, torch.device(device))
     limit = context_length(config)

@@ -633,11 +633,10 @@ _HANDLERS = {
 
 
 def load_tokenizer(model: str | None):
-    """The HF fast tokenizer of the model directory (the built-in model's when None)."""
+    """The HF fast tokenizer of the model directory or .gguf file (the default model's when None)."""
     from transformers import AutoTokenizer
 
-    if model is None:
-        from radixserve.model.builtin import default_model_path
+    from radixserve.model.default import resolve_model
 
-        model = str(default_model_path())
+    model = str(resolve_model(model))
     return AutoTokenizer.from_pretrained(model, local_files_only=True)
