@@ -42,7 +42,14 @@ def cmd_generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=args.stop or None,
     )
-    for out in engine.generate(args.prompt, params):
+    prompts = args.prompt
+    if args.chat:  # each prompt is one user message, rendered with the model's chat template
+        if not getattr(engine.tokenizer, "chat_template", None):
+            print("radixserve generate: --chat: this model's tokenizer has no chat template", file=sys.stderr)
+            return 2
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                        add_generation_prompt=True) for p in prompts]
+    for out in engine.generate(prompts, params):
         print(out.text)
         print(
             f"[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, {len(out.token_ids)} generated, "
@@ -182,15 +189,20 @@ def cmd_demo(args) -> int:
         return 2
 
     t0 = time.monotonic()
-    print(f"radixserve demo: starting a server ({args.model or 'built-in stand-in model'}, {args.workers} worker) ...", flush=True)
+    from radixserve.model.default import default_model_name
+
+    print(f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker) ...", flush=True)
     threads = max(1, (os.cpu_count() or 2) // args.workers)
     proc, address = fleet.start_server(args.workers, args.model, ["--worker-threads", str(threads)])
     try:
+        how = {"choose": "choice scoring over the legal moves",
+               "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)"}[args.mode]
         print(f"radixserve demo: server at {address}; playing {args.chess} chess + {args.janggi} janggi games, "
-              f"{args.moves} plies each, LLM moves by choice scoring over the legal moves", flush=True)
-        report = asyncio.run(fleet.run_fleet(address, args.chess, args.janggi, args.moves, seed=args.seed,
-                                             out=args.out, show_progress=True,
-                                             ideal_tokenizer=fleet._tokenizer_for(args.model)))
+              f"{args.moves} plies each, LLM moves by {how}", flush=True)
+        tokenizer = fleet._tokenizer_for(args.model)
+        report = asyncio.run(fleet.run_fleet(address, args.chess, args.janggi, args.moves, mode=args.mode,
+                                             seed=args.seed, out=args.out, show_progress=True,
+                                             ideal_tokenizer=tokenizer, chat_tokenizer=tokenizer))
     finally:
         fleet.stop_server(proc)
     print(fleet.format_report(report))
@@ -212,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the model's chat template")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="start the router and N worker processes on this host")
@@ -248,9 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start a server and play a small chess + janggi agent fleet against it")
     demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
-    demo.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
-    demo.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
-    demo.add_argument("--moves", type=int, default=20, help="plies per game at most (default: 20)")
+    # Sized for a 135M model on 2 CPU cores (each LLM move prefills ~500 new tokens).
+    demo.add_argument("--chess", type=int, default=2, help="chess games (default: 2)")
+    demo.add_argument("--janggi", type=int, default=2, help="janggi games (default: 2)")
+    demo.add_argument("--moves", type=int, default=10, help="plies per game at most (default: 10)")
+    demo.add_argument("--mode", default="choose", choices=["choose", "generate"],
+                      help="LLM moves by choice scoring over the legal moves (default) or free generation, parsed")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default=None, help="write PGN / JSON game records and report.json here")
     demo.set_defaults(func=cmd_demo)

@@ -94,10 +94,25 @@ def move_prompt(game: Game, recent: int = 8) -> str:
     return f"{SYSTEM_PROMPTS[game.kind]}\n{position_text(game, recent)}\nYour move:"
 
 
+#: The worked example of the chat prompts: the answer to the starting position (a horse move in janggi).
+EXAMPLE_MOVES = {"chess": "e2e4", "janggi": "b1c3"}
+
+
+def example_exchange(kind: str) -> list[dict]:
+    """One worked example (the starting position and a move), the same for every agent of a game,
+    so it is part of the shared, cached prefix. Small models answer in the example's format with it
+    (SmolLM2-135M without it describes the board instead of moving)."""
+    from examples.chess_janggi.rules import ChessGame, JanggiGame
+
+    start = ChessGame() if kind == "chess" else JanggiGame()
+    return [{"role": "user", "content": position_text(start) + "\nYour move:"},
+            {"role": "assistant", "content": EXAMPLE_MOVES[kind]}]
+
+
 def move_messages(game: Game, recent: int = 8) -> list[dict]:
-    """Chat form: the shared system prompt as the system message, this position as the user's."""
-    return [{"role": "system", "content": SYSTEM_PROMPTS[game.kind]},
-            {"role": "user", "content": position_text(game, recent) + "\nYour move (one legal move in UCI):"}]
+    """Chat form: the shared system prompt and worked example, then this position as the user's turn."""
+    return [{"role": "system", "content": SYSTEM_PROMPTS[game.kind]}, *example_exchange(game.kind),
+            {"role": "user", "content": position_text(game, recent) + "\nYour move:"}]
 
 
 def chat_renderer(tokenizer) -> Callable[[list[dict]], str] | None:
@@ -159,7 +174,7 @@ class LLMAgent:
     name = "llm"
 
     def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
-                 seed: int | None = None, normalize: str = "mean", max_tokens: int = 12, namespace: str | None = None,
+                 seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
                  record: bool = False, render: Callable[[list[dict]], str] | None = None):
         if mode not in ("choose", "generate"):
             raise ValueError(f"mode must be choose or generate, got {mode!r}")
