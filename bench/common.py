@@ -23,7 +23,7 @@ _START: dict[str, Any] = {}
 # -- options -----------------------------------------------------------------------------------
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH",
-                   help="model directory (default: the bench model, built once in ~/.cache/radixserve)")
+                   help="model directory or .gguf file (default: the bench model, built once in ~/.cache/radixserve)")
     p.add_argument("--device", default="cpu", help="torch device for the engine (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     p.add_argument("--threads", type=threads_arg, default="auto", metavar="N|auto",
@@ -61,8 +61,10 @@ def setup(args: argparse.Namespace) -> str:
 
     _START["load"] = load_average()
     torch.set_num_threads(choose_threads(args.threads, torch.get_num_threads()))
-    if args.model:
-        return str(Path(args.model).expanduser())
+    if args.model:  # a .gguf file: its converted directory (radixserve.model.gguf)
+        from radixserve.model.default import resolve_model
+
+        return str(resolve_model(args.model))
     from bench.models import bench_model_path
 
     return str(bench_model_path())

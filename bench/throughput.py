@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serial baseline of the largest concurrency: time K prompts and extrapolate "
                         "(serial time is linear in the number of requests)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="engine token budget per step")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="engine dtype (default: the checkpoint's); the serial baseline stays fp32")
     add_common_args(p)
 
 
@@ -81,11 +83,12 @@ def measure_engine(args, model_dir: str, vocab_holder: dict) -> tuple[list[dict]
     cmax = max(args.concurrency)
     kv = cmax * (args.prompt_len + args.gen_len) + 1024
     t = time.perf_counter()
-    engine = Engine(model_dir, device=args.device, enable_prefix_cache=False, max_running=cmax,
+    engine = Engine(model_dir, device=args.device, dtype=args.dtype, enable_prefix_cache=False, max_running=cmax,
                     max_batched_tokens=args.max_batched_tokens, kv_cache_tokens=kv, seed=0)
     load_s = time.perf_counter() - t
     vocab = engine.vocab_size
     vocab_holder["vocab"] = vocab
+    vocab_holder["dtype"] = str(engine.loaded.dtype).removeprefix("torch.")
     # Warm-up (first-call allocations, lazy init): not measured.
     engine.generate([random_ids(rng(SEED, 0, 99), args.prompt_len, vocab) for _ in range(min(cmax, 4))],
                     SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "command": "throughput",
         "model": model_dir,
         "device": args.device,
+        "dtype": str(holder.get("dtype")),
         "config": {"concurrency": args.concurrency, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                    "repeats": args.repeats, "prefix_cache": False, **info},
         "machine": machine_summary(),
@@ -203,7 +207,7 @@ def render(res: dict) -> str:
     out = [
         f"Decode throughput: {cfg['prompt_len']}-token prompts, {cfg['gen_len']} new tokens each, greedy, "
         f"prefix cache off; median of {cfg['repeats']} run(s)",
-        f"model {res['model']} on {res['device']}; {machine_line(res['machine'])}; "
+        f"model {res['model']} ({res.get('dtype', '?')}) on {res['device']}; {machine_line(res['machine'])}; "
         f"KV pool {cfg['kv_cache_tokens']:,} tokens",
         "",
     ]
