@@ -199,13 +199,10 @@ def test_tiny_llama_gguf_converts_to_the_original_weights(tiny_llama_gguf):
     assert tc.get("chat_template") or (out / "chat_template.jinja").is_file()
 
 
-def test_tiny_llama_gguf_greedy_equals_transformers(tiny_llama_gguf):
+def test_tiny_llama_gguf_greedy_equals_transformers(tiny_llama_gguf, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     _, path, cache = tiny_llama_gguf
-    convert_gguf(path, cache)
-    import os
-
     prompts = random_prompts([5, 37, 80], seed=3)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     expected = []
@@ -213,14 +210,12 @@ def test_tiny_llama_gguf_greedy_equals_transformers(tiny_llama_gguf):
         ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(ids[0, len(p):].tolist())
-    old = os.environ.get("RADIXSERVE_CACHE")
-    os.environ["RADIXSERVE_CACHE"] = str(cache)  # Engine(model=file.gguf) converts into the cache folder
-    try:
-        engine = Engine(str(path), kv_cache_tokens=4096, max_prefill_chunk=16)
-    finally:
-        os.environ.pop("RADIXSERVE_CACHE") if old is None else os.environ.__setitem__("RADIXSERVE_CACHE", old)
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(cache))  # Engine("file.gguf") converts into the cache folder
+    engine = Engine(str(path), kv_cache_tokens=4096, max_prefill_chunk=16)  # chunked prefill
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected  # now from the prefix cache
+    assert engine.stats()["prefix_hit_tokens"] > 0
 
 
 def test_bad_gguf_gives_a_clear_error(tmp_path):
