@@ -103,7 +103,8 @@ def _permute(w: torch.Tensor, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_llama_gguf(path, hf_dir, q8_names=()) -> None:
+def _write_gguf(path, hf_dir, arch: str = "llama", q8_names=()) -> None:
+    """Write ``hf_dir`` as a GGUF the way llama.cpp's converter lays it out (q/k permuted for llama)."""
     from transformers import AutoTokenizer
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -118,8 +119,8 @@ def _write_llama_gguf(path, hf_dir, q8_names=()) -> None:
             tokens.append(added["content"])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -146,15 +147,17 @@ def _write_llama_gguf(path, hf_dir, q8_names=()) -> None:
              "lm_head.weight": "output.weight"}
     block = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, t in state.items():
         if name in names:
             gname = names[name]
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{block[rest.removesuffix('.weight')]}.weight"
+            stem, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{block[stem]}.{kind}"
         data = t.float().numpy()
-        if ".attn_q." in gname or ".attn_k." in gname:
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             data = _permute(t.float(), heads if ".attn_q." in gname else kv)
         if gname in q8_names:
             w.add_tensor(gname, gguf.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
@@ -166,19 +169,26 @@ def _write_llama_gguf(path, hf_dir, q8_names=()) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_gguf(tmp_path_factory):
+def _tiny_gguf(root, arch: str):
     from radixserve.model.builtin import make_tiny_model_dir
 
-    root = tmp_path_factory.mktemp("gguf")
-    hf_dir = make_tiny_model_dir(root / "hf", "llama", seed=11)
-    path = root / "tiny-llama.gguf"
-    _write_llama_gguf(path, hf_dir, q8_names={"blk.1.ffn_up.weight", "blk.1.ffn_down.weight"})
+    # transformers' GGUF config reader takes Qwen3's head_dim from its default (128), not from the file
+    extra = {"head_dim": 128} if arch == "qwen3" else {}
+    hf_dir = make_tiny_model_dir(root / f"hf-{arch}", arch, seed=11, **extra)
+    path = root / f"tiny-{arch}.gguf"
+    _write_gguf(path, hf_dir, arch, q8_names={"blk.1.ffn_up.weight", "blk.1.ffn_down.weight"})
     return hf_dir, path, root / "cache"
 
 
-def test_tiny_llama_gguf_converts_to_the_original_weights(tiny_llama_gguf):
-    hf_dir, path, cache = tiny_llama_gguf
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    return {arch: _tiny_gguf(root, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_converts_to_the_original_weights(tiny_ggufs, arch):
+    hf_dir, path, cache = tiny_ggufs[arch]
     out = convert_gguf(path, cache)
     assert convert_gguf(path, cache) == out  # cached: converted once
     original = load_file(str(hf_dir / "model.safetensors"))
@@ -187,22 +197,23 @@ def test_tiny_llama_gguf_converts_to_the_original_weights(tiny_llama_gguf):
     for name, t in original.items():
         if "layers.1.mlp.up_proj" in name or "layers.1.mlp.down_proj" in name:  # written as Q8_0
             assert (converted[name] - t).abs().max() <= t.abs().max() / 100, name
-        else:  # F32: exact, so q/k are un-permuted in the right direction
+        else:  # F32: exact (so llama's q/k are un-permuted in the right direction; biases, q/k norms kept)
             assert torch.equal(converted[name], t), name
     cfg = json.loads((out / "config.json").read_text())
     ref = json.loads((hf_dir / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert cfg[key] == ref[key], key
-    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["architectures"] == ref["architectures"]
     tc = json.loads((out / "tokenizer_config.json").read_text())
     assert tc.get("chat_template") or (out / "chat_template.jinja").is_file()
 
 
-def test_tiny_llama_gguf_greedy_equals_transformers(tiny_llama_gguf, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_greedy_equals_transformers(tiny_ggufs, arch, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    _, path, cache = tiny_llama_gguf
+    _, path, cache = tiny_ggufs[arch]
     prompts = random_prompts([5, 37, 80], seed=3)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     expected = []
