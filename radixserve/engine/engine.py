@@ -200,6 +200,10 @@ class Engine:
         tokens, logprobs = self.sampler(logits, [item.req for item in sampling])
         for item, token, logprob in zip(sampling, tokens, logprobs):
             req = item.req
+            if token is None:  # sampling this row failed: this request fails, its batch-mates go on
+                self._counters["errors"] += 1
+                chunks.append(self._finish(req, "error"))
+                continue
             req.append(token)
             self._counters["generated_tokens"] += 1
             if req.first_token_at is None:
