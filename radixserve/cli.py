@@ -87,7 +87,10 @@ def cmd_serve(args) -> int:
     config.model_fingerprint = auth.model_fingerprint(args.model, len(tokenizer))
     router = Router(config, tokenizer)
     address = router.bind()
-    connect = router.worker_address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
+    def loopback(addr: str) -> str:
+        return addr.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
+
+    connect = loopback(router.worker_address)
     devices = [d.strip() for d in args.device.split(",") if d.strip()] or ["cpu"]
     print(f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy {args.policy}, "
           f"{args.workers} workers on {', '.join(devices)}; max queue {args.max_queue}, {args.max_inflight} in flight "
@@ -96,7 +99,7 @@ def cmd_serve(args) -> int:
     if args.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/http.py)
         from radixserve.serve.http import start_gateway
 
-        gateway = start_gateway(args, connect, config.limits)
+        gateway = start_gateway(args, loopback(address), config.limits)
     from radixserve.serve.supervisor import Supervisor, default_threads, env_with_threads
 
     threads = args.worker_threads or default_threads(args.workers)
@@ -242,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-prompt-chars", type=int, default=None, help="refuse longer prompts untokenized (default: the context times the vocabulary's longest token)")
     srv.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")
     srv.add_argument("--api-key", action="append", default=None, help="HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")
+    srv.add_argument("--http-header-timeout", type=float, default=10.0, help="seconds an HTTP connection has to send a complete request head (default: 10)")
+    srv.add_argument("--http-max-connections", type=int, default=1024, help="open HTTP connections at most; more are closed at once (default: 1024)")
     srv.add_argument("--api-keys-file", default=None, help="file of HTTP API keys: lines 'KEY [TENANT]' or a JSON object {KEY: TENANT}")
     srv.set_defaults(func=cmd_serve)
 

@@ -273,6 +273,8 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
+    except RecursionError:
+        raise DecodeError("nests too deeply to be a protocol message", _guess_id(frame)) from None
     v = getattr(msg, "v", PROTOCOL_VERSION)
     if v != PROTOCOL_VERSION:
         raise DecodeError(f"protocol version {v} is not supported; this server speaks {PROTOCOL_VERSION}",
@@ -283,7 +285,7 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
 def _guess_id(frame: bytes) -> str:
     try:
         raw = msgspec.msgpack.decode(frame)
-    except Exception:
+    except (Exception, RecursionError):
         return ""
     rid = raw.get("id") if isinstance(raw, dict) else None
     return rid[:128] if isinstance(rid, str) else ""
