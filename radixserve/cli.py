@@ -32,6 +32,8 @@ def _make_engine(args):
 def cmd_generate(args) -> int:
     from radixserve import SamplingParams
 
+    _check_model_dir(args.model)
+    _check_device(args.device)
     engine = _make_engine(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -62,6 +64,40 @@ def _engine_argv(args, device: str) -> list[str]:
     return argv
 
 
+def _check_model_dir(model: str | None) -> None:
+    """A one-line error for a --model that is not a checkpoint directory."""
+    from pathlib import Path
+
+    from radixserve.errors import ModelLoadError
+
+    if model is None:
+        return
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        raise ModelLoadError(f"--model {model}: no such directory (give a local Hugging Face model directory)")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"--model {model}: no config.json in it; is this a Hugging Face model directory?")
+
+
+def _check_device(device: str) -> None:
+    """A one-line error for --device cuda on a torch build without CUDA (or without a GPU)."""
+    from radixserve.errors import RadixServeError
+
+    for d in (x.strip() for x in device.split(",")):
+        if d == "cpu" or not d:
+            continue
+        if not d.startswith("cuda"):
+            raise RadixServeError(f"--device {d}: expected cpu or cuda[:N]")
+        import torch
+
+        if torch.version.cuda is None:
+            raise RadixServeError(f"--device {d}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                                  f"build of torch (see pytorch.org) or use --device cpu")
+        if not torch.cuda.is_available():
+            raise RadixServeError(f"--device {d}: torch has CUDA {torch.version.cuda} but sees no GPU "
+                                  f"(check the driver and CUDA_VISIBLE_DEVICES) or use --device cpu")
+
+
 def cmd_serve(args) -> int:
     import os
 
@@ -81,7 +117,16 @@ def cmd_serve(args) -> int:
         from radixserve.model.builtin import default_model_path
 
         args.model = str(default_model_path())  # build it once here, not racing in N workers
-    tokenizer = load_tokenizer(args.model)
+    _check_model_dir(args.model)
+    _check_device(args.device)
+    args.model = os.path.abspath(os.path.expanduser(args.model))  # workers may start elsewhere
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except Exception as exc:
+        from radixserve.errors import ModelLoadError
+
+        raise ModelLoadError(f"--model {args.model}: cannot load its tokenizer ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     config.worker_port, config.worker_address = args.worker_port, args.worker_address
     config.secret = auth.read_secret_file(args.worker_secret_file, create=True) if args.worker_secret_file else None
     config.model_fingerprint = auth.model_fingerprint(args.model, len(tokenizer))
@@ -111,23 +156,28 @@ def cmd_serve(args) -> int:
         supervisor.add(name, ["-m", "radixserve.cli", "--log-level", args.log_level, "worker", "--router", connect,
                               "--worker-id", name, "--exit-with-parent", "--threads", str(threads),
                               *_engine_argv(args, devices[i % len(devices)])], env)
+    http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
+    router.on_ready = lambda n: print(f"radixserve: ready: {n}/{args.workers} workers, ZMQ at {address}{http_at}",
+                                      flush=True)
     try:
         _run_async(router.serve())
     finally:
         if gateway is not None:
-            gateway.stop()
-        supervisor.stop()
+            gateway.stop(timeout=1.0 if router.forced else 10.0)
+        supervisor.stop(timeout=1.0 if router.forced else 5.0)
     if router.fatal:
         print(f"radixserve: error: {router.fatal}", file=sys.stderr, flush=True)
         return 1
-    print("radixserve: router stopped", flush=True)
-    return 0
+    print("radixserve: router stopped" + (" (second interrupt: not drained)" if router.forced else ""), flush=True)
+    return 130 if router.forced else 0
 
 
 def cmd_worker(args) -> int:
     from radixserve.serve.auth import AuthError, worker_secret
     from radixserve.serve.worker import run_worker
 
+    _check_model_dir(args.model)
+    _check_device(args.device)
     try:
         secret = worker_secret(args.secret_file)
     except AuthError as exc:
@@ -206,6 +256,9 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description="Serve many LLM agents that share long prompts.")
+    from radixserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -155,6 +155,9 @@ class Router:
         self._bound = None
         self.supervisor = None  # serve's Supervisor of local worker processes (restarts them)
         self.fatal: str | None = None  # why serve must exit non-zero (e.g. every worker failed at start-up)
+        self.forced = False  # a second interrupt: stopped without draining
+        self.on_ready = None  # called once with the number of live workers when every local one joined
+        self._announced = False
         self._tok_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._tokenizing: dict[tuple, bool] = {}  # key -> aborted while tokenizing
         self._last_tick = time.monotonic()
@@ -542,6 +545,11 @@ class Router:
         self.workers[msg.worker] = state
         self.by_identity[identity] = state
         self._abort_unknown(state, msg.active)
+        if not self._announced and self.supervisor is not None and self.on_ready is not None:
+            local = self.supervisor.workers
+            if all(n in self.workers and self.workers[n].alive for n in local):
+                self._announced = True
+                self.on_ready(len(self._alive()))
         log.info("worker %s joined (pid %d on %s, KV %d tokens)", msg.worker, msg.pid, msg.host, msg.kv_total_tokens)
         self._wsend(identity, P.Ping())
         self._pump()
@@ -781,8 +789,21 @@ class Router:
 
     # ------------------------------------------------------------------ shutdown
     def request_shutdown(self) -> None:
+        """First call (Ctrl-C, SIGTERM): drain. A second one: stop now, without draining."""
         if not self.shutting_down:
             asyncio.ensure_future(self.shutdown())
+        elif not self.forced:
+            self.forced = True
+            log.warning("second interrupt: stopping now without draining")
+            for job in list(self.works.values()) + list(self.jobs.values()):
+                self._reply_error(job.client, job.cid, P.SHUTTING_DOWN, "the router was stopped")
+            self.works.clear()
+            self.jobs.clear()
+            for proc in self.local_procs:
+                if proc.poll() is None:
+                    proc.kill()
+            if self._stopped is not None:
+                self._stopped.set()
 
     async def shutdown(self) -> None:
         """Refuse new work, fail the queue, let requests in flight finish for ``drain_s``, fail
