@@ -742,6 +742,7 @@ class Router:
     # ------------------------------------------------------------------ timers
     async def _ticker(self) -> None:
         cfg = self.config
+        self._last_tick = time.monotonic()
         while True:
             await asyncio.sleep(cfg.heartbeat_s)
             now = time.monotonic()
