@@ -502,7 +502,9 @@ class Router:
     def _on_stats(self, identity: bytes, worker, msg: P.Stats) -> None:
         probe = None
         if msg.probe is not None:
-            ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(msg.probe) if self.tokenizer else [])
+            # a text probe is tokenized on the loop: only its first 65536 characters (milliseconds)
+            text = msg.probe[: min(self.prompt_char_limit(), 65536)] if isinstance(msg.probe, str) else ""
+            ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(text) if self.tokenizer else [])
             ids = ids[: self.config.limits.max_probe_tokens]
             probe = {w.name: w.index.tree.peek(ids, msg.namespace) for w in self.workers.values()}
         self._send(identity, P.StatsReply(id=msg.id, stats=self.stats(probe)))
