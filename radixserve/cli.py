@@ -37,6 +37,8 @@ def _make_engine(args):
 def cmd_generate(args) -> int:
     from radixserve import SamplingParams
 
+    _check_model_dir(args.model)
+    _check_device(args.device)
     engine = _make_engine(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -74,9 +76,45 @@ def _engine_argv(args, device: str) -> list[str]:
     return argv
 
 
+def _check_model_dir(model: str | None) -> None:
+    """A one-line error for a --model that is not a checkpoint directory."""
+    from pathlib import Path
+
+    from radixserve.errors import ModelLoadError
+
+    if model is None:
+        return
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return
+    if not p.is_dir():
+        raise ModelLoadError(f"--model {model}: no such directory or .gguf file (give a local Hugging Face model "
+                             "directory or a GGUF file)")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"--model {model}: no config.json in it; is this a Hugging Face model directory?")
+
+
+def _check_device(device: str) -> None:
+    """A one-line error for --device cuda on a torch build without CUDA (or without a GPU)."""
+    from radixserve.errors import RadixServeError
+
+    for d in (x.strip() for x in device.split(",")):
+        if d == "cpu" or not d:
+            continue
+        if not d.startswith("cuda"):
+            raise RadixServeError(f"--device {d}: expected cpu or cuda[:N]")
+        import torch
+
+        if torch.version.cuda is None:
+            raise RadixServeError(f"--device {d}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                                  f"build of torch (see pytorch.org) or use --device cpu")
+        if not torch.cuda.is_available():
+            raise RadixServeError(f"--device {d}: torch has CUDA {torch.version.cuda} but sees no GPU "
+                                  f"(check the driver and CUDA_VISIBLE_DEVICES) or use --device cpu")
+
+
 def cmd_serve(args) -> int:
     import os
-    import subprocess
 
     from radixserve.protocol import Limits
     from radixserve.serve.router import Router, RouterConfig, load_tokenizer
@@ -86,60 +124,84 @@ def cmd_serve(args) -> int:
         max_inflight_per_worker=args.max_inflight, heartbeat_timeout_s=args.heartbeat_timeout,
         drain_s=args.drain_timeout, metrics_log=args.metrics_log, metrics_interval_s=args.metrics_interval,
         limits=Limits(max_frame_bytes=args.max_frame_bytes), balance_abs=args.balance_abs,
-        balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
+        balance_rel=args.balance_rel, cache_threshold=args.cache_threshold, max_prompt_chars=args.max_prompt_chars,
     )
     from radixserve.model.default import resolve_model
+    from radixserve.serve import auth
 
-    args.model = str(resolve_model(args.model))  # build/convert it once here, not racing in N workers
-    router = Router(config, load_tokenizer(args.model))
+    _check_model_dir(args.model)
+    _check_device(args.device)
+    # Build/convert the model once here, not racing in N workers; absolute, since workers may start elsewhere.
+    args.model = os.path.abspath(str(resolve_model(args.model)))
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except Exception as exc:
+        from radixserve.errors import ModelLoadError
+
+        raise ModelLoadError(f"--model {args.model}: cannot load its tokenizer ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    config.worker_port, config.worker_address = args.worker_port, args.worker_address
+    config.secret = auth.read_secret_file(args.worker_secret_file, create=True) if args.worker_secret_file else None
+    config.model_fingerprint = auth.model_fingerprint(args.model, len(tokenizer))
+    router = Router(config, tokenizer)
     address = router.bind()
-    connect = address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
+    def loopback(addr: str) -> str:
+        return addr.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
+
+    connect = loopback(router.worker_address)
     devices = [d.strip() for d in args.device.split(",") if d.strip()] or ["cpu"]
-    print(f"radixserve: router listening on {address} (policy {args.policy}, {args.workers} workers on "
-          f"{', '.join(devices)}; max queue {args.max_queue}, {args.max_inflight} in flight per worker)", flush=True)
+    print(f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy {args.policy}, "
+          f"{args.workers} workers on {', '.join(devices)}; max queue {args.max_queue}, {args.max_inflight} in flight "
+          f"per worker)", flush=True)
     gateway = None
     if args.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/http.py)
         from radixserve.serve.http import start_gateway
 
-        gateway = start_gateway(args, connect, config.limits)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    if args.worker_threads:
-        env["OMP_NUM_THREADS"] = str(args.worker_threads)
+        gateway = start_gateway(args, loopback(address), config.limits)
+    from radixserve.serve.supervisor import Supervisor, default_threads, env_with_threads
+
+    threads = args.worker_threads or default_threads(args.workers)
+    env = env_with_threads(dict(os.environ, **{auth.ENV_SECRET: router.secret}), threads)
+    supervisor = Supervisor(restart=not args.no_restart)
+    router.supervisor = supervisor
     for i in range(args.workers):
         name = f"w{i}"
-        cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", args.log_level, "worker",
-               "--router", connect, "--worker-id", name, "--exit-with-parent", *_engine_argv(args, devices[i % len(devices)])]
-        if args.worker_threads:
-            cmd += ["--threads", str(args.worker_threads)]
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # Ctrl-C reaches the router only
-        proc.worker_name = name
-        router.local_procs.append(proc)
+        supervisor.add(name, ["-m", "radixserve.cli", "--log-level", args.log_level, "worker", "--router", connect,
+                              "--worker-id", name, "--exit-with-parent", "--threads", str(threads),
+                              *_engine_argv(args, devices[i % len(devices)])], env)
+    http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
+    router.on_ready = lambda n: print(f"radixserve: ready: {n}/{args.workers} workers, ZMQ at {address}{http_at}",
+                                      flush=True)
     try:
         _run_async(router.serve())
     finally:
         if gateway is not None:
-            gateway.stop()
-        for proc in router.local_procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    print("radixserve: router stopped", flush=True)
-    return 0
+            gateway.stop(timeout=1.0 if router.forced else 10.0)
+        supervisor.stop(timeout=1.0 if router.forced else 5.0)
+    if router.fatal:
+        print(f"radixserve: error: {router.fatal}", file=sys.stderr, flush=True)
+        return 1
+    print("radixserve: router stopped" + (" (second interrupt: not drained)" if router.forced else ""), flush=True)
+    return 130 if router.forced else 0
 
 
 def cmd_worker(args) -> int:
+    from radixserve.serve.auth import AuthError, worker_secret
     from radixserve.serve.worker import run_worker
 
+    _check_model_dir(args.model)
+    _check_device(args.device)
+    try:
+        secret = worker_secret(args.secret_file)
+    except AuthError as exc:
+        print(f"radixserve worker: error: {exc}", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     engine = _make_engine(args)
-    run_worker(engine, args.router, args.worker_id, exit_with_parent=args.exit_with_parent)
-    return 0
+    return run_worker(engine, args.router, args.worker_id, exit_with_parent=args.exit_with_parent, secret=secret)
 
 
 def cmd_stats(args) -> int:
@@ -212,6 +274,9 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description="Serve many LLM agents that share long prompts.")
+    from radixserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -233,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; 0.0.0.0 opens it to the network)")
     srv.add_argument("--port", type=int, default=7700, help="port (default: 7700; 0 picks a free one and prints it)")
     srv.add_argument("--address", default=None, help="full ZMQ address to bind instead of host/port, e.g. ipc:///tmp/radixserve")
+    srv.add_argument("--worker-port", type=int, default=None, help="port of the worker socket (default: --port + 1; a free one when --port is 0)")
+    srv.add_argument("--worker-address", default=None, help="full ZMQ address of the worker socket (default: from --address / --worker-port)")
+    srv.add_argument("--worker-secret-file", default=None, help="read the worker secret from this file, or create it (mode 0600) with a new one; remote workers pass it with 'worker --secret-file' (default: a fresh secret for the local workers only)")
     srv.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_load"])
     srv.add_argument("--balance-abs", type=int, default=16, help="cache_aware: loads count as imbalanced when max - min exceeds this ... (default: 16)")
     srv.add_argument("--balance-rel", type=float, default=1.5, help="... and max exceeds this times min; then the least loaded worker gets the request (default: 1.5)")
@@ -244,15 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-frame-bytes", type=int, default=4 * 2**20, help="largest client frame accepted (default: 4 MiB)")
     srv.add_argument("--metrics-log", default=None, help="append one JSON line of stats per interval to this file")
     srv.add_argument("--metrics-interval", type=float, default=10.0, help="seconds between --metrics-log lines (default: 10)")
-    srv.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    srv.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (default: the cores divided by --workers)")
+    srv.add_argument("--no-restart", action="store_true", help="do not restart local workers that die (default: restart with backoff)")
+    srv.add_argument("--max-prompt-chars", type=int, default=None, help="refuse longer prompts untokenized (default: the context times the vocabulary's longest token)")
     srv.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")
     srv.add_argument("--api-key", action="append", default=None, help="HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")
+    srv.add_argument("--http-header-timeout", type=float, default=10.0, help="seconds an HTTP connection has to send a complete request head (default: 10)")
+    srv.add_argument("--http-max-connections", type=int, default=1024, help="open HTTP connections at most; more are closed at once (default: 1024)")
     srv.add_argument("--api-keys-file", default=None, help="file of HTTP API keys: lines 'KEY [TENANT]' or a JSON object {KEY: TENANT}")
     srv.set_defaults(func=cmd_serve)
 
     wrk = sub.add_parser("worker", help="start a worker that joins a running router")
     _engine_args(wrk)
-    wrk.add_argument("--router", required=True, help="the router's address, e.g. tcp://10.0.0.5:7700")
+    wrk.add_argument("--router", required=True, help="the router's WORKER address (serve prints it; its --port + 1 by default), e.g. tcp://10.0.0.5:7701")
+    wrk.add_argument("--secret-file", default=None, help="file holding the router's worker secret (serve --worker-secret-file); default: $RADIXSERVE_WORKER_SECRET")
     wrk.add_argument("--worker-id", default=None, help="unique name (default: HOST-PID)")
     wrk.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     wrk.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it exits (set by serve)")

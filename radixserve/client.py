@@ -15,6 +15,11 @@ Errors are :class:`radixserve.errors.RadixServeError` subclasses carrying the wi
 (``OverloadedError``, ``WorkerLostError``, ``BadRequestError`` ...); a timeout raises
 :class:`RequestTimeoutError` and aborts the request on the server.
 
+A lost router is detected by heartbeat: while calls are pending, the client sends a health probe
+whenever the router has been quiet for ``heartbeat`` seconds; after ``router_timeout`` seconds
+with no message at all, every pending call fails with :class:`RouterLostError` (code
+``router_lost``), also calls made with ``timeout=None``.
+
 Concurrency: one DEALER socket per client, owned by one asyncio loop, with replies demultiplexed
 by request id. ``AsyncClient`` is safe from many tasks of one loop; ``Client`` runs an
 ``AsyncClient`` on a background thread and is safe from many threads.
@@ -84,9 +89,14 @@ class AsyncClient:
     """asyncio client. ``timeout`` (seconds, None: wait forever) bounds each call end to end."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = 60.0,
-                 max_frame_bytes: int = P.DEFAULT_LIMITS.max_frame_bytes):
+                 max_frame_bytes: int = P.DEFAULT_LIMITS.max_frame_bytes, heartbeat: float = 1.0,
+                 router_timeout: float | None = 10.0):
         self.address = address
         self.timeout = timeout
+        self.heartbeat = heartbeat
+        self.router_timeout = router_timeout
+        self._last_rx = time.monotonic()
+        self._watchdog: asyncio.Task | None = None
         self.max_frame_bytes = max_frame_bytes
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
@@ -106,10 +116,39 @@ class AsyncClient:
             self._sock.setsockopt(zmq.RCVHWM, 0)
             self._sock.connect(self.address)
             self._reader = asyncio.ensure_future(self._read())
+            if self.router_timeout is not None:
+                self._watchdog = asyncio.ensure_future(self._watch())
+
+    def _register(self, rid: str, q: asyncio.Queue) -> None:
+        if not self._pending:
+            self._last_rx = time.monotonic()  # the quiet time before this call does not count
+        self._pending[rid] = q
+
+    async def _watch(self) -> None:
+        """Probe a quiet router while calls are pending; fail them all when it stays silent."""
+        n = itertools.count()
+        while True:
+            await asyncio.sleep(min(self.heartbeat, self.router_timeout / 4))
+            if not self._pending:
+                continue
+            quiet = time.monotonic() - self._last_rx
+            if quiet > self.router_timeout:
+                lost = P.Error(id="", code="router_lost",
+                               message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); "
+                                       f"it is gone or unreachable")
+                for q in list(self._pending.values()):
+                    q.put_nowait(lost)
+                self._pending.clear()
+            elif quiet > self.heartbeat:
+                try:
+                    await self._sock.send(P.encode(P.Health(id=f"{self._prefix}-hb-{next(n)}")), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
 
     async def _read(self) -> None:
         while True:
             frame = await self._sock.recv()
+            self._last_rx = time.monotonic()
             try:
                 msg = P.decode(frame, max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
             except P.DecodeError:
@@ -133,7 +172,7 @@ class AsyncClient:
         """One request, one reply (health, stats)."""
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
-        self._pending[msg.id] = q
+        self._register(msg.id, q)
         try:
             await self._send(msg)
             reply = await asyncio.wait_for(q.get(), timeout)
@@ -156,7 +195,7 @@ class AsyncClient:
     async def _events(self, msg: P.Generate, timeout: float | None) -> AsyncIterator:
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
-        self._pending[msg.id] = q
+        self._register(msg.id, q)
         deadline = None if timeout is None else time.monotonic() + timeout
         done = False
         try:
@@ -270,6 +309,8 @@ class AsyncClient:
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._ctx.term()

@@ -50,6 +50,13 @@ class WorkerLostError(RadixServeError):
     code = "worker_lost"
 
 
+class RouterLostError(RadixServeError, ConnectionError):
+    """The SDK heard nothing from the router (not even heartbeat replies) for ``router_timeout``
+    seconds: it is gone or unreachable. Pending calls fail with this; retry against a live one."""
+
+    code = "router_lost"
+
+
 class InternalError(RadixServeError):
     code = "internal"
 
@@ -63,7 +70,7 @@ class RequestTimeoutError(RadixServeError, TimeoutError):
 _BY_CODE: dict[str, type[RadixServeError]] = {
     "bad_request": BadRequestError, "too_long": TooLongError, "overloaded": OverloadedError,
     "worker_lost": WorkerLostError, "shutting_down": ShuttingDownError, "internal": InternalError,
-    "timeout": RequestTimeoutError,
+    "timeout": RequestTimeoutError, "router_lost": RouterLostError,
 }
 
 

@@ -1,7 +1,8 @@
 """Wire protocol: msgspec Structs encoded as msgpack, tagged by ``type``, over ZMQ.
 
-Sockets: the router binds one ROUTER socket; clients (SDK, ``radixserve stats``) and workers
-connect DEALER sockets to it. Every ZMQ message is one frame holding one encoded Struct (the
+Sockets: the router binds two ROUTER sockets, one for clients (SDK, ``radixserve stats``, the
+HTTP gateway) and one for workers (CURVE-authenticated with the shared worker secret, see
+:mod:`radixserve.serve.auth`); peers connect DEALER sockets. Every ZMQ message is one frame holding one encoded Struct (the
 ROUTER adds the peer identity frame). No pickle anywhere.
 
 Client -> router: :class:`Generate`, :class:`Choose`, :class:`Abort`, :class:`Health`, :class:`Stats`.
@@ -10,7 +11,7 @@ Router -> client: :class:`Chunk` (streamed tokens), then exactly one :class:`Fin
 :class:`HealthReply`, :class:`StatsReply`.
 Worker -> router: :class:`Register`, :class:`Heartbeat`, :class:`CacheEvents`, :class:`Chunk`,
 :class:`Final`, :class:`ChoiceFinal`, :class:`Error`, :class:`Goodbye`. Router -> worker: :class:`Work`, :class:`ChooseWork`,
-:class:`Abort`, :class:`Ping`, :class:`Shutdown`.
+:class:`Abort`, :class:`Ping`, :class:`Shutdown`, :class:`Refused`.
 
 Every request carries a request ``id`` (chosen by the caller, unique per connection) and the
 protocol version ``v``; a mismatch is answered with ``bad_request``. Every peer-controlled size
@@ -182,7 +183,15 @@ class Register(_Msg, tag="register"):
     max_model_len: int = 0
     kv_total_tokens: int = 0
     page_size: int = 1
+    active: list[str] = msgspec.field(default_factory=list)  # work ids it is running (re-registration)
+    fingerprint: str = ""  # the model's (auth.model_fingerprint); the router refuses a mismatch
     v: int = PROTOCOL_VERSION
+
+
+class Refused(_Msg, tag="refused"):
+    """Router -> worker: the registration is refused (e.g. another model); the worker exits."""
+
+    reason: str
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -237,7 +246,7 @@ class Shutdown(_Msg, tag="shutdown"):
 
 Message = Union[
     Generate, Abort, Health, Stats, Chunk, Final, Error, HealthReply, StatsReply,
-    Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown, Choose, ChoiceFinal, ChooseWork,
+    Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown, Choose, ChoiceFinal, ChooseWork, Refused,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -264,6 +273,8 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
+    except RecursionError:
+        raise DecodeError("nests too deeply to be a protocol message", _guess_id(frame)) from None
     v = getattr(msg, "v", PROTOCOL_VERSION)
     if v != PROTOCOL_VERSION:
         raise DecodeError(f"protocol version {v} is not supported; this server speaks {PROTOCOL_VERSION}",
@@ -274,7 +285,7 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
 def _guess_id(frame: bytes) -> str:
     try:
         raw = msgspec.msgpack.decode(frame)
-    except Exception:
+    except (Exception, RecursionError):
         return ""
     rid = raw.get("id") if isinstance(raw, dict) else None
     return rid[:128] if isinstance(rid, str) else ""

@@ -31,6 +31,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
 
     MAX_LOGPROBS = 20
+    MAX_TEMPERATURE = 100.0
+    REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
     @property
     def greedy(self) -> bool:
@@ -52,16 +54,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0.0 <= self.temperature <= self.MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {self.MAX_TEMPERATURE:g}] (0 is greedy), got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k == 0 or self.top_k < -1:
             bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        lo, hi = self.REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            bad("repetition_penalty", f"must be in [{lo:g}, {hi:g}] (1 is off), got {self.repetition_penalty!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

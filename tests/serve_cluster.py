@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -18,10 +19,14 @@ class Cluster:
     """`radixserve serve --port 0 ...`; ``address`` is read from its first stdout line."""
 
     def __init__(self, model_dir: str, workers: int = 2, *extra: str, kv_cache_tokens: int = 8192,
-                 ready_timeout: float = 90.0):
+                 ready_timeout: float = 90.0, restart: bool = False):
+        self.secret_file = os.path.join(tempfile.mkdtemp(prefix="radixserve-test-"), "worker.secret")
+        # restart=False: a killed worker stays dead, as the failure tests expect (serve's default
+        # restarts it; tests of the supervisor ask for that).
         cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", model_dir,
                "--workers", str(workers), "--port", "0", "--kv-cache-tokens", str(kv_cache_tokens),
-               "--worker-threads", "1", *extra]
+               "--worker-threads", "1", *([] if restart else ["--no-restart"]),
+               "--worker-secret-file", self.secret_file, *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
         self.workers = workers
         self.extra_procs: list[subprocess.Popen] = []
@@ -41,12 +46,13 @@ class Cluster:
         if "tcp://" not in line:
             self.stop()
             raise RuntimeError(f"serve did not start: {line!r}")
+        self.worker_address = line.split("workers connect to ", 1)[1].split(";")[0]
         return line.split("listening on ", 1)[1].split()[0]
 
     def start_worker(self, model_dir: str, name: str, *extra: str) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "worker", "--router", self.address,
-             "--model", model_dir, "--worker-id", name, "--kv-cache-tokens", "8192", "--threads", "1", *extra],
+            [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "worker", "--router", self.worker_address,
+             "--secret-file", self.secret_file, "--model", model_dir, "--worker-id", name, "--kv-cache-tokens", "8192", "--threads", "1", *extra],
             env=ENV,
         )
         self.extra_procs.append(proc)

@@ -17,7 +17,7 @@ from bench.sim import policies as P
 from bench.sim.workloads import Request, Workload, agent_fleet, load_trace, multi_turn_chat, shared_prefix
 
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = Path("/work/shared/traces/mooncake/conversation_trace.jsonl")
+MOONCAKE = REPO / "bench" / "traces" / "mooncake" / "conversation_trace.jsonl"  # vendored, Apache-2.0
 
 
 def write_mooncake(path: Path, rows: list[tuple[list[int], int]]) -> str:
@@ -275,9 +275,9 @@ def independent_mooncake_ideal(path: Path, limit: int | None = None) -> tuple[fl
 def test_mooncake_acceptance(monkeypatch):
     token_w, block_w = independent_mooncake_ideal(MOONCAKE)
     assert block_w == pytest.approx(0.366, abs=0.002)  # the trace README's figure
-    assert token_w == pytest.approx(0.374, abs=0.005)  # notes/benchmarks.md
+    assert token_w == pytest.approx(0.374, abs=0.005)  # bench/traces/README.md
     monkeypatch.chdir(REPO)
-    rel = os.path.relpath(MOONCAKE, REPO)  # ../shared/traces/... : relative paths resolve normally
+    rel = os.path.relpath(MOONCAKE, REPO)  # bench/traces/... : relative paths resolve normally
     res = run_cli(["--trace", rel, "--capacity-blocks", "5860", "--policies", "radix-lru,belady"])
     assert res["ideal"] == pytest.approx(0.374, abs=0.005)
     assert res["ideal"] == pytest.approx(token_w, abs=1e-12)
@@ -292,6 +292,6 @@ def test_mooncake_synthetic_ideal():
     path = MOONCAKE.with_name("synthetic_trace.jsonl")
     token_w, block_w = independent_mooncake_ideal(path)
     assert block_w == pytest.approx(0.640, abs=0.002)  # trace README
-    assert token_w == pytest.approx(0.651, abs=0.005)  # notes/benchmarks.md
+    assert token_w == pytest.approx(0.651, abs=0.005)  # bench/traces/README.md
     w = load_trace(str(path))
     assert P.ideal(w) / w.prompt_tokens == pytest.approx(token_w, abs=1e-12)

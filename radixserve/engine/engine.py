@@ -196,6 +196,10 @@ class Engine:
         tokens, logprobs = self.sampler(logits, [item.req for item in sampling])
         for item, token, logprob in zip(sampling, tokens, logprobs):
             req = item.req
+            if token is None:  # sampling this row failed: this request fails, its batch-mates go on
+                self._counters["errors"] += 1
+                chunks.append(self._finish(req, "error"))
+                continue
             req.append(token)
             self._counters["generated_tokens"] += 1
             if req.first_token_at is None:
@@ -230,22 +234,27 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                op, arg, on_chunk = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if op == "add":
-                self._requests[arg.rid] = arg
-                if on_chunk is not None:
-                    self._listeners[arg.rid] = on_chunk
-                self._counters["requests"] += 1
-                self._counters["prompt_tokens"] += len(arg.prompt_ids)
-                self.scheduler.add(arg)
-            elif op == "abort":
-                req = self._requests.get(arg)
-                if req is not None and not req.finished:
-                    self._finish(req, "abort")
-            elif op == "call":
-                arg()
+            self._apply(item)
+
+    def _apply(self, item) -> None:
+        """One inbox operation, in arrival order."""
+        op, arg, on_chunk = item
+        if op == "add":
+            self._requests[arg.rid] = arg
+            if on_chunk is not None:
+                self._listeners[arg.rid] = on_chunk
+            self._counters["requests"] += 1
+            self._counters["prompt_tokens"] += len(arg.prompt_ids)
+            self.scheduler.add(arg)
+        elif op == "abort":
+            req = self._requests.get(arg)
+            if req is not None and not req.finished:
+                self._finish(req, "abort")
+        elif op == "call":
+            arg()
 
     def _stop_reason(self, req: Request) -> str | None:
         p = req.params
@@ -467,9 +476,12 @@ class Engine:
         while not self._stopping.is_set():
             if not self.scheduler.has_work:
                 try:
-                    self._inbox.put(self._inbox.get(timeout=0.5))  # sleep until something arrives
+                    item = self._inbox.get(timeout=0.5)  # sleep until something arrives
                 except queue.Empty:
                     continue
+                # Apply it now, before what came after it: putting it back at the tail let an
+                # abort that arrived meanwhile run before its own add (and be lost).
+                self._apply(item)
             try:
                 self.step()
             except Exception:  # never leave a request without a final message

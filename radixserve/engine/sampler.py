@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from radixserve.engine.request import Request, TokenLogprob
+
+log = logging.getLogger("radixserve.sampler")
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy to float precision: divide by this instead
 
 
 class Sampler:
@@ -21,21 +27,33 @@ class Sampler:
             return None
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int | None], list[TokenLogprob | None]]:
         raw = logits
+        failed: set[int] = set()
         if any(r.params.needs_penalties for r in reqs):
             logits = logits.clone()
             for row, r in enumerate(reqs):
                 if r.params.needs_penalties:
-                    _apply_penalties(logits[row], r)
+                    try:
+                        _apply_penalties(logits[row], r)
+                        _sanitize_(logits[row])
+                    except Exception:
+                        log.exception("penalties failed for request %s; failing it alone", r.rid)
+                        failed.add(row)
         tokens = logits.argmax(dim=-1)
         for row, r in enumerate(reqs):
-            if not r.params.greedy:
-                tokens[row] = self._sample_row(logits[row], r)
-        token_list = tokens.tolist()
+            if not r.params.greedy and row not in failed:
+                try:
+                    tokens[row] = self._sample_row(logits[row], r)
+                except Exception:
+                    log.exception("sampling failed for request %s; failing it alone", r.rid)
+                    failed.add(row)
+        token_list: list[int | None] = tokens.tolist()
+        for row in failed:
+            token_list[row] = None
 
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        wanted = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
+        wanted = [row for row, r in enumerate(reqs) if r.params.logprobs is not None and row not in failed]
         if wanted:
             lp = torch.log_softmax(raw[wanted], dim=-1)
             for i, row in enumerate(wanted):
@@ -47,7 +65,7 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, r: Request) -> int:
         p = r.params
-        row = row / p.temperature
+        row = _sanitize_(row / max(p.temperature, MIN_TEMPERATURE))
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -58,8 +76,15 @@ class Sampler:
             probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            return int(row.argmax())  # nothing left to draw from (or under/overflow): the mode
         generator = r.generator or self.generator
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _sanitize_(row: torch.Tensor) -> torch.Tensor:
+    """In place: NaN -> -inf, +inf -> the dtype's max, so softmax and argmax stay defined."""
+    return torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max, neginf=float("-inf"))
 
 
 def _apply_penalties(row: torch.Tensor, r: Request) -> None:

@@ -409,6 +409,8 @@ class Gateway:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise bad(None, f"the request body is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise bad(None, "the request body nests too deeply") from None
         if not isinstance(body, dict):
             raise bad(None, "the request body must be a JSON object")
         return body
@@ -447,9 +449,12 @@ class Gateway:
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watcher.cancel()
             if not task.done():
                 task.cancel()
-            watcher.cancel()
+                # Wait for the cancellation to land: reading the result of a task that is still
+                # cancelling raised InvalidStateError (a logged 500 for a client that left).
+                await asyncio.gather(task, return_exceptions=True)
         if task.cancelled():
             raise APIError(499, "client closed the request", code="client_closed")
         return task.result()
@@ -787,10 +792,59 @@ class Gateway:
 
 
 # ------------------------------------------------------------------------------------ server
-class GatewayServer:
-    """uvicorn serving a :class:`Gateway` on a thread with its own (uvloop) event loop."""
+def _guarded_h11(header_timeout_s: float, max_connections: int):
+    """uvicorn's h11 protocol with two guards uvicorn lacks: a connection must complete each
+    request head within ``header_timeout_s`` (slowloris), and connections beyond
+    ``max_connections`` are closed at once."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def __init__(self, gateway: Gateway, host: str, port: int):
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                log.warning("HTTP connection cap (%d) reached; closing a new connection", max_connections)
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # still no complete request head
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                self._arm()  # part of a request head: it has header_timeout_s to finish
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+class GatewayServer:
+    """uvicorn serving a :class:`Gateway` on a thread with its own (uvloop) event loop.
+    ``header_timeout_s``: time a connection has to send a complete request head;
+    ``max_connections``: open connections at most (beyond: closed at once)."""
+
+    def __init__(self, gateway: Gateway, host: str, port: int, *, header_timeout_s: float = 10.0,
+                 max_connections: int = 1024):
         import uvicorn
 
         self.gateway = gateway
@@ -802,7 +856,9 @@ class GatewayServer:
         self.sock.setblocking(False)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.config = uvicorn.Config(gateway.app, lifespan="off", log_level="warning", access_log=False,
-                                     timeout_keep_alive=15, timeout_graceful_shutdown=3)
+                                     timeout_keep_alive=15, timeout_graceful_shutdown=3,
+                                     http=_guarded_h11(header_timeout_s, max_connections),
+                                     h11_max_incomplete_event_size=64 * 1024)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self._run, name="radixserve-http", daemon=True)
 
@@ -854,7 +910,9 @@ def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None) -
     config = GatewayConfig(router=router_address, model_names=names, host=args.host, port=args.http_port,
                            max_body_bytes=limits.max_frame_bytes, limits=limits)
     try:
-        server = GatewayServer(Gateway(config, tokenizer, Tenants(keys)), args.host, args.http_port).start()
+        server = GatewayServer(Gateway(config, tokenizer, Tenants(keys)), args.host, args.http_port,
+                               header_timeout_s=getattr(args, "http_header_timeout", 10.0),
+                               max_connections=getattr(args, "http_max_connections", 1024)).start()
     except OSError as exc:
         raise RadixServeError(f"--http-port {args.http_port}: cannot listen on {args.host}: {exc}") from None
     print(f"radixserve: HTTP API on {server.url}/v1 (model {names[0]!r}; "

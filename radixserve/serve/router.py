@@ -1,8 +1,12 @@
 """The router: one asyncio (uvloop) process in front of N worker processes.
 
-One ROUTER socket (bound, 127.0.0.1 by default) serves clients and workers alike: a peer is a
-worker once it sent :class:`~radixserve.protocol.Register`. Each message is handled to the end
-synchronously on the loop (no awaits in handlers), so the router's state never races.
+Two ROUTER sockets (bound, 127.0.0.1 by default): one for clients, one for workers. The worker
+socket is a CURVE server that admits only peers holding the shared worker secret
+(:mod:`radixserve.serve.auth`); a peer there is a worker once it sent a
+:class:`~radixserve.protocol.Register` whose model fingerprint matches ours. Worker messages on
+the client socket are refused, so no client can pose as a worker. Each message is handled to the
+end synchronously on the loop (no awaits in handlers), so the router's state never races; long
+prompts are tokenized in a bounded thread pool, off the loop.
 
 Admission: a request goes to a worker only while that worker has fewer than
 ``max_inflight_per_worker`` requests in flight; otherwise it waits in one router queue of at most
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -45,6 +50,11 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 7700
     address: str | None = None  # full ZMQ address to bind (overrides host/port), e.g. ipc:///tmp/rs
+    worker_port: int | None = None  # the worker socket's port (default: port + 1; random when port is 0)
+    worker_address: str | None = None  # full ZMQ address of the worker socket (overrides worker_port)
+    secret: str | None = None  # the shared worker secret (64 hex); None: a fresh one (Router.secret)
+    model_fingerprint: str | None = None  # refuse workers of another model (None: accept any)
+    forget_dead_s: float = 60.0  # a dead worker that is not ours to restart is dropped after this
     policy: str = "cache_aware"
     max_queue: int = 256
     max_inflight_per_worker: int = 64
@@ -59,6 +69,15 @@ class RouterConfig:
     balance_abs: int = 16
     balance_rel: float = 1.5
     cache_threshold: float = 0.3
+    # Tokenizing a long prompt takes seconds: it runs in a bounded thread pool, never on the loop
+    # (a stalled loop sends no pings, and workers would take the router for dead).
+    tokenize_threads: int = 2
+    max_tokenizing: int = 32  # prompts being tokenized at once; beyond: overloaded
+    inline_tokenize_chars: int = 8192  # shorter prompts are tokenized on the loop (microseconds)
+    # The longest prompt (characters) worth tokenizing: the context in tokens times the longest
+    # token in characters. None: derived from max_model_len and the tokenizer's vocabulary.
+    max_prompt_chars: int | None = None
+    max_model_len: int | None = None  # the model's context (tokens); None: from registered workers
 
 
 @dataclass(eq=False)
@@ -102,6 +121,7 @@ class WorkerState:
 
 COUNTERS = (
     "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
+    "refused_workers",
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
@@ -126,29 +146,74 @@ class Router:
         self.started = time.monotonic()
         self._n = itertools.count(1)
         self.address = ""
+        self.worker_address = ""
+        from radixserve.serve import auth
+
+        self.secret = auth.check_secret(config.secret) if config.secret else auth.new_secret()
         self.local_procs: list[Any] = []
         self._stopped: asyncio.Event | None = None
         self._bound = None
+        self.supervisor = None  # serve's Supervisor of local worker processes (restarts them)
+        self.fatal: str | None = None  # why serve must exit non-zero (e.g. every worker failed at start-up)
+        self.forced = False  # a second interrupt: stopped without draining
+        self.on_ready = None  # called once with the number of live workers when every local one joined
+        self._announced = False
+        self._tok_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tokenizing: dict[tuple, bool] = {}  # key -> aborted while tokenizing
+        self._last_tick = time.monotonic()
+        self._token_chars = _longest_token_chars(tokenizer)
+
+    @property
+    def local_procs(self) -> list[Any]:
+        return self.supervisor.procs if self.supervisor is not None else self._local_procs
+
+    @local_procs.setter
+    def local_procs(self, procs: list[Any]) -> None:
+        self._local_procs = procs
+
+    def prompt_char_limit(self) -> int:
+        """Prompts longer than this (characters) cannot fit the context: refused untokenized."""
+        cfg = self.config
+        limit = cfg.limits.max_prompt_chars
+        if cfg.max_prompt_chars is not None:
+            return min(limit, cfg.max_prompt_chars)
+        context = cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
+        if context:
+            limit = min(limit, context * self._token_chars)
+        return limit
 
     # ------------------------------------------------------------------ socket
     def bind(self) -> str:
-        """Bind the ROUTER socket; returns the address (with the real port when port is 0)."""
+        """Bind the client and worker sockets; returns the client address (with the real port
+        when port is 0); the worker socket's is :attr:`worker_address`. A busy address raises
+        :class:`~radixserve.errors.RadixServeError` naming it."""
+        from radixserve.serve import auth
+
         self.ctx = zmq.asyncio.Context()
+        cfg = self.config
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
-        sock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)  # hard cap; soft per-peer below
-        cfg = self.config
-        if cfg.address:
-            sock.bind(cfg.address)
-            self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        elif cfg.port == 0:
-            port = sock.bind_to_random_port(f"tcp://{cfg.host}")
-            self.address = f"tcp://{cfg.host}:{port}"
-        else:
-            sock.bind(f"tcp://{cfg.host}:{cfg.port}")
-            self.address = f"tcp://{cfg.host}:{cfg.port}"
+        # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
+        # still gets an error reply naming the limit.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
+        self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
         self.sock = sock
+        wsock = self.ctx.socket(zmq.ROUTER)
+        wsock.setsockopt(zmq.LINGER, 500)
+        wsock.setsockopt(zmq.SNDHWM, 0)
+        wsock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)
+        auth.make_server(wsock, self.secret)
+        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters)
+        worker_address = cfg.worker_address
+        if worker_address is None and cfg.address and cfg.address.startswith("ipc://"):
+            worker_address = cfg.address + "-workers"
+        port = cfg.worker_port if cfg.worker_port is not None else (cfg.port + 1 if cfg.port and not cfg.address else 0)
+        host = cfg.host
+        if cfg.address and cfg.address.startswith("tcp://"):
+            host = cfg.address[len("tcp://"):].rsplit(":", 1)[0]
+        self.worker_address = _bind(wsock, worker_address, host, port, "worker")
+        self.wsock = wsock
         return self.address
 
     def _send(self, identity: bytes, msg) -> None:
@@ -156,6 +221,13 @@ class Router:
             self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # unreachable peer: ROUTER drops; never let it kill the loop
             log.debug("send to %r failed: %s", identity, exc)
+
+    def _wsend(self, identity: bytes, msg) -> None:
+        """Send to a worker (on the worker socket)."""
+        try:
+            self.wsock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("send to worker %r failed: %s", identity, exc)
 
     def _reply_error(self, identity: bytes, rid: str, code: str, message: str) -> None:
         self.counters[f"errors_{code}"] = self.counters.get(f"errors_{code}", 0) + 1
@@ -172,14 +244,50 @@ class Router:
                 loop.add_signal_handler(sig, self.request_shutdown)
             except (NotImplementedError, RuntimeError):
                 pass
-        tasks = [asyncio.ensure_future(self._receiver()), asyncio.ensure_future(self._ticker())]
+        tasks = [asyncio.ensure_future(self._receiver()), asyncio.ensure_future(self._worker_receiver()),
+                 asyncio.ensure_future(self._ticker())]
         if self.config.metrics_log:
             tasks.append(asyncio.ensure_future(self._metrics_logger()))
         await self._stopped.wait()
         for t in tasks:
             t.cancel()
+        if self._tok_pool is not None:
+            self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        self._auth.stop()
         self.sock.close(linger=500)
+        self.wsock.close(linger=500)
         self.ctx.term()
+
+    async def _worker_receiver(self) -> None:
+        while True:
+            parts = await self.wsock.recv_multipart(copy=True)
+            try:
+                self._on_worker_frames(parts)
+            except Exception:
+                log.exception("router failed handling a worker message")
+
+    def _on_worker_frames(self, parts: list[bytes]) -> None:
+        """A message on the worker socket: the peer holds the secret (CURVE let it in)."""
+        identity = parts[0]
+        worker = self.by_identity.get(identity)
+        if len(parts) != 2:
+            self.counters["bad_frames"] += 1
+            return
+        try:
+            msg = P.decode(parts[1], max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
+        except P.DecodeError as exc:
+            self.counters["bad_frames"] += 1
+            log.warning("bad frame from worker %r: %s", identity, exc)
+            return
+        handler = _WORKER_HANDLERS.get(type(msg))
+        if handler is None:
+            log.warning("worker %r sent a %s, which is not a worker message", identity, type(msg).__name__)
+            return
+        if worker is None and not isinstance(msg, P.Register):
+            return  # not (or no longer) registered: it registers again when it hears nothing from us
+        if worker is not None:
+            worker.last_seen = time.monotonic()
+        handler(self, identity, worker, msg)
 
     async def _receiver(self) -> None:
         while True:
@@ -190,27 +298,25 @@ class Router:
                 log.exception("router failed handling a message")
 
     def _on_frames(self, parts: list[bytes]) -> None:
+        """A message on the client socket: only client requests are accepted here."""
         identity = parts[0]
-        worker = self.by_identity.get(identity)
         if len(parts) != 2:
             self.counters["bad_frames"] += 1
             self._reply_error(identity, "", P.BAD_REQUEST, f"frame: expected one frame per message, got {len(parts) - 1}")
             return
-        limit = P.WORKER_MAX_FRAME_BYTES if worker is not None else self.config.limits.max_frame_bytes
         try:
-            msg = P.decode(parts[1], max_frame_bytes=limit)
+            msg = P.decode(parts[1], max_frame_bytes=self.config.limits.max_frame_bytes)
         except P.DecodeError as exc:
             self.counters["bad_frames"] += 1
             self._reply_error(identity, exc.request_id, P.BAD_REQUEST, str(exc))
             return
-        if worker is not None:
-            worker.last_seen = time.monotonic()
         handler = _HANDLERS.get(type(msg))
         if handler is None:
+            hint = " (workers connect to the worker socket, with the secret)" if type(msg) in _WORKER_HANDLERS else ""
             self._reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST,
-                              f"type: {type(msg).__name__} is not a request a router accepts")
+                              f"type: {type(msg).__name__} is not a request a router accepts{hint}")
             return
-        handler(self, identity, worker, msg)
+        handler(self, identity, None, msg)
 
     # ------------------------------------------------------------------ client requests
     def _accepting(self, identity: bytes, msg) -> tuple | None:
@@ -219,7 +325,7 @@ class Router:
             self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
             return None
         key = (identity, msg.id)
-        if key in self.jobs:
+        if key in self.jobs or key in self._tokenizing:
             self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
             return None
         return key
@@ -230,13 +336,70 @@ class Router:
             return
         try:
             P.validate_generate(msg, self.config.limits)
-            ids = msg.token_ids
-            if ids is None:
+            if msg.token_ids is None:
                 if self.tokenizer is None:
                     raise P.DecodeError("this router has no tokenizer; send token_ids", msg.id)
-                ids = self.tokenizer.encode(msg.prompt)
-                if len(ids) > self.config.limits.max_prompt_tokens:
-                    raise P._too_long(len(ids), self.config.limits)
+                self._check_prompt_chars(len(msg.prompt))
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        if msg.token_ids is not None:
+            self._admit_generate(key, identity, msg, msg.token_ids)
+        else:
+            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(msg.prompt),),
+                           lambda ids: self._admit_generate(key, identity, msg, ids))
+
+    def _check_prompt_chars(self, n: int) -> None:
+        limit = self.prompt_char_limit()
+        if n > limit:
+            from radixserve.errors import TooLongError
+
+            raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit "
+                                         f"the model's context")
+
+    def _tokenize(self, key, identity: bytes, msg, compute, then) -> None:
+        """Run ``compute()`` (tokenizer calls) off the loop when the prompt is long, then
+        ``then(*result)`` on the loop; answers overloaded when too many prompts are in the pool."""
+        if len(msg.prompt) <= self.config.inline_tokenize_chars:
+            then(*compute())
+            return
+        if len(self._tokenizing) >= self.config.max_tokenizing:
+            self.counters["overloaded"] += 1
+            self._reply_error(identity, msg.id, P.OVERLOADED,
+                              f"{len(self._tokenizing)} long prompts are being tokenized; retry later")
+            return
+        if self._tok_pool is None:
+            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
+                                                                   thread_name_prefix="tokenize")
+        self._tokenizing[key] = False
+        future = asyncio.get_running_loop().run_in_executor(self._tok_pool, compute)
+
+        def done(fut) -> None:
+            aborted = self._tokenizing.pop(key, False)
+            try:
+                if fut.cancelled():
+                    raise RuntimeError("tokenizing was cancelled")
+                result = fut.result()
+            except Exception as exc:
+                self._reply_error(identity, msg.id, P.INTERNAL, f"tokenizing failed: {type(exc).__name__}: {exc}")
+                return
+            if aborted:
+                self._reply_error(identity, msg.id, P.BAD_REQUEST, "aborted by the client")
+            elif self.shutting_down:
+                self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
+            else:
+                try:
+                    then(*result)
+                except Exception:  # a bug must not leave the call without a reply
+                    log.exception("router failed admitting a tokenized request")
+                    self._reply_error(identity, msg.id, P.INTERNAL, "router error admitting the request")
+
+        future.add_done_callback(done)
+
+    def _admit_generate(self, key, identity: bytes, msg: P.Generate, ids) -> None:
+        try:
+            if len(ids) > self.config.limits.max_prompt_tokens:
+                raise P._too_long(len(ids), self.config.limits)
             if not ids:
                 raise P.DecodeError("prompt tokenizes to nothing", msg.id)
         except RadixServeError as exc:
@@ -256,10 +419,26 @@ class Router:
             P.validate_choose(msg, self.config.limits)
             if self.tokenizer is None:
                 raise P.DecodeError("this router has no tokenizer; choose needs one", msg.id)
-            ids = msg.token_ids if msg.token_ids is not None else self.tokenizer.encode(msg.prompt)
+            if msg.prompt is not None:
+                self._check_prompt_chars(len(msg.prompt))
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        tok = self.tokenizer
+
+        def compute():
+            ids = msg.token_ids if msg.token_ids is not None else tok.encode(msg.prompt)
+            return ids, [tok.encode(c, add_special_tokens=False) for c in msg.choices]
+
+        if msg.prompt is None:
+            self._admit_choose(key, identity, msg, *compute())
+        else:
+            self._tokenize(key, identity, msg, compute, lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids))
+
+    def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids) -> None:
+        try:
             if len(ids) > self.config.limits.max_prompt_tokens:
                 raise P._too_long(len(ids), self.config.limits)
-            choice_ids = [self.tokenizer.encode(c, add_special_tokens=False) for c in msg.choices]
             if not ids or not all(choice_ids):
                 raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
         except RadixServeError as exc:
@@ -292,6 +471,9 @@ class Router:
                               f"is full ({self.config.max_queue}); retry later or add workers")
 
     def _on_abort(self, identity: bytes, worker, msg: P.Abort) -> None:
+        if (identity, msg.id) in self._tokenizing:
+            self._tokenizing[(identity, msg.id)] = True  # answered when tokenizing ends
+            return
         job = self.jobs.get((identity, msg.id))
         if job is None:
             return
@@ -310,7 +492,7 @@ class Router:
                                                              e2e_s=time.monotonic() - job.arrival)))
             self.counters["aborted"] += 1
         else:
-            self._send(job.worker.identity, P.Abort(id=job.work_id))
+            self._wsend(job.worker.identity, P.Abort(id=job.work_id))
 
     def _on_health(self, identity: bytes, worker, msg: P.Health) -> None:
         alive = len(self._alive())
@@ -320,14 +502,36 @@ class Router:
     def _on_stats(self, identity: bytes, worker, msg: P.Stats) -> None:
         probe = None
         if msg.probe is not None:
-            ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(msg.probe) if self.tokenizer else [])
+            # a text probe is tokenized on the loop: only its first 65536 characters (milliseconds)
+            text = msg.probe[: min(self.prompt_char_limit(), 65536)] if isinstance(msg.probe, str) else ""
+            ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(text) if self.tokenizer else [])
             ids = ids[: self.config.limits.max_probe_tokens]
             probe = {w.name: w.index.tree.peek(ids, msg.namespace) for w in self.workers.values()}
         self._send(identity, P.StatsReply(id=msg.id, stats=self.stats(probe)))
 
     # ------------------------------------------------------------------ worker messages
     def _on_register(self, identity: bytes, worker, msg: P.Register) -> None:
+        want = self.config.model_fingerprint
+        if want and msg.fingerprint != want:
+            self.counters["refused_workers"] = self.counters.get("refused_workers", 0) + 1
+            why = (f"its model fingerprint {msg.fingerprint or '(none)'} differs from the router's {want} "
+                   f"(config.json hash:vocabulary size); start it with the router's --model")
+            log.error("refused worker %s (pid %d on %s): %s", msg.worker, msg.pid, msg.host, why)
+            self._wsend(identity, P.Refused(reason=why))
+            return
+        if worker is not None and worker.name != msg.worker:
+            self._wsend(identity, P.Refused(reason=f"this connection is worker {worker.name}; it cannot rename itself"))
+            return
         old = self.workers.get(msg.worker)
+        if old is not None and old.alive and old.pid == msg.pid and old.identity == identity:
+            # The same live process registering again: it heard nothing from us for a while (we
+            # were stalled, or the network was). Not a restart: keep its state and its requests.
+            old.last_seen = time.monotonic()
+            self._abort_unknown(old, msg.active)
+            log.info("worker %s registered again (pid %d, same process); keeping its %d requests",
+                     old.name, old.pid, len(old.inflight))
+            self._wsend(identity, P.Ping())
+            return
         if old is not None and old.alive:
             self._declare_dead(old, "it registered again (restarted)")
         state = WorkerState(name=msg.worker, identity=identity, pid=msg.pid, host=msg.host,
@@ -338,11 +542,25 @@ class Router:
         for proc in self.local_procs:
             if getattr(proc, "worker_name", None) == msg.worker:
                 state.proc = proc
+        if self.supervisor is not None:
+            self.supervisor.on_registered(msg.worker, msg.pid)
         self.workers[msg.worker] = state
         self.by_identity[identity] = state
+        self._abort_unknown(state, msg.active)
+        if not self._announced and self.supervisor is not None and self.on_ready is not None:
+            local = self.supervisor.workers
+            if all(n in self.workers and self.workers[n].alive for n in local):
+                self._announced = True
+                self.on_ready(len(self._alive()))
         log.info("worker %s joined (pid %d on %s, KV %d tokens)", msg.worker, msg.pid, msg.host, msg.kv_total_tokens)
-        self._send(identity, P.Ping())
+        self._wsend(identity, P.Ping())
         self._pump()
+
+    def _abort_unknown(self, worker: WorkerState, active: list[str]) -> None:
+        """Abort the worker's requests that we gave up (e.g. restarted elsewhere)."""
+        for wid in active[:4096]:
+            if wid not in worker.inflight:
+                self._wsend(worker.identity, P.Abort(id=wid))
 
     def _on_heartbeat(self, identity: bytes, worker, msg: P.Heartbeat) -> None:
         if worker is None:  # e.g. declared dead, or the router restarted: ask it to register
@@ -462,10 +680,10 @@ class Router:
         if self.policy.name == "cache_aware":
             w.index.add_pending(job.work_id, job.namespace, job.token_ids)
         if job.choose is not None:
-            self._send(w.identity, P.ChooseWork(id=job.work_id, token_ids=job.token_ids, namespace=job.namespace,
+            self._wsend(w.identity, P.ChooseWork(id=job.work_id, token_ids=job.token_ids, namespace=job.namespace,
                                                 **job.choose))
         else:
-            self._send(w.identity, P.Work(id=job.work_id, token_ids=job.token_ids, params=job.params,
+            self._wsend(w.identity, P.Work(id=job.work_id, token_ids=job.token_ids, params=job.params,
                                           namespace=job.namespace, stream=job.stream))
 
     def _pump(self) -> None:
@@ -526,9 +744,24 @@ class Router:
     # ------------------------------------------------------------------ timers
     async def _ticker(self) -> None:
         cfg = self.config
+        self._last_tick = time.monotonic()
         while True:
             await asyncio.sleep(cfg.heartbeat_s)
             now = time.monotonic()
+            late = now - self._last_tick - cfg.heartbeat_s
+            self._last_tick = now
+            if late > cfg.heartbeat_s:
+                # Our own loop was stalled: the silence is ours, not the workers'. Give every
+                # worker a fresh window; what they sent meanwhile is still queued for us.
+                log.warning("router loop stalled for %.1f s; not counting it against workers", late)
+                for w in self.workers.values():
+                    w.last_seen = max(w.last_seen, now)
+            if self.supervisor is not None:
+                self.supervisor.tick(now, shutting_down=self.shutting_down)
+                if self.supervisor.fatal and not any(w.alive for w in self.workers.values()):
+                    self.fatal = self.supervisor.fatal
+                    log.error("%s", self.fatal)
+                    self.request_shutdown()
             for w in list(self.workers.values()):
                 if not w.alive:
                     continue
@@ -537,7 +770,10 @@ class Router:
                 elif now - w.last_seen > cfg.heartbeat_timeout_s:
                     self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f} s")
                 else:
-                    self._send(w.identity, P.Ping())
+                    self._wsend(w.identity, P.Ping())
+            for w in [w for w in self.workers.values() if not w.alive and w.proc is None]:
+                if now - w.last_seen > cfg.forget_dead_s:  # remote and gone: forget it
+                    del self.workers[w.name]
             if self.queue and not any(w.alive for w in self.workers.values()):
                 while self.queue and now - self.queue[0].queued_at > cfg.no_worker_wait_s:
                     job = self.queue.popleft()
@@ -556,8 +792,21 @@ class Router:
 
     # ------------------------------------------------------------------ shutdown
     def request_shutdown(self) -> None:
+        """First call (Ctrl-C, SIGTERM): drain. A second one: stop now, without draining."""
         if not self.shutting_down:
             asyncio.ensure_future(self.shutdown())
+        elif not self.forced:
+            self.forced = True
+            log.warning("second interrupt: stopping now without draining")
+            for job in list(self.works.values()) + list(self.jobs.values()):
+                self._reply_error(job.client, job.cid, P.SHUTTING_DOWN, "the router was stopped")
+            self.works.clear()
+            self.jobs.clear()
+            for proc in self.local_procs:
+                if proc.poll() is None:
+                    proc.kill()
+            if self._stopped is not None:
+                self._stopped.set()
 
     async def shutdown(self) -> None:
         """Refuse new work, fail the queue, let requests in flight finish for ``drain_s``, fail
@@ -569,7 +818,7 @@ class Router:
         self._fail_queue(P.SHUTTING_DOWN, "the router is shutting down")
         for w in self.workers.values():
             if w.alive:
-                self._send(w.identity, P.Shutdown(grace_s=self.config.drain_s))
+                self._wsend(w.identity, P.Shutdown(grace_s=self.config.drain_s))
         deadline = time.monotonic() + self.config.drain_s + 2.0
         while self.works and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -601,10 +850,12 @@ class Router:
                 "inflight": len(w.inflight), "routed": w.routed, "completed": w.completed,
                 "index_tokens": w.index.tokens, "last_seen_s": round(now - w.last_seen, 3),
                 **w.info, "engine": engine, "histograms": hists,
+                **({"restarts": self.supervisor.workers[w.name].restarts}
+                   if self.supervisor is not None and w.name in self.supervisor.workers else {}),
             }
         out = {
             "router": {
-                "address": self.address, "policy": self.policy.name, "uptime_s": round(now - self.started, 3),
+                "address": self.address, "worker_address": self.worker_address, "policy": self.policy.name, "uptime_s": round(now - self.started, 3),
                 "pid": os.getpid(),
                 "counters": dict(self.counters),
                 "gauges": {
@@ -623,13 +874,42 @@ class Router:
         return out
 
 
-_HANDLERS = {
+_HANDLERS = {  # the client socket
     P.Generate: Router._on_generate, P.Abort: Router._on_abort, P.Health: Router._on_health,
-    P.Stats: Router._on_stats, P.Register: Router._on_register, P.Heartbeat: Router._on_heartbeat,
+    P.Stats: Router._on_stats, P.Choose: Router._on_choose,
+}
+_WORKER_HANDLERS = {  # the worker socket
+    P.Register: Router._on_register, P.Heartbeat: Router._on_heartbeat,
     P.CacheEvents: Router._on_cache_events, P.Goodbye: Router._on_goodbye,
     P.Chunk: Router._on_chunk, P.Final: Router._on_final, P.Error: Router._on_worker_error,
-    P.Choose: Router._on_choose, P.ChoiceFinal: Router._on_choice_final,
+    P.ChoiceFinal: Router._on_choice_final,
 }
+
+
+def _bind(sock, address: str | None, host: str, port: int, what: str) -> str:
+    try:
+        if address:
+            sock.bind(address)
+            return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        if port == 0:
+            return f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+        sock.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+    except zmq.ZMQError as exc:
+        where = address or f"tcp://{host}:{port}"
+        hint = " (is another radixserve running? pick another --port, or 0 for a free one)" if exc.errno == zmq.EADDRINUSE else ""
+        raise RadixServeError(f"cannot bind the {what} socket to {where}: {exc}{hint}") from None
+
+
+def _longest_token_chars(tokenizer, cap: int = 64) -> int:
+    """Characters in the vocabulary's longest token (at least 4, at most ``cap``): a prompt of
+    more than ``context x this`` characters cannot fit the context."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max(len(t) for t in vocab) if vocab else cap
+    except Exception:
+        longest = cap
+    return max(4, min(cap, longest))
 
 
 def load_tokenizer(model: str | None):

@@ -1,4 +1,8 @@
-"""A worker process: one Engine behind a DEALER socket connected to the router.
+"""A worker process: one Engine behind a DEALER socket connected to the router's worker socket.
+
+The connection is CURVE-authenticated with the shared worker secret (:mod:`radixserve.serve.auth`);
+the Register message carries the model fingerprint, and a :class:`~radixserve.protocol.Refused`
+answer (another model) makes the worker exit with status 3.
 
 Threads: the asyncio loop (uvloop) owns the socket; the Engine's scheduler runs in its own
 thread. Everything the engine thread produces (token chunks, finals, cache events) is handed
@@ -14,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -33,12 +38,17 @@ ROUTER_TIMEOUT_S = 5.0  # no word from the router this long: re-register
 
 class Worker:
     def __init__(self, engine, router: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 exit_with_parent: bool = False):
+                 exit_with_parent: bool = False, secret: str):
         self.parent = os.getppid() if exit_with_parent else None
         self.engine = engine
         self.router = router
         self.name = name
         self.heartbeat_s = heartbeat_s
+        self.secret = secret
+        self.refused: str | None = None
+        from radixserve.serve.auth import model_fingerprint
+
+        self.fingerprint = model_fingerprint(engine.loaded.path, len(engine.tokenizer))
         self.active: dict[str, Any] = {}  # work id -> Request
         self.stopping = False
         self._events: list[P.CacheEvent] = []
@@ -82,7 +92,7 @@ class Worker:
             self._send(P.Error(id=work.id, code=P.SHUTTING_DOWN, message=f"worker {self.name} is shutting down"))
             return
         if out.finish_reason == "error":
-            self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"worker {self.name}: engine step failed"))
+            self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"worker {self.name}: the request failed in the engine (see the worker log)"))
             return
         self.ttft.observe(out.ttft_s)
         self.e2e.observe(out.e2e_s)
@@ -107,7 +117,7 @@ class Worker:
         e = self.engine
         self._send(P.Register(worker=self.name, pid=os.getpid(), host=socket.gethostname(),
                               max_model_len=e.max_model_len, kv_total_tokens=e.pool.capacity_tokens,
-                              page_size=e.pool.page_size))
+                              page_size=e.pool.page_size, active=list(self.active), fingerprint=self.fingerprint))
 
     def _abort(self, work_id: str) -> None:
         item = self.active.get(work_id)
@@ -130,6 +140,10 @@ class Worker:
             asyncio.ensure_future(self.drain(msg.grace_s))
         elif isinstance(msg, P.Ping):
             pass
+        elif isinstance(msg, P.Refused):
+            log.error("the router refused this worker: %s", msg.reason)
+            self.refused = msg.reason
+            asyncio.ensure_future(self.drain(0.0))
 
     def _start(self, work: P.Work) -> None:
         if self.stopping:
@@ -196,9 +210,9 @@ class Worker:
                 log.warning("the serve process that started this worker is gone; exiting")
                 asyncio.ensure_future(self.drain(0.0))
             if time.monotonic() - self._last_router > ROUTER_TIMEOUT_S and not self.stopping:
+                # The router may be stalled, restarted or unreachable. Register again and tell it
+                # what is running: it keeps what it still knows and aborts the rest.
                 log.warning("no word from the router for %.0f s; registering again", ROUTER_TIMEOUT_S)
-                for rid in list(self.active):
-                    self._abort(rid)  # the router has given these up
                 self._register()
                 self._last_router = time.monotonic()
 
@@ -227,6 +241,9 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
+        from radixserve.serve.auth import make_client
+
+        make_client(self.sock, self.secret)
         self.sock.connect(self.router)
         self._outq: asyncio.Queue[bytes] = asyncio.Queue()
         self._done = asyncio.Event()
@@ -263,12 +280,18 @@ class Worker:
                 log.exception("worker failed handling %s", type(msg).__name__)
 
 
-def run_worker(engine, router: str, name: str | None = None, *, exit_with_parent: bool = False) -> None:
+def run_worker(engine, router: str, name: str | None = None, *, exit_with_parent: bool = False,
+               secret: str) -> int:
+    """Serve until told to stop; returns the exit status (3: the router refused this worker)."""
     name = name or f"{socket.gethostname()}-{os.getpid()}"
-    worker = Worker(engine, router, name, exit_with_parent=exit_with_parent)
+    worker = Worker(engine, router, name, exit_with_parent=exit_with_parent, secret=secret)
     try:
         import uvloop
 
         uvloop.run(worker.run())
     except ImportError:
         asyncio.run(worker.run())
+    if worker.refused:
+        print(f"radixserve: error: the router refused worker {name}: {worker.refused}", file=sys.stderr, flush=True)
+        return 3
+    return 0

@@ -1,0 +1,162 @@
+"""Worker authentication: a shared secret, ZMQ CURVE on the worker socket, a model fingerprint.
+
+Clients and workers talk to the router on separate sockets. The worker socket is a CURVE server:
+every connection is authenticated and encrypted (CurveZMQ). Both key pairs are derived from one
+shared secret (64 hex characters), so knowing the secret is what makes a peer a worker:
+
+- router key pair: ``sha256("radixserve-router-v1" + secret)`` as the CURVE secret key;
+- worker key pair: ``sha256("radixserve-worker-v1" + secret)`` (every worker uses the same one).
+
+The router's ZAP handler accepts only the worker public key; a peer without the secret cannot
+finish the handshake, so not one of its frames reaches the router (it cannot register, receive
+prompts, answer requests or evict a real worker). ``radixserve serve`` generates a secret at
+start and hands it to its local workers in the environment (``RADIXSERVE_WORKER_SECRET``);
+``--worker-secret-file`` reads it from a file instead (created with mode 0600 when missing), which
+remote workers then read with ``radixserve worker --secret-file``.
+
+At registration the worker also sends its model fingerprint (:func:`model_fingerprint`: a hash
+of the checkpoint's config.json and the tokenizer's vocabulary); the router refuses a worker
+whose fingerprint differs from its own model's (it would decode with the wrong tokenizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+
+import zmq
+import zmq.utils.z85 as z85
+
+log = logging.getLogger("radixserve.auth")
+
+ENV_SECRET = "RADIXSERVE_WORKER_SECRET"
+SECRET_HEX_CHARS = 64
+ZAP_DOMAIN = "radixserve-workers"
+
+
+class AuthError(RuntimeError):
+    pass
+
+
+def new_secret() -> str:
+    return secrets.token_hex(SECRET_HEX_CHARS // 2)
+
+
+def check_secret(secret: str) -> str:
+    secret = secret.strip()
+    try:
+        ok = len(secret) >= 32 and bytes.fromhex(secret)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise AuthError("the worker secret must be at least 32 hex characters (serve writes one with "
+                        "--worker-secret-file, or generate one: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return secret
+
+
+def read_secret_file(path: str, *, create: bool = False) -> str:
+    """The secret in ``path``; with ``create``, a new one is written there (mode 0600) when missing."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        if not create:
+            raise AuthError(f"secret file {p} does not exist")
+        secret = new_secret()
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        log.info("wrote a new worker secret to %s", p)
+        return secret
+    if p.stat().st_mode & 0o077:
+        log.warning("secret file %s is readable by group/others; chmod 600 it", p)
+    return check_secret(p.read_text())
+
+
+def worker_secret(secret_file: str | None = None) -> str:
+    """A worker's secret: ``--secret-file``, else ``$RADIXSERVE_WORKER_SECRET``."""
+    if secret_file:
+        return read_secret_file(secret_file)
+    secret = os.environ.get(ENV_SECRET)
+    if not secret:
+        raise AuthError(f"no worker secret: pass --secret-file FILE (the router's --worker-secret-file) or set {ENV_SECRET}")
+    return check_secret(secret)
+
+
+def _keypair(label: str, secret: str) -> tuple[bytes, bytes]:
+    raw = hashlib.sha256(label.encode() + bytes.fromhex(secret)).digest()
+    secret_key = z85.encode(raw)
+    return zmq.curve_public(secret_key), secret_key
+
+
+def router_keys(secret: str) -> tuple[bytes, bytes]:
+    return _keypair("radixserve-router-v1", secret)
+
+
+def worker_keys(secret: str) -> tuple[bytes, bytes]:
+    return _keypair("radixserve-worker-v1", secret)
+
+
+def require_curve() -> None:
+    if not zmq.has("curve"):
+        raise AuthError("this libzmq was built without CURVE; install pyzmq from its wheels (they bundle it)")
+
+
+def make_server(sock: zmq.Socket, secret: str) -> None:
+    """Make ``sock`` (the router's worker socket, before bind) a CURVE server."""
+    require_curve()
+    public, private = router_keys(secret)
+    sock.curve_secretkey = private
+    sock.curve_publickey = public
+    sock.curve_server = True
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    if hasattr(zmq, "ZAP_ENFORCE_DOMAIN"):
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse, never admit
+
+
+def make_client(sock: zmq.Socket, secret: str) -> None:
+    """Make ``sock`` (a worker's DEALER, before connect) a CURVE client of the router."""
+    require_curve()
+    public, private = worker_keys(secret)
+    sock.curve_secretkey = private
+    sock.curve_publickey = public
+    sock.curve_serverkey = router_keys(secret)[0]
+
+
+class _OnlyWorkers:
+    def __init__(self, secret: str, counters: dict | None):
+        self.allowed = worker_keys(secret)[0]
+        self.counters = counters
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key == self.allowed
+        if not ok:
+            if self.counters is not None:
+                self.counters["refused_workers"] = self.counters.get("refused_workers", 0) + 1
+            log.warning("refused a worker connection with an unknown CURVE key")
+        return ok
+
+
+def start_authenticator(ctx, secret: str, counters: dict | None = None):
+    """A ZAP handler on ``ctx`` that lets only holders of the secret in. It runs in its own
+    thread (on a sync shadow of the same libzmq context), so it is up before the first
+    connection, whether or not an event loop runs yet."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=logging.getLogger("radixserve.zap"))
+    auth.start()
+    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_OnlyWorkers(secret, counters))
+    return auth
+
+
+def model_fingerprint(model_dir: str | os.PathLike, vocab_size: int) -> str:
+    """``sha256(config.json, canonical)[:16]`` and the tokenizer's vocabulary size."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    except (OSError, ValueError):
+        blob = b""
+    return f"{hashlib.sha256(blob).hexdigest()[:16]}:{vocab_size}"

@@ -1,0 +1,124 @@
+"""Issue 13 item 6: `radixserve serve` as a new user meets it: clear one-line errors, fail fast,
+a ready line, a second Ctrl-C exits, workers immune to a shadowing working directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from radixserve import __version__
+from radixserve.client import Client
+
+from serve_cluster import ENV
+
+pytestmark = pytest.mark.timeout(180)
+
+CLI = [sys.executable, "-P", "-m", "radixserve.cli"]
+
+
+def _run(args, timeout=120, cwd=None):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.strip() and " WARNING " not in ln and " INFO " not in ln]
+
+
+def test_version():
+    out = _run(["--version"])
+    assert out.returncode == 0 and out.stdout.strip() == f"radixserve {__version__}"
+
+
+def test_bad_model_path_is_one_line(tmp_path):
+    out = _run(["serve", "--model", str(tmp_path / "nope"), "--port", "0"])
+    assert out.returncode == 2
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and "no such directory" in lines[0], out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_line(llama_dir):
+    out = _run(["serve", "--model", llama_dir, "--port", "0", "--device", "cuda"])
+    assert out.returncode == 2
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and "--device cuda" in lines[0], out.stderr
+
+
+def test_busy_port_is_one_line(llama_dir):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        out = _run(["serve", "--model", llama_dir, "--port", str(busy.getsockname()[1])])
+    finally:
+        busy.close()
+    assert out.returncode == 2
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and "cannot bind" in lines[0] and "in use" in lines[0].lower(), out.stderr
+
+
+def test_every_worker_dying_at_start_up_exits_nonzero_with_its_error(llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = _run(["--log-level", "WARNING", "serve", "--model", str(broken), "--port", "0", "--workers", "2",
+                "--worker-threads", "1"], timeout=150)
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("radixserve: error: every local worker failed at start-up"), last
+    assert "w0" in last or "w1" in last
+
+
+def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
+    """From a folder holding a broken `radixserve` package the workers still start (-P); serve
+    prints a ready line; Ctrl-C twice stops it at once even with a long drain timeout."""
+    shadow = tmp_path / "radixserve"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('shadowed by the working directory')\n")
+    proc = subprocess.Popen(CLI + ["--log-level", "WARNING", "serve", "--model", llama_dir, "--port", "0",
+                                   "--workers", "1", "--worker-threads", "1", "--drain-timeout", "120"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while not any("ready:" in ln for ln in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            time.sleep(0.1)
+        ready = next(ln for ln in lines if "ready:" in ln)
+        assert "ready: 1/1 workers, ZMQ at tcp://127.0.0.1:" in ready
+        address = lines[0].split("listening on ", 1)[1].split()[0]
+        with Client(address, timeout=60) as c:
+            assert c.generate([5, 6, 7], max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+        long = threading.Thread(target=_long_call, args=(address,), daemon=True)
+        long.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)  # drains: would wait up to 120 s for the long call
+        time.sleep(1.0)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # the second one stops it now
+        assert proc.wait(30) == 130
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _long_call(address: str) -> None:
+    try:
+        with Client(address, timeout=150) as c:
+            c.generate([9] * 8, max_tokens=30000, temperature=0.0, ignore_eos=True)
+    except Exception:
+        pass

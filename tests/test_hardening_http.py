@@ -1,0 +1,128 @@
+"""Issue 13 item 4: nesting bombs, huge seeds, slow headers and too many connections."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from radixserve import protocol as P
+from radixserve.serve.http import Gateway, GatewayConfig, GatewayServer
+from radixserve.serve.router import Router, RouterConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _deep_msgpack(tag: str, depth: int = 1000) -> bytes:
+    """1,000 nested arrays in a free-form (Any) field, where the typed decoder must recurse."""
+    field = "stats" if tag in ("stats_reply", "heartbeat") else "params"
+    head = msgspec.msgpack.encode({"type": tag, "id": "deep-1", "worker": "w", field: {}})
+    assert head.endswith(b"\x80")
+    return head[:-1] + b"\x81\xa4stop" + b"\x91" * depth + b"\xa1x"
+
+
+def test_deep_msgpack_is_a_decode_error():
+    for tag in ("stats_reply", "heartbeat"):
+        with pytest.raises(P.DecodeError, match="nests too deeply"):
+            P.decode(_deep_msgpack(tag))
+
+
+@pytest.fixture(scope="module")
+def router():
+    r = Router(RouterConfig(port=0))
+    r.bind()
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_until_complete, args=(r.serve(),), daemon=True)
+    t.start()
+    yield r
+    loop.call_soon_threadsafe(r.request_shutdown)
+    t.join(30)
+
+
+def test_deep_msgpack_gets_an_error_reply_and_the_router_stays_up(router):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(router.address)
+    for tag in ("generate", "stats_reply", "heartbeat"):
+        s.send(_deep_msgpack(tag))
+        assert s.poll(10_000), f"no reply to a deeply nested {tag} frame"
+        reply = P.decode(s.recv())
+        assert isinstance(reply, P.Error) and reply.code == "bad_request"
+        assert tag == "generate" or "deep" in reply.message
+    s.send(P.encode(P.Health(id="h")))
+    assert s.poll(10_000) and isinstance(P.decode(s.recv()), P.HealthReply)
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def gateway(router):
+    gw = GatewayServer(Gateway(GatewayConfig(router=router.address, model_names=["m"])), "127.0.0.1", 0,
+                       header_timeout_s=1.0, max_connections=40).start()
+    yield gw
+    gw.stop()
+
+
+def _post(gw, body: bytes, timeout: float = 30.0):
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = json.loads(r.read() or b"{}")
+    conn.close()
+    return r.status, data
+
+
+def test_deep_json_and_huge_seed_are_400(gateway):
+    status, data = _post(gateway, b'{"prompt": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400 and "deep" in data["error"]["message"]
+    status, data = _post(gateway, json.dumps({"prompt": [1, 2], "max_tokens": 2, "seed": 10**30}).encode())
+    assert status == 400 and data["error"]["param"] == "seed"
+    assert gateway.gateway.counters.get(("other", 500), 0) + gateway.gateway.counters.get(("completions", 500), 0) == 0
+
+
+def _closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
+    sock.settimeout(wait_s)
+    try:
+        return sock.recv(1) == b""
+    except (TimeoutError, socket.timeout):
+        return False
+    except OSError:
+        return True
+
+
+def test_partial_headers_time_out_and_connections_are_capped(gateway):
+    socks = []
+    for _ in range(60):  # more than the cap of 40
+        s = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finished
+        socks.append(s)
+    t0 = time.monotonic()
+    closed = [_closed_by_peer(s, 10.0) for s in socks]
+    assert all(closed), f"{closed.count(False)} slow connections still open"
+    assert time.monotonic() - t0 < 20
+    for s in socks:
+        s.close()
+    status, _ = _post(gateway, json.dumps({"prompt": [1], "seed": -1, "temperature": -1}).encode())
+    assert status == 400  # and the gateway still answers
+
+
+def test_client_leaving_a_non_streaming_request_is_not_a_500(gateway):
+    """No worker here: the request waits in the router until the client hangs up."""
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode(),
+                 headers={"Content-Type": "application/json"})
+    time.sleep(1.0)
+    conn.close()
+    deadline = time.monotonic() + 15
+    counters = gateway.gateway.counters
+    while counters.get(("completions", 499), 0) < 1:
+        assert time.monotonic() < deadline, counters
+        time.sleep(0.1)
+    assert counters.get(("completions", 500), 0) == 0

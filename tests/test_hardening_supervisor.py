@@ -1,0 +1,54 @@
+"""Issue 13 items 1 and 6: the supervisor restarts dead local workers with backoff, and reports
+a start-up failure with the worker's own error line."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+from radixserve.serve import supervisor as S
+
+
+def _wait_exit(w, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while w.proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)  # let the stderr pump read the last lines
+
+
+def test_start_up_failure_is_fatal_with_the_error_line():
+    sup = S.Supervisor(stderr=io.StringIO())
+    w = sup.add("w0", ["-c", "import sys; print('Traceback ...', file=sys.stderr); "
+                             "print('radixserve: error: --model /x: no such directory', file=sys.stderr); sys.exit(2)"],
+                dict(os.environ))
+    _wait_exit(w)
+    assert sup.tick() == ["w0"]
+    assert w.failed_at_startup and w.restart_at is None
+    assert sup.fatal and "no such directory" in sup.fatal
+    assert sup.tick() == []  # reported once, never restarted
+
+
+def test_registered_worker_that_dies_is_restarted_with_backoff():
+    sup = S.Supervisor(stderr=io.StringIO())
+    w = sup.add("w0", ["-c", "import time; time.sleep(0.3)"], dict(os.environ))
+    first = w.proc.pid
+    sup.on_registered("w0", first)
+    _wait_exit(w)
+    now = time.monotonic()
+    assert sup.tick(now) == ["w0"] and w.restart_at == now + S.BACKOFF_FIRST_S
+    assert w.proc.pid == first  # not before the delay
+    sup.tick(now + S.BACKOFF_FIRST_S)
+    assert w.proc.pid != first and w.restarts == 1 and sup.fatal is None
+    sup.on_registered("w0", w.proc.pid)
+    _wait_exit(w)
+    now = time.monotonic()
+    sup.tick(now)
+    assert w.restart_at == now + 2 * S.BACKOFF_FIRST_S  # doubles
+    sup.stop()
+
+
+def test_default_threads_divide_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    assert S.default_threads(1) == cores and S.default_threads(cores * 4) == 1
