@@ -149,5 +149,5 @@ def _from_gguf(path: Path) -> ModelShape:
                       num_layers=int(layers), num_heads=int(heads), num_kv_heads=int(kv_heads),
                       head_dim=int(head_dim), hidden_size=int(hidden),
                       max_context=int(field(f"{arch}.context_length", 2048)), weights_bytes=weights,
-                      weights_dtype="float16",  # llama.cpp's default KV type; the weights are quantized
+                      weights_dtype="gguf",  # quantized weights; the KV default is then float16 (llama.cpp's)
                       num_tensors=len(reader.tensors))

@@ -161,7 +161,7 @@ def format_plan(p: dict[str, Any]) -> str:
     lines += [
         f"KV / token  {p['kv_formula']}",
         f"KV budget   {p['kv_tokens']:,} tokens in {p['kv_pages']:,} pages of {i['page_size']} token(s) "
-        f"({_size(p['page_bytes'])} per page)" if i["page_size"] > 1 else "(page size 1: no alignment waste)",
+        + (f"({_size(p['page_bytes'])} per page)" if i["page_size"] > 1 else "(page size 1: no alignment waste)"),
         f"at {i['context']:,} tokens of context: {p['sequences_at_context']:,} sequences fit"
         + ("  (beyond the model's context!)" if p["context_exceeds_model"] else ""),
         f"{i['concurrency']} x {i['context']:,} tokens needs {r['kv_tokens']:,} tokens = {_size(r['kv_bytes'])}: "

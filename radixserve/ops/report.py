@@ -112,7 +112,7 @@ def verdict(windows: Sequence[Window], rules: VerdictRules = VerdictRules()) -> 
     hours = [(t - ts[0]) / 3600 for t in ts]
     slope, icpt, r2 = _fit(hours, rolled)
     start, end = icpt, icpt + slope * hours[-1]
-    ev.update({"rolling_windows": k, "ttft_p50_slope_s_per_hour": slope, "ttft_fit_r2": r2,
+    ev.update({"rolling_windows": k, "fit_t0": ts[0], "fit_t1": ts[-1], "ttft_p50_slope_s_per_hour": slope, "ttft_fit_r2": r2,
                "ttft_fit_start_s": start, "ttft_fit_end_s": end,
                "ttft_p50_first_s": rolled[0], "ttft_p50_last_s": rolled[-1],
                "queued_at_end": queued[-1] if queued else 0})
@@ -191,8 +191,8 @@ def plot(rep: dict[str, Any], path: str | Path) -> Path:
         if pts:
             ax1.plot(*zip(*pts), marker=".", label=f"TTFT {label}")
     ev = rep["verdict"]["evidence"]
-    if "ttft_fit_start_s" in ev and hours:
-        ax1.plot([0, hours[-1]], [ev["ttft_fit_start_s"], ev["ttft_fit_end_s"]], "k--", lw=1,
+    if "ttft_fit_start_s" in ev:
+        ax1.plot([(ev["fit_t0"] - t0) / 3600, (ev["fit_t1"] - t0) / 3600], [ev["ttft_fit_start_s"], ev["ttft_fit_end_s"]], "k--", lw=1,
                  label="fit of rolling p50")
     ax1.set_ylabel("TTFT (s)")
     ax1.legend(loc="upper left")
@@ -225,7 +225,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"${rb['own_cost_per_hour']:.2f}/h",
         (f"            at this log's rate ({rb['generation_hours_per_week']:.1f} h of generation a week): "
          + (f"{wk:,.1f} weeks" if wk else "never")),
-        (f"            at the seed's rents ${SEED_RENT_RANGE[0]:.2f}-{SEED_RENT_RANGE[1]:.2f}/h: "
-         f"{lo:,.0f}-{hi:,.0f} h" if lo and hi else "            (own cost above the seed's rents)"),
+        (f"            at the seed's rents ${SEED_RENT_RANGE[1]:.2f}-{SEED_RENT_RANGE[0]:.2f}/h: "
+         + " to ".join(f"{h:,.0f} h" if h else "never" for h in (lo, hi))),
     ]
     return "\n".join(lines)
