@@ -208,8 +208,8 @@ def saturation_signals(windows: Sequence[Window], th: Thresholds = Thresholds())
 
 
 REMEDIES = (
-    Remedy(1, "bound context", "cap max_tokens and prompt length (--max-model-len, shorter histories, "
-           "summarise old turns): each token of context costs KV and attention time", 
+    Remedy(1, "bound context", "cap max_tokens and prompt length (max_model_len, shorter histories, "
+           "summarised old turns): each token of context costs KV and attention time", 
            ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
     Remedy(2, "quantize the KV cache", "--kv-dtype int8 (or fp8): about half the KV bytes per token of "
            "bf16, so about twice the tokens fit (see radixserve plan)", ("queue_persistent", "preemption")),

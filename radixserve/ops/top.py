@@ -31,13 +31,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def _kv(w: Window) -> str:
-    if not w.kv_total_tokens:
-        return "-"
-    return (f"{w.kv_used_tokens:,}/{w.kv_total_tokens:,} ({w.kv_used_tokens / w.kv_total_tokens:.0%}) "
-            f"evict {w.kv_evictable_tokens:,} lock {w.kv_locked_tokens:,}")
-
-
 def snapshot(window: Window, history: list[Window], address: str, th: Thresholds = Thresholds()) -> dict[str, Any]:
     """What one frame shows, as a JSON-able dict (``--json``)."""
     signals = saturation_signals(history, th)
@@ -53,19 +46,28 @@ def render(window: Window, signals: list[Signal], address: str):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"radixserve top  {address}  (window {window.dt_s:.1f} s)", title_justify="left")
-    for col in ("", "TTFT p50", "TTFT p99", "done", "queued", "running", "tok/s", "tok/s/stream", "KV tokens used",
-                "hit rate", "preempt"):
-        table.add_column(col, justify="left" if col in ("", "KV tokens used") else "right")
+    from rich import box
 
-    def row(name: str, w: Window, queued: str) -> None:
-        table.add_row(name, _ms(w.ttft_p50_s), _ms(w.ttft_p99_s), str(w.completed), queued, str(w.running),
-                      _rate(w.tokens_per_s), _rate(w.per_stream_tok_s), _kv(w), _pct(w.hit_rate), str(w.preemptions))
+    load = Table(title=f"radixserve top  {address}  (window {window.dt_s:.1f} s)", title_justify="left",
+                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, caption=f"queued = router queue ({window.queue_depth}) + engines' waiting",
+                 caption_justify="left")
+    for col in ("", "TTFT p50", "TTFT p99", "done", "queued", "run", "tok/s", "per stream", "preempt"):
+        load.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
+    kv = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("", "KV used", "evictable", "locked", "KV total", "hit rate"):
+        kv.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
 
-    row("fleet", window, f"{window.queued} (router {window.queue_depth})")
+    def row(name: str, w: Window, queued: int) -> None:
+        load.add_row(name, _ms(w.ttft_p50_s), _ms(w.ttft_p99_s), str(w.completed), str(queued), str(w.running),
+                     _rate(w.tokens_per_s), _rate(w.per_stream_tok_s), str(w.preemptions))
+        used = f"{w.kv_used_tokens:,} ({w.kv_used_tokens / w.kv_total_tokens:.0%})" if w.kv_total_tokens else "-"
+        kv.add_row(name, used, f"{w.kv_evictable_tokens:,}", f"{w.kv_locked_tokens:,}", f"{w.kv_total_tokens:,}",
+                   _pct(w.hit_rate))
+
+    row("fleet", window, window.queued)
     for name, w in window.workers.items():
-        row(name, w, str(w.waiting))
-    parts: list[Any] = [table]
+        row(name, w, w.waiting)
+    parts: list[Any] = [load, kv]
     on = [s for s in signals if s.on]
     if on:
         parts.append(Text("saturation signals ON:", style="bold red"))
