@@ -54,6 +54,30 @@ def flat(n: int = 60) -> list[dict]:
     return synthetic_log([(_ttfts(0.05, rng), 0, 600 if i % 3 else 0) for i in range(n)])
 
 
+def overload_episode(n: int = 60) -> list[dict]:
+    """Idle, then arrivals above capacity for a while (queue and TTFT climb), then the load stops
+    and the queue drains: one long hump, not a sawtooth."""
+    rng = random.Random(4)
+    rows = []
+    for i in range(n):
+        if i < 10:
+            rows.append((_ttfts(0.05, rng), [0, 0, 0, 3, 0, 0, 2, 0, 0, 0][i], 300))  # light, two blips
+        elif i < 45:
+            rows.append((_ttfts(0.1 + 0.4 * (i - 10), rng), 10 * (i - 9), 600))
+        elif i < 55:
+            rows.append((_ttfts(14.0 + (i - 45), rng), max(0, 350 - 40 * (i - 44)), 600))
+        else:
+            rows.append(([], 0, 0))
+    return synthetic_log(rows)
+
+
+def test_one_long_overload_episode_is_capacity_even_after_it_drains():
+    v = verdict(windows_of(overload_episode()))
+    assert v["verdict"] == "capacity", v
+    assert v["evidence"]["queued_at_end"] == 0 and v["evidence"]["drain_cycles"] == 3
+    assert v["evidence"]["longest_queued_share_of_active"] > 0.5
+
+
 def test_rising_log_is_capacity():
     v = verdict(windows_of(rising()))
     assert v["verdict"] == "capacity", v

@@ -109,3 +109,20 @@ def test_window_between_two_stats_documents():
     # a worker that restarted (its counters went down) counts from zero, never negative
     restarted = _doc(gen=50, running=1, q=10, h=0, pre=0, queue=0, ttfts=[0.002] * 3)
     assert window_of(restarted, cur, t=7.0, dt=2.0).workers["w0"].tokens == 50
+
+
+def test_remedies_read_the_kv_state():
+    queue = saturation_signals([W(queue_depth=5)] * 3)
+    # KV mostly free and every worker at its in-flight cap: the cap, not memory, queues requests
+    idle = W(queue_depth=5, kv_total_tokens=1000, kv_used_tokens=300, kv_evictable_tokens=200, inflight=8, inflight_cap=8)
+    assert idle.kv_pressure == pytest.approx(0.1)
+    assert [r.rank for r in remedies(queue, idle)] == [0, 1, 3]
+    # KV nearly all held by running requests: quantizing it is the next step
+    full = W(queue_depth=5, kv_total_tokens=1000, kv_used_tokens=950, kv_evictable_tokens=50, inflight=8, inflight_cap=8)
+    assert [r.rank for r in remedies(queue, full)] == [1, 2, 3]
+    # below the cap with free KV: neither extra
+    below = W(queue_depth=5, kv_total_tokens=1000, kv_used_tokens=300, inflight=3, inflight_cap=8)
+    assert [r.rank for r in remedies(queue, below)] == [1, 3]
+    # preemptions mean KV ran out whatever the gauge says now
+    pre = saturation_signals([W(preemptions=1)] * 3)
+    assert [r.rank for r in remedies(pre, below)] == [1, 2, 3]

@@ -5,8 +5,9 @@ one :class:`~radixserve.ops.signals.Window` each (TTFT of the requests that fini
 depth at its end, tokens generated). The verdict reads the shape of the curves:
 
 * **capacity** (steady rise): the rolling median of p50 TTFT climbs along a good straight-line fit
-  (end of the fit at least ``rise_factor`` x its start, R^2 >= ``min_r2``) and the queue does not
-  drain at the end: demand is above what the fleet serves.
+  (end at least ``rise_factor`` x start, R^2 >= ``min_r2``) and the queue is sustained: still up
+  at the end, or up for ``min_busy_share`` of the active period in one stretch, or rarely drained:
+  demand is above what the fleet serves.
 * **bursts** (sawtooth): the queue fills and drains back to 0 at least ``min_drains`` times: a
   queue absorbs them; capacity is enough on average.
 * **fine** (flat): neither.
@@ -77,6 +78,7 @@ class VerdictRules:
     rise_factor: float = 2.0
     min_r2: float = 0.5
     min_drains: int = 2
+    min_busy_share: float = 0.3  # a queue that stays up this share of the active period is not a burst
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
@@ -94,6 +96,14 @@ def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]
 def drain_cycles(queued: Sequence[int]) -> int:
     """Times the queue went from above 0 back to 0."""
     return sum(1 for a, b in zip(queued, queued[1:]) if a > 0 and b == 0)
+
+
+def _longest_run(queued: Sequence[int]) -> int:
+    best = run = 0
+    for q in queued:
+        run = run + 1 if q > 0 else 0
+        best = max(best, run)
+    return best
 
 
 def verdict(windows: Sequence[Window], rules: VerdictRules = VerdictRules()) -> dict[str, Any]:
@@ -116,17 +126,29 @@ def verdict(windows: Sequence[Window], rules: VerdictRules = VerdictRules()) -> 
                "ttft_fit_start_s": start, "ttft_fit_end_s": end,
                "ttft_p50_first_s": rolled[0], "ttft_p50_last_s": rolled[-1],
                "queued_at_end": queued[-1] if queued else 0})
-    rising = slope > 0 and r2 >= rules.min_r2 and end >= rules.rise_factor * max(start, 1e-6)
-    if rising and (queued[-1] > 0 or ev["drain_cycles"] < rules.min_drains):
+    # the active part: from the first to the last window that generated tokens (idle hours don't dilute it)
+    active = [i for i, w in enumerate(windows) if w.tokens > 0] or [0, len(windows) - 1]
+    span = queued[active[0]:active[-1] + 1]
+    longest = _longest_run(span)
+    peak = max(y for _, y in points)
+    ev.update({"ttft_p50_peak_s": peak, "longest_queued_windows": longest, "longest_queued_share_of_active": longest / len(span)})
+    rising = (slope > 0 and r2 >= rules.min_r2 and end >= rules.rise_factor * max(start, 1e-3)
+              and rolled[-1] >= rules.rise_factor * max(rolled[0], 1e-3))
+    sustained = queued[-1] > 0 or ev["drain_cycles"] < rules.min_drains or ev["longest_queued_share_of_active"] >= rules.min_busy_share
+    if rising and sustained:
         return {"verdict": "capacity", "evidence": ev,
-                "reason": (f"steady rise: rolling p50 TTFT fit goes {start:.3f} s -> {end:.3f} s "
-                           f"({slope:+.3f} s/hour, R^2 {r2:.2f}) and the queue drained {ev['drain_cycles']} times: "
-                           "demand is above capacity; bound context, quantize the KV cache, or add workers")}
+                "reason": (f"steady rise: rolling p50 TTFT {rolled[0]:.3f} s -> {rolled[-1]:.3f} s, fit "
+                           f"{slope:+.3f} s/hour (R^2 {r2:.2f}); the queue stayed above 0 for {longest} windows in a row "
+                           f"({ev['longest_queued_share_of_active']:.0%} of the active period) and drained "
+                           f"{ev['drain_cycles']} times: demand is above capacity; bound context, quantize the KV "
+                           "cache, or add workers")}
     if ev["drain_cycles"] >= rules.min_drains:
         return {"verdict": "bursts", "evidence": ev,
                 "reason": (f"sawtooth: the queue filled and drained to 0 {ev['drain_cycles']} times "
                            f"(peak {ev['max_queued']} queued) with no sustained TTFT rise (R^2 {r2:.2f}): "
-                           "bursts that the queue absorbs; capacity is enough on average")}
+                           "bursts that the queue absorbs; capacity is enough on average"
+                           + (f"; but p50 TTFT peaks at {peak:.1f} s in them: if users cannot wait that long, "
+                              "size for the peaks (bound context, add workers)" if peak >= 1.0 else ""))}
     return {"verdict": "fine", "evidence": ev,
             "reason": (f"flat: rolling p50 TTFT {start:.3f} s -> {end:.3f} s (R^2 {r2:.2f}), queue drained "
                        f"{ev['drain_cycles']} times, peak {ev['max_queued']} queued")}

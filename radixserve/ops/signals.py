@@ -42,7 +42,16 @@ class Window:
     kv_locked_tokens: int = 0
     hit_rate: float | None = None  # prefix hit tokens / query tokens in the window
     preemptions: int = 0
+    workers_alive: int = 0
+    inflight_cap: int = 0  # the router's --max-inflight x live workers (0: unknown)
     workers: dict[str, "Window"] = field(default_factory=dict)
+
+    @property
+    def kv_pressure(self) -> float | None:
+        """Share of the KV pool that cannot be evicted (running requests' and locked prefixes')."""
+        if not self.kv_total_tokens:
+            return None
+        return (self.kv_used_tokens - self.kv_evictable_tokens) / self.kv_total_tokens
 
     @property
     def queued(self) -> int:
@@ -52,6 +61,7 @@ class Window:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["queued"] = self.queued
+        d["kv_pressure"] = self.kv_pressure
         d["workers"] = {k: w.to_dict() for k, w in self.workers.items()}
         return d
 
@@ -137,7 +147,8 @@ def window_of(cur: dict, prev: dict | None, t: float, dt: float) -> Window:
     gauges = router.get("gauges", {})
     fleet = _engine_window(t, dt, fleet_eng, fleet_prev, hists.get("ttft_s"), prev_hists.get("ttft_s"),
                            gauges.get("inflight", 0), gauges.get("queue_depth", 0))
-    return Window(**{**asdict(fleet), "workers": workers})
+    return Window(**{**asdict(fleet), "workers": workers, "workers_alive": len(workers),
+                     "inflight_cap": gauges.get("max_inflight_per_worker", 0) * len(workers)})
 
 
 # ---------------------------------------------------------------------------------- signals
@@ -207,9 +218,15 @@ def saturation_signals(windows: Sequence[Window], th: Thresholds = Thresholds())
     return out
 
 
+KV_FULL = 0.8  # KV pressure at which quantizing the cache is worth it
+KV_IDLE = 0.5  # ... and below which a full in-flight cap, not memory, is what queues requests
+
+RAISE_CAP = Remedy(0, "use the idle KV first", "every worker is at the router's --max-inflight while most of the KV "
+                   "pool is free: raise --max-inflight (and the engine's --max-running) before buying anything",
+                   ("queue_persistent", "ttft_rising"))
 REMEDIES = (
     Remedy(1, "bound context", "cap max_tokens and prompt length (max_model_len, shorter histories, "
-           "summarised old turns): each token of context costs KV and attention time", 
+           "summarised old turns): each token of context costs KV and attention time",
            ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
     Remedy(2, "quantize the KV cache", "--kv-dtype int8 (or fp8): about half the KV bytes per token of "
            "bf16, so about twice the tokens fit (see radixserve plan)", ("queue_persistent", "preemption")),
@@ -218,7 +235,18 @@ REMEDIES = (
 )
 
 
-def remedies(signals: Sequence[Signal]) -> list[Remedy]:
-    """Remedies for the signals that are on, cheapest first (empty when none is on)."""
+def remedies(signals: Sequence[Signal], latest: Window | None = None) -> list[Remedy]:
+    """Remedies for the signals that are on, cheapest first (empty when none is on).
+
+    With the ``latest`` window the KV state refines the list: quantizing the cache is offered only
+    when KV is short (preemptions, or pressure >= ``KV_FULL``), and a queue in front of a full
+    in-flight cap with mostly free KV first gets "raise the cap"."""
     on = {s.name for s in signals if s.on}
-    return [r for r in REMEDIES if on & set(r.addresses)]
+    out = [r for r in REMEDIES if on & set(r.addresses)]
+    pressure = latest.kv_pressure if latest is not None else None
+    if pressure is not None and "preemption" not in on and pressure < KV_FULL:
+        out = [r for r in out if r.rank != 2]
+    if (latest is not None and on & set(RAISE_CAP.addresses) and pressure is not None and pressure < KV_IDLE
+            and latest.inflight_cap and latest.inflight >= latest.inflight_cap):
+        out.insert(0, RAISE_CAP)
+    return out

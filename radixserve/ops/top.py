@@ -37,7 +37,7 @@ def snapshot(window: Window, history: list[Window], address: str, th: Thresholds
     return {"address": address, "time": window.t, "window": window.to_dict(),
             "signals": [asdict(s) for s in signals],
             "signals_on": [s.name for s in signals if s.on],
-            "remedies": [asdict(r) for r in remedies(signals)]}
+            "remedies": [asdict(r) for r in remedies(signals, window)]}
 
 
 def render(window: Window, signals: list[Signal], address: str):
@@ -49,7 +49,8 @@ def render(window: Window, signals: list[Signal], address: str):
     from rich import box
 
     load = Table(title=f"radixserve top  {address}  (window {window.dt_s:.1f} s)", title_justify="left",
-                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, caption=f"queued = router queue ({window.queue_depth}) + engines' waiting",
+                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, caption=(f"{window.workers_alive} worker(s) alive; queued = router queue ({window.queue_depth}) "
+                          "+ engines' waiting"),
                  caption_justify="left")
     for col in ("", "TTFT p50", "TTFT p99", "done", "queued", "run", "tok/s", "per stream", "preempt"):
         load.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
@@ -73,7 +74,7 @@ def render(window: Window, signals: list[Signal], address: str):
         parts.append(Text("saturation signals ON:", style="bold red"))
         parts += [Text(f"  * {s.title}: {s.evidence}", style="red") for s in on]
         parts.append(Text("remedies, cheapest first:", style="bold"))
-        parts += [Text(f"  {r.rank}. {r.action}: {r.how}") for r in remedies(signals)]
+        parts += [Text(f"  {n}. {r.action}: {r.how}") for n, r in enumerate(remedies(signals, window), 1)]
     else:
         parts.append(Text("no saturation signal on", style="green"))
     off = [s for s in signals if not s.on]
