@@ -148,11 +148,12 @@ def _k(n: int) -> str:
 def format_plan(p: dict[str, Any]) -> str:
     """The plan for people (every number with its unit)."""
     m, i, r, w = p["model"], p["inputs"], p["request"], p["page_waste"]
+    tensors = f"{m['num_tensors']} tensors" if m["num_tensors"] else "estimated"
     lines = [
         f"model       {m['name']} ({m['architecture']}; {m['num_layers']} layers, {m['num_heads']} heads, "
         f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, context {m['max_context']:,} tokens)",
         f"            read from the {m['source']}, weights not loaded",
-        f"memory      {_size(p['memory_bytes'])} = weights {_size(p['weights_bytes'])} ({m['num_tensors']} tensors, "
+        f"memory      {_size(p['memory_bytes'])} = weights {_size(p['weights_bytes'])} ({tensors}, "
         f"{m['weights_dtype']}) + reserve {_size(p['reserve_bytes'])} + KV {_size(p['kv_budget_bytes'])}",
         f"            reserve: {p['reserve_rule']}",
     ]
