@@ -14,13 +14,13 @@ import pytest
 from radixserve.client import Client
 from serve_cluster import ENV, Cluster
 
-REQUESTS, MAX_TOKENS = 24, 24
+REQUESTS, MAX_TOKENS = 48, 32
 
 
 @pytest.fixture()
 def busy_cluster(llama_dir, tmp_path):
     """1 worker, 1 request in flight at most (so a queue forms), a metrics line every 0.3 s, and
-    24 requests x 24 tokens in flight from a background thread."""
+    48 requests x 32 tokens in flight from a background thread (long enough to outlast the top calls)."""
     log = tmp_path / "metrics.jsonl"
     cluster = Cluster(llama_dir, 1, "--metrics-log", str(log), "--metrics-interval", "0.3", "--max-inflight", "1")
     deadline = time.monotonic() + 30
@@ -60,12 +60,15 @@ def test_top_and_report_on_a_live_server(busy_cluster):
         assert [s["name"] for s in f["signals"]] == ["ttft_rising", "queue_persistent", "per_stream_sagging", "preemption"]
         assert f["window"]["kv_total_tokens"] == 8192
     busy = [f["window"] for f in frames if f["window"]["tokens"] > 0]
-    assert busy, "no tokens generated while 24 requests were in flight"
+    assert busy, "no tokens generated while 48 requests were in flight"
     assert all(w["tokens_per_s"] > 0 and w["running"] <= 1 for w in busy)
     text = _cli("top", cluster.address, "--once", "--interval", "0.5")
     assert text.returncode == 0, text.stderr
     assert "radixserve top" in text.stdout and "fleet" in text.stdout and "w0" in text.stdout
     assert "TTFT p50" in text.stdout
+    live = _cli("top", cluster.address, "--iterations", "2", "--interval", "0.3")  # the rich.live path
+    assert live.returncode == 0, live.stderr
+    assert live.stdout.count("radixserve top") >= 1 and "saturation signal" in live.stdout
 
     thread.join(120)
     assert len(results) == REQUESTS
@@ -76,7 +79,7 @@ def test_top_and_report_on_a_live_server(busy_cluster):
     assert rep["generation"]["tokens"] == REQUESTS * MAX_TOKENS  # every generated token, counted once
     assert rep["generation"]["completed"] == REQUESTS
     assert 0 < rep["generation"]["hours"] <= rep["period"]["hours"]
-    assert rep["verdict"]["evidence"]["max_queued"] > 0  # 24 requests against 1 in flight did queue
+    assert rep["verdict"]["evidence"]["max_queued"] > 0  # 48 requests against 1 in flight did queue
     assert rep["verdict"]["verdict"] in {"capacity", "bursts", "fine", "no data"}
 
 
