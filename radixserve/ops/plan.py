@@ -92,7 +92,9 @@ def plan(shape: ModelShape, *, context: int | None = None, concurrency: int = 1,
         quantized[q] = {"bytes_per_token": b.bytes_per_token, "formula": kv_formula(shape, q),
                         "scale_bytes_per_token": 2 * shape.num_layers * shape.num_kv_heads * SCALE_BYTES,
                         "kv_tokens": b.tokens, "sequences_at_context": b.sequences(context, page_size),
-                        "capacity_gain": (b.tokens / main.tokens) if main.tokens else None}
+                        "capacity_gain": (b.tokens / main.tokens) if main.tokens else None,
+                        "note": ("radixserve's --kv-dtype int8 stores exactly this layout" if q == "int8" else
+                                 "planning figure: the same layout in fp8 (e4m3); radixserve's engine has int8")}
     int8 = _budget(shape, "int8", kv_bytes, page_size)
     comfort = []
     for ctx in COMFORT_CONTEXTS:
@@ -175,7 +177,8 @@ def format_plan(p: dict[str, Any]) -> str:
     for q, d in p["quantized"].items():
         gain = f"{d['capacity_gain']:.2f}x the tokens" if d["capacity_gain"] else "n/a"
         lines.append(f"KV {q:<8} {d['formula']} (scales {d['scale_bytes_per_token']} B/token): "
-                     f"{d['kv_tokens']:,} tokens, {gain}, {d['sequences_at_context']:,} sequences at {i['context']:,}")
+                     f"{d['kv_tokens']:,} tokens, {gain}, {d['sequences_at_context']:,} sequences at {i['context']:,}"
+                     + ("" if q == "int8" else f" ({d['note']})"))
     conc = COMFORT_CONCURRENCY
     lines.append("")
     lines.append(f"comfort table ({i['kv_dtype']} KV; ok = fits, int8 = fits only with --kv-dtype int8, no = "

@@ -228,8 +228,8 @@ REMEDIES = (
     Remedy(1, "bound context", "cap max_tokens and prompt length (max_model_len, shorter histories, "
            "summarised old turns): each token of context costs KV and attention time",
            ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
-    Remedy(2, "quantize the KV cache", "--kv-dtype int8 (or fp8): about half the KV bytes per token of "
-           "bf16, so about twice the tokens fit (see radixserve plan)", ("queue_persistent", "preemption")),
+    Remedy(2, "quantize the KV cache", "--kv-dtype int8: int8 K/V plus a float32 scale per token and head, "
+           "about half the bytes per token of bf16, so about twice the tokens fit (see radixserve plan)", ("queue_persistent", "preemption")),
     Remedy(3, "add workers / GPUs", "radixserve worker --router ADDR on another GPU or host; the router "
            "spreads load and keeps prefixes together", ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
 )
