@@ -272,6 +272,49 @@ def cmd_demo(args) -> int:
     return 0 if not report["errors"] and report["illegal_moves_applied"] == 0 else 1
 
 
+def cmd_plan(args) -> int:
+    import json
+
+    from radixserve.ops.model_shape import read_model_shape
+    from radixserve.ops.plan import format_plan, plan
+
+    p = plan(read_model_shape(args.model), context=args.context, concurrency=args.concurrency,
+             memory_gb=args.memory_gb, kv_dtype=args.kv_dtype, page_size=args.page_size, reserve_gb=args.reserve_gb)
+    print(json.dumps(p, indent=2) if args.json else format_plan(p))
+    return 0
+
+
+def cmd_top(args) -> int:
+    from radixserve.ops.top import run_top
+
+    return run_top(args.address, interval=args.interval, once=args.once, as_json=args.json, timeout=args.timeout,
+                   iterations=args.iterations)
+
+
+def cmd_report(args) -> int:
+    import json
+    from pathlib import Path
+
+    from radixserve.ops.report import format_report, plot, read_metrics_log, report
+
+    path = Path(args.metrics_log)
+    if not path.is_file():
+        print(f"radixserve report: {str(path)!r} does not exist (write one with radixserve serve --metrics-log FILE)",
+              file=sys.stderr)
+        return 2
+    rep = report(read_metrics_log(path), rent_per_hour=args.rent_per_hour, buy_price=args.buy_price,
+                 own_cost_per_hour=args.own_cost_per_hour)
+    if not args.no_plot:
+        rep["plot"] = str(plot(rep, args.plot or path.with_suffix(".png")))
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(format_report(rep))
+        if "plot" in rep:
+            print(f"plot        {rep['plot']} (TTFT p50/p99 and queue depth over the period)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description="Serve many LLM agents that share long prompts.")
     from radixserve import __version__
@@ -349,6 +392,36 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--format", default="json", choices=["json", "prometheus"], help="json (default) or Prometheus text exposition")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the router (default: 5)")
     st.set_defaults(func=cmd_stats)
+
+    pl = sub.add_parser("plan", help="KV capacity plan for a model: what fits in a GPU's memory")
+    pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the built-in stand-in model)")
+    pl.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default: 1)")
+    pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, the seed's class)")
+    pl.add_argument("--reserve-gb", type=float, default=None, help="activation/overhead reserve in GiB (default: 15%% of what the weights leave)")
+    pl.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8", "fp8"], help="KV cache dtype (default: the checkpoint's)")
+    pl.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: 1, the engine's)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+
+    tp = sub.add_parser("top", help="live view of a fleet: TTFT, queue, tok/s, KV, hit rate, saturation signals")
+    tp.add_argument("address", nargs="?", default="tcp://127.0.0.1:7700", help="router address (default: tcp://127.0.0.1:7700)")
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default: 2)")
+    tp.add_argument("--once", action="store_true", help="print one frame (two polls --interval apart) and exit")
+    tp.add_argument("--iterations", type=int, default=None, help="stop after this many frames (default: run until Ctrl-C)")
+    tp.add_argument("--json", action="store_true", help="one JSON document per frame instead of the view")
+    tp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the router (default: 5)")
+    tp.set_defaults(func=cmd_top)
+
+    rp = sub.add_parser("report", help="the period in review from a --metrics-log: plot, verdict, rent vs buy")
+    rp.add_argument("metrics_log", help="a file written by radixserve serve --metrics-log")
+    rp.add_argument("--rent-per-hour", type=float, default=1.0, help="$ per hour to rent the accelerator (default: 1.00; the seed: 0.50-2 for 24 GB)")
+    rp.add_argument("--buy-price", type=float, default=500.0, help="$ to buy it (default: 500; the seed: a few hundred used)")
+    rp.add_argument("--own-cost-per-hour", type=float, default=0.0, help="$ per hour of running your own (power; default: 0)")
+    rp.add_argument("--plot", default=None, help="PNG to write (default: the log's name with .png)")
+    rp.add_argument("--no-plot", action="store_true", help="skip the plot (no matplotlib needed)")
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
+    rp.set_defaults(func=cmd_report)
     return parser
 
 
