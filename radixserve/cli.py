@@ -120,6 +120,10 @@ def cmd_serve(args) -> int:
     _check_model_dir(args.model)
     _check_device(args.device)
     args.model = os.path.abspath(os.path.expanduser(args.model))  # workers may start elsewhere
+    config.worker_port, config.worker_address = args.worker_port, args.worker_address
+    config.secret = auth.read_secret_file(args.worker_secret_file, create=True) if args.worker_secret_file else None
+    router = Router(config)
+    address = router.bind()  # before the slow tokenizer load: a busy port fails at once
     try:
         tokenizer = load_tokenizer(args.model)
     except Exception as exc:
@@ -127,11 +131,9 @@ def cmd_serve(args) -> int:
 
         raise ModelLoadError(f"--model {args.model}: cannot load its tokenizer ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    config.worker_port, config.worker_address = args.worker_port, args.worker_address
-    config.secret = auth.read_secret_file(args.worker_secret_file, create=True) if args.worker_secret_file else None
+    router.set_tokenizer(tokenizer)
     config.model_fingerprint = auth.model_fingerprint(args.model, len(tokenizer))
-    router = Router(config, tokenizer)
-    address = router.bind()
+
     def loopback(addr: str) -> str:
         return addr.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
 
