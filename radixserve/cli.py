@@ -131,6 +131,10 @@ def cmd_serve(args) -> int:
 
     _check_model_dir(args.model)
     _check_device(args.device)
+    config.worker_port, config.worker_address = args.worker_port, args.worker_address
+    config.secret = auth.read_secret_file(args.worker_secret_file, create=True) if args.worker_secret_file else None
+    router = Router(config)
+    address = router.bind()  # before the slow model conversion and tokenizer load: a busy port fails at once
     # Build/convert the model once here, not racing in N workers; absolute, since workers may start elsewhere.
     args.model = os.path.abspath(str(resolve_model(args.model)))
     try:
@@ -140,11 +144,9 @@ def cmd_serve(args) -> int:
 
         raise ModelLoadError(f"--model {args.model}: cannot load its tokenizer ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    config.worker_port, config.worker_address = args.worker_port, args.worker_address
-    config.secret = auth.read_secret_file(args.worker_secret_file, create=True) if args.worker_secret_file else None
+    router.set_tokenizer(tokenizer)
     config.model_fingerprint = auth.model_fingerprint(args.model, len(tokenizer))
-    router = Router(config, tokenizer)
-    address = router.bind()
+
     def loopback(addr: str) -> str:
         return addr.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
 

@@ -163,6 +163,10 @@ class Router:
         self._last_tick = time.monotonic()
         self._token_chars = _longest_token_chars(tokenizer)
 
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._token_chars = _longest_token_chars(tokenizer)
+
     @property
     def local_procs(self) -> list[Any]:
         return self.supervisor.procs if self.supervisor is not None else self._local_procs
