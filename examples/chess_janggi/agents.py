@@ -10,7 +10,10 @@ Move selection (``mode``):
   legal by construction;
 * ``generate``: free generation, parsed; an unparsable or illegal answer is re-prompted with the
   reason, at most ``max_retries`` times, then it falls back to ``choose``. Every illegal attempt
-  and every fallback is counted.
+  and every fallback is counted;
+* ``constrained``: generation under a grammar that admits exactly the legal moves
+  (:func:`legal_move_constraint`, xgrammar token masks on the server): legal by construction,
+  one call per move, no retries.
 """
 
 from __future__ import annotations
@@ -143,8 +146,8 @@ class LLMAgent:
     def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
                  seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
                  record: bool = False):
-        if mode not in ("choose", "generate"):
-            raise ValueError(f"mode must be choose or generate, got {mode!r}")
+        if mode not in ("choose", "generate", "constrained"):
+            raise ValueError(f"mode must be choose, generate or constrained, got {mode!r}")
         self.client = client
         self.mode = mode
         self.max_retries = max_retries
@@ -160,7 +163,9 @@ class LLMAgent:
         start = time.monotonic()
         prompt = move_prompt(game)
         move = None
-        if self.mode == "generate":
+        if self.mode == "constrained":
+            move = await self._constrained(game, prompt)
+        elif self.mode == "generate":
             move = await self._generate(game, prompt)
             if move is None:
                 self.stats.fallbacks += 1
@@ -199,8 +204,32 @@ class LLMAgent:
                 text = f"{text}{out.text}\nThat answer was rejected: {exc}. Answer again with one legal move.\nYour move:"
         return None
 
+    async def _constrained(self, game: Game, prompt: str) -> str | None:
+        """One generation whose tokens can only spell a legal move; None (then choose) if the
+        server ended it early (max_tokens too small for the longest move)."""
+        seed = None if self.seed is None else self.seed * 1000 + game.ply * 10
+        seq = next(_SUBMITTED)
+        out = await self.client.generate(prompt, max_tokens=max(self.max_tokens, 16), temperature=self.temperature,
+                                         seed=seed, namespace=self.namespace, structured=legal_move_constraint(game))
+        if self.record:
+            self.stats.requests.append((seq, "generate", prompt, out.token_ids))
+        self._account(out.timings.ttft_s, out.usage.prompt_tokens, out.usage.cached_tokens)
+        move = out.text.strip()
+        if move not in game.legal_moves():
+            self.stats.illegal_attempts += 1
+            return None
+        return move
+
     def _account(self, ttft: float, query: int, cached: int) -> None:
         self.stats.calls += 1
         self.stats.ttft_s.append(ttft)
         self.stats.query_tokens += query
         self.stats.cached_tokens += cached
+
+
+def legal_move_constraint(game: Game):
+    """Structured output admitting exactly one legal move, after a space (as the choose mode
+    scores them): ``StructuredOutput(choice=[" e2e4", " d2d4", ...])``."""
+    from radixserve.engine.structured import StructuredOutput
+
+    return StructuredOutput(choice=[" " + m for m in game.legal_moves()])

@@ -20,6 +20,7 @@ from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Request, RequestOutput, StreamChunk
 from radixserve.engine.sampler import Sampler
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.structured import GrammarCache
 from radixserve.errors import BadRequestError, TooLongError
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import head_dim_of
@@ -79,6 +80,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(loaded.model, self.pool, self.device, config.attention)
         self.sampler = Sampler(seed, self.device)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(loaded.eos_token_ids))
         self.pin_budget_tokens = config.pin_budget_tokens or self.pool.capacity_tokens // 4
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -152,6 +154,7 @@ class Engine:
         return Request(
             rid=rid, prompt_ids=ids, params=params, namespace=namespace,
             generator=self.sampler.generator_for(params.seed),
+            grammar=self.grammars.matcher(params.structured) if params.structured is not None else None,
             stream=bool(params.stop),
         )
 
@@ -254,6 +257,8 @@ class Engine:
     def _stop_reason(self, req: Request) -> str | None:
         p = req.params
         token = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated():
+            return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
         if not p.ignore_eos and token in self.loaded.eos_token_ids:
