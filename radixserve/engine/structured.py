@@ -108,6 +108,22 @@ def choice_ebnf(choices: list[str]) -> str:
     return f"root ::= {alts}\n"
 
 
+# xgrammar 0.2.x writes length-bounded strings (maxLength / minLength) with the character class
+# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) in, so the output is not JSON
+# (json.loads refuses it); unbounded strings use the right class. We patch the class in the EBNF.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_ebnf(schema_text: str) -> str:
+    """The EBNF of a JSON schema: compact JSON (no free whitespace, so a model cannot wander off
+    into endless blanks), with JSON's string characters everywhere."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    return ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
 def xgrammar_available() -> bool:
     try:
         import xgrammar  # noqa: F401
@@ -167,10 +183,9 @@ class GrammarCache:
     def _compile(compiler, spec: StructuredOutput):
         kind = spec.kind
         if kind == "json_schema":
-            # Compact JSON (no free whitespace): a model cannot wander off into endless blanks.
-            return compiler.compile_json_schema(spec.schema_text, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_ebnf(spec.schema_text))
         if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return compiler.compile_grammar(json_schema_ebnf('{"type": "object"}'))
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
         return compiler.compile_grammar(choice_ebnf(spec.choice))
