@@ -201,19 +201,30 @@ def test_structured_params_cross_the_wire():
 
 
 # --------------------------------------------------------------------------- chess / janggi
-def _positions(n: int, seed: int):
+class _Position:
+    """A snapshot of a game: what legal_move_constraint and the check need."""
+
+    def __init__(self, game):
+        self.kind, self.fen, self.legal = game.kind, game.fen(), game.legal_moves()
+
+    def legal_moves(self) -> list[str]:
+        return self.legal
+
+
+def _positions(n: int, seed: int, plies: int = 60) -> list[_Position]:
+    """Every position along random games (chess and janggi in turn) until there are ``n``."""
     from examples.chess_janggi.rules import ChessGame, JanggiGame
 
     rng = random.Random(seed)
-    out = []
+    out: list[_Position] = []
     while len(out) < n:
-        game = ChessGame() if len(out) % 2 == 0 else JanggiGame()
-        for _ in range(rng.randrange(0, 40)):
-            if game.is_over():
+        game = ChessGame() if len(out) // plies % 2 == 0 else JanggiGame()
+        for _ in range(plies):
+            if len(out) == n or game.is_over():
                 break
-            game.push(rng.choice(game.legal_moves()))
-        if not game.is_over():
-            out.append(game)
+            pos = _Position(game)
+            out.append(pos)
+            game.push(rng.choice(pos.legal))
     return out
 
 
@@ -223,12 +234,13 @@ def test_constrained_moves_are_legal_1000_positions(llama_dir):
     from examples.chess_janggi.agents import legal_move_constraint
 
     games = _positions(1000, seed=11)
+    assert {g.kind for g in games} == {"chess", "janggi"}
     with Engine(llama_dir, kv_cache_tokens=65536, max_running=128, max_batched_tokens=8192) as e:
-        prompts = [f"{g.kind} {g.fen()} move:" for g in games]
+        prompts = [f"{g.kind}, your move:" for g in games]  # the mask, not the prompt, makes moves legal
         params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, structured=legal_move_constraint(g))
                   for i, g in enumerate(games)]
         outs = e.generate(prompts, params)
-    illegal = [(g.fen(), o.text) for g, o in zip(games, outs) if o.text.strip() not in g.legal_moves()]
+    illegal = [(g.fen, o.text) for g, o in zip(games, outs) if o.text.strip() not in g.legal_moves()]
     assert illegal == [] and all(o.finish_reason == "stop" for o in outs)
     assert len({o.text for o in outs}) > 100  # many different moves were played
 
@@ -272,3 +284,80 @@ def test_llm_agent_constrained_mode_plays_legal_moves():
 
         for s in asyncio.run(play()):
             assert s.llm_moves == 4 and s.calls == 4 and s.illegal_attempts == 0 and s.fallbacks == 0
+
+
+# --------------------------------------------------------------------------- server: SDK and OpenAI HTTP
+@pytest.fixture(scope="module")
+def http_server(llama_dir):
+    from serve_cluster import Cluster
+
+    c = Cluster(llama_dir, 1, "--http-port", "0")
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(c.proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(30)
+    if "HTTP API on " not in (box[0] if box else ""):
+        c.stop()
+        raise RuntimeError(f"no HTTP line: {box!r}")
+    c.url = box[0].split("HTTP API on ", 1)[1].split()[0]
+    yield c
+    c.stop()
+
+
+def test_openai_response_format_end_to_end(http_server):
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=http_server.url, api_key="none", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "Your move, as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "move", "schema": SCHEMA, "strict": True}}
+    for seed in range(4):
+        r = c.chat.completions.create(model="llama", messages=msgs, max_tokens=300, temperature=1.0, seed=seed,
+                                      response_format=rf)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = c.chat.completions.create(model="llama", messages=msgs, max_tokens=100, temperature=1.0, seed=0, n=8,
+                                  response_format={"type": "json_object"})
+    finished = [ch.message.content for ch in r.choices if ch.finish_reason == "stop"]  # see test_json_object_...
+    assert finished and all(isinstance(json.loads(text), dict) for text in finished)
+    # streaming under a grammar
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="llama", messages=msgs, max_tokens=300, temperature=1.0, seed=9, response_format=rf, stream=True)
+        if ch.choices]
+    jsonschema.validate(json.loads("".join(parts)), SCHEMA)
+    # vLLM-style extensions on /v1/completions
+    r = c.completions.create(model="llama", prompt="pick:", max_tokens=20, temperature=1.0, seed=1,
+                             n=4, extra_body={"guided_choice": ["e2e4", "d2d4", "resign"]})
+    assert all(ch.text in ("e2e4", "d2d4", "resign") and ch.finish_reason == "stop" for ch in r.choices)
+    r = c.completions.create(model="llama", prompt="square:", max_tokens=20, temperature=1.0, seed=2,
+                             extra_body={"guided_regex": "[a-h][1-8]"})
+    assert re.fullmatch("[a-h][1-8]", r.choices[0].text)
+    # bad grammars are 400s naming the field; the server keeps serving
+    for kw, param in ((dict(response_format={"type": "yaml"}), "response_format"),
+                      (dict(response_format={"type": "json_schema"}), "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="llama", messages=msgs, max_tokens=5, **kw)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="llama", prompt="x", max_tokens=5, extra_body={"guided_regex": "(oops"})
+    assert "regex" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="llama", prompt="x", max_tokens=5,
+                             extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert e.value.body["param"] == "guided_choice"
+
+
+def test_sdk_generate_and_stream_structured(http_server):
+    from radixserve.client import Client
+
+    with Client(http_server.address, timeout=60) as c:
+        out = c.generate("pick:", max_tokens=20, temperature=1.0, seed=3,
+                         structured=StructuredOutput(choice=["yes", "no"]))
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
+        out = c.generate([7, 8, 9], max_tokens=300, temperature=1.0, seed=4, structured={"json_schema": SCHEMA})
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        chunks = list(c.stream("go:", max_tokens=30, temperature=1.0, seed=5,
+                               structured=StructuredOutput(regex="(white|black) [a-h][1-8]")))
+        assert re.fullmatch("(white|black) [a-h][1-8]", chunks[-1].text)
+        with pytest.raises(BadRequestError) as e:
+            c.generate("x", max_tokens=4, structured=StructuredOutput(regex="(oops"))
+        assert "structured.regex" in str(e.value)
+        assert c.generate("x", max_tokens=2).finish_reason in ("stop", "length")
