@@ -91,17 +91,19 @@ class Engine:
         self._stopping = threading.Event()
         self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
         log.info(
-            "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d) "
+            "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d, %s) "
             "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s",
             loaded.path, loaded.config.architectures[0], str(loaded.dtype).removeprefix("torch."),
-            device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size, max_running,
+            device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size,
+            "kv=" + (config.kv_dtype or str(loaded.dtype).removeprefix("torch.")), max_running,
             max_batched_tokens, self.max_model_len, "on" if enable_prefix_cache else "off",
         )
 
     def _make_pool(self) -> KVPool:
         cfg = self.loaded.config
         num_kv_heads, head_dim = cfg.num_key_value_heads, head_dim_of(cfg)
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.loaded.dtype)
+        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.loaded.dtype,
+                                           self.config.kv_dtype)
         tokens = self.config.kv_cache_tokens
         if tokens is None:
             budget = self.config.kv_memory_gb
@@ -117,6 +119,7 @@ class Engine:
             head_dim=head_dim,
             dtype=self.loaded.dtype,
             device=self.device,
+            kv_dtype=self.config.kv_dtype,
         )
 
     # -- requests ------------------------------------------------------------------------------
