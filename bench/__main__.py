@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "structured"]
+COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "structured", "kv_quant"]
 
 
 def build_parser() -> argparse.ArgumentParser:
