@@ -7,6 +7,11 @@ never completes), ``json`` (a schema with one free string, which a random model 
 within the window) and ``choice`` (one of 40 chess moves, re-admitted as requests finish, so the
 masks are the short-lived, branching kind). Modes are interleaved per batch size, so drift on a
 shared machine hits all alike; medians are reported, in ms per decode step.
+
+The mask step alone (``--mask-reps`` times per mode and batch size: fill each row's bitmask,
+apply it to a ``[batch, vocab]`` logits tensor, pick the argmax, advance the matchers; terminated
+matchers are reset outside the timing) is timed too: it is the overhead a grammar adds to a step,
+without the forward pass's noise.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ MOVES = [f"{a}{r}{b}{s}" for a, b in zip("abcdefgh", "hgfedcba") for r, s in ((2
 def add_arguments(parser) -> None:
     add_common_args(parser)
     parser.add_argument("--batch", type=int_list, default=[1, 8, 32], help="decode batch sizes (comma-separated)")
+    parser.add_argument("--skip-steps", action="store_true", help="only the mask step alone (fast, less noisy)")
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps per mode and batch size")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of each request")
+    parser.add_argument("--mask-reps", type=int, default=200, help="timed repetitions of the mask step alone")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the modes")
 
 
@@ -94,6 +101,32 @@ class _TimedSampler:
         return getattr(self.inner, name)
 
 
+def _mask_only(engine, mode: str, batch: int, reps: int) -> float:
+    """Median seconds of one mask step (fill + apply + argmax + advance) over ``batch`` rows."""
+    import torch
+
+    from radixserve import SamplingParams
+    from radixserve.engine.request import Request
+    from radixserve.engine.sampler import advance_grammars, apply_grammar_masks
+
+    reqs = [Request(rid=str(i), prompt_ids=[7], params=SamplingParams()) for i in range(batch)]
+    for r in reqs:
+        r.grammar = engine.grammars.matcher(_spec(mode))
+    g = torch.Generator().manual_seed(batch)
+    logits = torch.randn(batch, engine.vocab_size, generator=g)
+    times = []
+    for _ in range(reps):
+        for r in reqs:
+            if r.grammar is None or r.grammar.is_terminated():
+                r.grammar = engine.grammars.matcher(_spec(mode))
+        x = logits.clone()
+        t = time.perf_counter()
+        tokens = apply_grammar_masks(x, reqs).argmax(dim=-1).tolist()
+        advance_grammars(tokens, reqs)
+        times.append(time.perf_counter() - t)
+    return median(times)
+
+
 def run(args) -> int:
     model = setup(args)
     from radixserve import Engine
@@ -107,19 +140,23 @@ def run(args) -> int:
                     max_running=max(args.batch), enable_prefix_cache=False)
     for mode in modes[1:]:  # compile once, outside the timings (the cache keeps them)
         engine.grammars.compile(_spec(mode))
-    for mode in modes:  # warm-up (first-touch allocations, thread pools), not recorded
+    for mode in modes if not args.skip_steps else []:  # warm-up (first-touch allocations, thread pools), not recorded
         _measure(engine, mode, min(args.batch), 2, args.prompt_tokens, seed=99)
     rows = {}
     for batch in args.batch:
         step_t = {m: [] for m in modes}
         samp_t = {m: [] for m in modes}
-        for rnd in range(args.rounds):
+        for rnd in range(0 if args.skip_steps else args.rounds):
             for mode in modes:
                 log(f"batch {batch}, {mode}, round {rnd + 1}/{args.rounds}")
                 s, q = _measure(engine, mode, batch, args.steps, args.prompt_tokens, seed=rnd)
                 step_t[mode] += s
                 samp_t[mode] += q
-        rows[batch] = {m: {"step_ms": median(step_t[m]) * 1e3, "sampler_ms": median(samp_t[m]) * 1e3} for m in modes}
+        rows[batch] = {m: {"step_ms": median(step_t[m]) * 1e3 if step_t[m] else None,
+                           "sampler_ms": median(samp_t[m]) * 1e3 if samp_t[m] else None} for m in modes}
+        for m in modes[1:]:
+            log(f"batch {batch}, {m}, mask step alone x {args.mask_reps}")
+            rows[batch][m]["mask_ms"] = _mask_only(engine, m, batch, args.mask_reps) * 1e3
     result = {"model": model, "vocab_size": engine.vocab_size, "device": args.device, "steps": args.steps,
               "rounds": args.rounds, "machine": machine_summary(), "batches": rows}
     engine.shutdown()
@@ -134,7 +171,8 @@ def _render(res: dict) -> str:
     for batch, modes in res["batches"].items():
         base = modes["plain"]["step_ms"]
         out.append(f"batch {batch}")
-        out.append(table(["mode", "step ms", "sampler ms", "overhead ms/step", "overhead %"],
-                         [[m, v["step_ms"], v["sampler_ms"], v["step_ms"] - base,
-                           fmt(100 * (v["step_ms"] - base) / base)] for m, v in modes.items()]))
+        out.append(table(["mode", "step ms", "sampler ms", "step - plain ms", "mask step alone ms", "mask / plain step %"],
+                         [[m, v["step_ms"], v["sampler_ms"], None if base is None else v["step_ms"] - base,
+                           fmt(v.get("mask_ms"), 2), fmt(100 * v["mask_ms"] / base if "mask_ms" in v and base else None)]
+                          for m, v in modes.items()]))
     return head + "\n" + "\n".join(out)
