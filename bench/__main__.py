@@ -11,7 +11,8 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "soak"]
+COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "soak", "structured",
+            "kv_quant"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     g.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: 1)")
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity in tokens (default: from a 1 GiB budget on CPU)")
+    g.add_argument("--kv-dtype", default=None, choices=["int8"],
+                   help="KV cache storage: int8 (per-token scales, ~2-4x the tokens; default: the model's dtype)")
     g.add_argument("--max-running", type=int, default=64, help="most requests per batch (default: 64)")
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
@@ -31,6 +33,7 @@ def _make_engine(args):
         args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
         kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens, enable_prefix_cache=not args.no_prefix_cache,
+        **({"kv_dtype": args.kv_dtype} if getattr(args, "kv_dtype", None) else {}),
     )
 
 
@@ -73,6 +76,8 @@ def _engine_argv(args, device: str) -> list[str]:
         argv += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.no_prefix_cache:
         argv.append("--no-prefix-cache")
+    if getattr(args, "kv_dtype", None):
+        argv += ["--kv-dtype", args.kv_dtype]
     return argv
 
 

@@ -8,6 +8,7 @@ with Client("tcp://127.0.0.1:7700") as c:
     print(out.text, out.usage.cached_tokens, out.timings.ttft_s)
     for chunk in c.stream("Tell me a story", max_tokens=32):
         print(chunk.text, end="", flush=True)
+    move = c.generate("Your move:", structured={"choice": ["e2e4", "d2d4"]})  # or StructuredOutput(...)
 ```
 
 :class:`AsyncClient` has the same methods as coroutines (``stream`` is an async iterator).

@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Tokens per KV page. 1 gives token-granular prefix hits; FlashInfer likes 16 on GPU."""
     kv_cache_tokens: int | None = None
     """KV capacity in tokens; None sizes it from ``kv_memory_gb``."""
+    kv_dtype: str | None = None
+    """KV cache storage: None (the model's dtype) or int8 (per-token, per-head float32 scales;
+    about 3.8x the tokens of float32 and 1.9x of bfloat16 at head_dim 64; torch attention only)."""
     kv_memory_gb: float | None = None
     """KV memory budget; None: 1 GiB on CPU, 85% of free memory after weights on CUDA."""
     max_running: int = 64
@@ -73,5 +76,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise BadRequestError("batching", f"must be continuous or static, got {self.batching!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise BadRequestError("schedule_policy", f"must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.kv_dtype not in (None, "int8"):
+            raise BadRequestError("kv_dtype", f"must be None (the model's dtype) or int8, got {self.kv_dtype!r}")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise BadRequestError("kv_memory_gb", f"must be > 0, got {self.kv_memory_gb!r}")

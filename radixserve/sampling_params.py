@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from radixserve.engine.structured import StructuredOutput, as_structured
 from radixserve.errors import BadRequestError
 
 
@@ -29,10 +30,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
+    """Constrain the output to a grammar (JSON schema, any JSON object, regex or a list of choices);
+    a plain dict of :class:`StructuredOutput` fields is accepted too."""
 
     MAX_LOGPROBS = 20
     MAX_TEMPERATURE = 100.0
     REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+    def __post_init__(self) -> None:
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            self.structured = as_structured(self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -79,3 +87,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for tid in self.stop_token_ids or ():
             if not 0 <= tid < vocab_size:
                 bad("stop_token_ids", f"token id {tid} is outside the vocabulary [0, {vocab_size})")
+        if self.structured is not None:
+            self.structured.validate()

@@ -3,15 +3,18 @@
 The LLM agent's prompt is a long system prompt (rules and strategy) shared by every agent of a
 game type, followed by a short per-move part: side, ASCII board, FEN, recent moves, legal moves.
 With ``render`` (the model's chat template, :func:`chat_renderer`) the system prompt is the system
-message and the position the user's. So every agent of a game hits the same cached system prompt, and one agent's consecutive
-prompts share nothing past it (the board changes), which is the realistic fleet workload.
+message and the position the user's. So every agent of a game hits the same cached system
+prompt, and one agent's consecutive prompts share nothing past it (the board changes), which is the realistic fleet workload.
 
 Move selection (``mode``):
 * ``choose``: score every legal move as a continuation of the prompt (``AsyncClient.choose``):
   legal by construction;
-* ``generate``: free generation, parsed (the first legal UCI move anywhere in the answer); an unparsable or illegal answer is re-prompted with the
-  reason, at most ``max_retries`` times, then it falls back to ``choose``. Every illegal attempt
-  and every fallback is counted.
+* ``generate``: free generation, parsed (the first legal UCI move anywhere in the answer); an
+  unparsable or illegal answer is re-prompted with the reason, at most ``max_retries`` times,
+  then it falls back to ``choose``. Every illegal attempt and every fallback is counted;
+* ``constrained``: generation under a grammar that admits exactly the legal moves
+  (:func:`legal_move_constraint`, xgrammar token masks on the server): legal by construction,
+  one call per move, no retries.
 """
 
 from __future__ import annotations
@@ -176,8 +179,8 @@ class LLMAgent:
     def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
                  seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
                  record: bool = False, render: Callable[[list[dict]], str] | None = None):
-        if mode not in ("choose", "generate"):
-            raise ValueError(f"mode must be choose or generate, got {mode!r}")
+        if mode not in ("choose", "generate", "constrained"):
+            raise ValueError(f"mode must be choose, generate or constrained, got {mode!r}")
         self.client = client
         self.mode = mode
         self.max_retries = max_retries
@@ -199,7 +202,9 @@ class LLMAgent:
         start = time.monotonic()
         prompt = self._prompt(game)
         move = None
-        if self.mode == "generate":
+        if self.mode == "constrained":
+            move = await self._constrained(game, prompt)
+        elif self.mode == "generate":
             move = await self._generate(game, prompt)
             if move is None:
                 self.stats.fallbacks += 1
@@ -246,8 +251,32 @@ class LLMAgent:
                     text = self.render(messages)
         return None
 
+    async def _constrained(self, game: Game, prompt: str) -> str | None:
+        """One generation whose tokens can only spell a legal move; None (then choose) if the
+        server ended it early (max_tokens too small for the longest move)."""
+        seed = None if self.seed is None else self.seed * 1000 + game.ply * 10
+        seq = next(_SUBMITTED)
+        out = await self.client.generate(prompt, max_tokens=max(self.max_tokens, 16), temperature=self.temperature,
+                                         seed=seed, namespace=self.namespace, structured=legal_move_constraint(game))
+        if self.record:
+            self.stats.requests.append((seq, "generate", prompt, out.token_ids))
+        self._account(out.timings.ttft_s, out.usage.prompt_tokens, out.usage.cached_tokens)
+        move = out.text.strip()
+        if move not in game.legal_moves():
+            self.stats.illegal_attempts += 1
+            return None
+        return move
+
     def _account(self, ttft: float, query: int, cached: int) -> None:
         self.stats.calls += 1
         self.stats.ttft_s.append(ttft)
         self.stats.query_tokens += query
         self.stats.cached_tokens += cached
+
+
+def legal_move_constraint(game: Game):
+    """Structured output admitting exactly one legal move, after a space (as the choose mode
+    scores them): ``StructuredOutput(choice=[" e2e4", " d2d4", ...])``."""
+    from radixserve.engine.structured import StructuredOutput
+
+    return StructuredOutput(choice=[" " + m for m in game.legal_moves()])

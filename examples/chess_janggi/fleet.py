@@ -301,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
     ap.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
     ap.add_argument("--moves", type=int, default=20, help="plies per game at most (default: 20)")
-    ap.add_argument("--mode", default="choose", choices=["choose", "generate"],
-                    help="LLM move selection: choose (scored legal moves) or generate (parse, retry, fall back)")
+    ap.add_argument("--mode", default="choose", choices=["choose", "generate", "constrained"],
+                    help="LLM move selection: choose (scored legal moves), generate (parse, retry, fall back) "
+                         "or constrained (generation masked to the legal moves)")
     ap.add_argument("--temperature", type=float, default=0.5,
                     help="LLM agents sample their move from softmax(score / T) over the legal moves, seeded per agent "
                          "(default: 0.5; 0 is greedy, and then identical pairings replay identical games)")

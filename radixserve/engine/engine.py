@@ -20,6 +20,7 @@ from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.request import Request, RequestOutput, StreamChunk
 from radixserve.engine.sampler import Sampler
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.structured import GrammarCache
 from radixserve.errors import BadRequestError, TooLongError
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import head_dim_of
@@ -75,6 +76,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(loaded.model, self.pool, self.device, config.attention)
         self.sampler = Sampler(seed, self.device)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(loaded.eos_token_ids))
         self.pin_budget_tokens = config.pin_budget_tokens or self.pool.capacity_tokens // 4
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -85,17 +87,19 @@ class Engine:
         self._stopping = threading.Event()
         self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
         log.info(
-            "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d) "
+            "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d, %s) "
             "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s",
             loaded.path, loaded.config.architectures[0], str(loaded.dtype).removeprefix("torch."),
-            device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size, max_running,
+            device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size,
+            "kv=" + (config.kv_dtype or str(loaded.dtype).removeprefix("torch.")), max_running,
             max_batched_tokens, self.max_model_len, "on" if enable_prefix_cache else "off",
         )
 
     def _make_pool(self) -> KVPool:
         cfg = self.loaded.config
         num_kv_heads, head_dim = cfg.num_key_value_heads, head_dim_of(cfg)
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.loaded.dtype)
+        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.loaded.dtype,
+                                           self.config.kv_dtype)
         tokens = self.config.kv_cache_tokens
         if tokens is None:
             budget = self.config.kv_memory_gb
@@ -111,6 +115,7 @@ class Engine:
             head_dim=head_dim,
             dtype=self.loaded.dtype,
             device=self.device,
+            kv_dtype=self.config.kv_dtype,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -148,6 +153,7 @@ class Engine:
         return Request(
             rid=rid, prompt_ids=ids, params=params, namespace=namespace,
             generator=self.sampler.generator_for(params.seed),
+            grammar=self.grammars.matcher(params.structured) if params.structured is not None else None,
             stream=bool(params.stop),
         )
 
@@ -259,6 +265,8 @@ class Engine:
     def _stop_reason(self, req: Request) -> str | None:
         p = req.params
         token = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated():
+            return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
         if not p.ignore_eos and token in self.loaded.eos_token_ids:

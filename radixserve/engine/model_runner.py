@@ -80,6 +80,10 @@ def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.devic
     from radixserve.attention import flashinfer_backend
 
     scale = head_dim_of(model.config) ** -0.5
+    if pool.quantized:  # int8 KV: only the torch backend dequantizes on read
+        if name not in ("auto", "torch"):
+            raise BadRequestError("attention", f"kv_dtype={pool.kv_dtype} needs the torch attention backend, not {name}")
+        name = "torch"
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" and flashinfer_backend.available() else "torch"
     if name == "flashinfer":

@@ -70,6 +70,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     generator: torch.Generator | None = None
     stream: bool = False  # detokenize every step (streaming consumers, stop strings)
+    grammar: Any = None  # structured output: the request's xgrammar GrammarMatcher (see engine/structured.py)
     pin: bool = False  # on finish, keep the prompt's KV locked in the cache (Engine.pin)
     # Scoring mode (Engine.choose): no sampling; the request ends right after its prefill with the
     # logprob of every token at positions score_from .. end-1 (score_from == len: prefill only).

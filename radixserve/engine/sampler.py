@@ -40,6 +40,8 @@ class Sampler:
                     except Exception:
                         log.exception("penalties failed for request %s; failing it alone", r.rid)
                         failed.add(row)
+        if any(r.grammar is not None for r in reqs):
+            logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs)
         tokens = logits.argmax(dim=-1)
         for row, r in enumerate(reqs):
             if not r.params.greedy and row not in failed:
@@ -51,6 +53,7 @@ class Sampler:
         token_list: list[int | None] = tokens.tolist()
         for row in failed:
             token_list[row] = None
+        advance_grammars(token_list, reqs)
 
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         wanted = [row for row, r in enumerate(reqs) if r.params.logprobs is not None and row not in failed]
@@ -98,3 +101,31 @@ def _apply_penalties(row: torch.Tensor, r: Request) -> None:
     if r.output_ids and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(r.output_ids, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """In place: structured requests' rows keep only the tokens their grammar allows next
+    (the rest become -inf), from each request's xgrammar matcher. Returns ``logits``."""
+    import xgrammar as xgr
+
+    rows = [row for row, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(len(reqs), logits.shape[-1])
+    masked = [row for row in rows if reqs[row].grammar.fill_next_token_bitmask(bitmask, row)]
+    if masked:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=masked)
+    return logits
+
+
+def advance_grammars(tokens: list[int | None], reqs: list[Request]) -> None:
+    """Move each structured request's matcher past the token it just got. The mask makes a
+    rejected token impossible; if one is ever rejected, the matcher is dropped (the request goes on
+    unconstrained) and the event is logged rather than failing the whole batch."""
+    for token, r in zip(tokens, reqs):
+        m = r.grammar
+        if token is None:  # this row failed (see __call__): its request ends with an error
+            continue
+        if m is not None and not m.is_terminated() and not m.accept_token(token):
+            log.error("request %s: grammar rejected token %d; constraint dropped", r.rid, token)
+            r.grammar = None

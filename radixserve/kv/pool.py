@@ -17,6 +17,13 @@ class KVPool:
     Layer ``l`` keeps ``k[l]`` and ``v[l]`` of shape ``[num_pages, page_size, kv_heads, head_dim]``
     (FlashInfer's NHD layout). Slot ``page * page_size + offset`` addresses one token. Pages are
     handed out by :meth:`alloc` and returned by :meth:`free`; the pool never decides what to keep.
+
+    ``kv_dtype="int8"`` stores K and V as int8 with one float32 scale per token and head beside
+    them (``k_scale[l]`` / ``v_scale[l]``, ``[num_pages, page_size, kv_heads]``): symmetric,
+    ``scale = max|x| / 127`` over head_dim, so each element is off by at most ``scale / 2``.
+    :meth:`k_slots` / :meth:`v_slots` then return :class:`QuantizedSlots`, which quantize on store
+    and dequantize (to ``dtype``) on read, so an attention backend that stores with
+    ``cache[slots] = x`` and reads with ``cache.index_select(0, slots)`` works unchanged.
     """
 
     def __init__(
@@ -29,20 +36,36 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_dtype: str | None = None,
     ):
         if num_pages < 1:
             raise BadRequestError("kv_cache_tokens", f"the KV pool needs at least one page of {page_size} tokens")
         self.num_pages = num_pages
         self.page_size = page_size
+        if kv_dtype not in (None, "int8"):
+            raise BadRequestError("kv_dtype", f"must be None (the model's dtype) or int8, got {kv_dtype!r}")
+        self.dtype, self.kv_dtype = dtype, kv_dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        store = torch.int8 if kv_dtype == "int8" else dtype
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        if kv_dtype == "int8":
+            self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
+            self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
         # Pop from the end: low page ids first, which keeps a fresh pool's tables readable.
         self._free = list(range(num_pages - 1, -1, -1))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_dtype: str | None = None) -> int:
+        """K and V bytes of one token over all layers (int8: plus its float32 scales)."""
+        if kv_dtype == "int8":
+            return 2 * num_layers * num_kv_heads * (head_dim + 4)
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype is not None
 
     @property
     def capacity_tokens(self) -> int:
@@ -67,7 +90,49 @@ class KVPool:
 
     def k_slots(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K cache viewed as ``[slots, kv_heads, head_dim]``."""
+        if self.quantized:
+            return QuantizedSlots(self.k[layer], self.k_scale[layer], self.dtype)
         return self.k[layer].view(-1, *self.k[layer].shape[2:])
 
     def v_slots(self, layer: int) -> torch.Tensor:
+        if self.quantized:
+            return QuantizedSlots(self.v[layer], self.v_scale[layer], self.dtype)
         return self.v[layer].view(-1, *self.v[layer].shape[2:])
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dim: ``(q, scale)`` with ``x ~= q * scale[..., None]`` and
+    ``|x - q * scale| <= scale / 2`` elementwise; ``scale = max|x| / 127`` (1 where x is all 0)."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(x / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+class QuantizedSlots:
+    """One layer's int8 K (or V) cache seen as ``[slots, kv_heads, head_dim]`` of ``dtype``:
+    ``view[slots] = x`` quantizes and stores, ``view.index_select(0, slots)`` gathers and
+    dequantizes. The subset of tensor behaviour the torch attention backend uses."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.data = data.view(-1, *data.shape[2:])
+        self.scale = scale.view(-1, scale.shape[2])
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def __setitem__(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        q, scale = quantize_int8(x)
+        self.data[slots] = q
+        self.scale[slots] = scale
+
+    def index_select(self, dim: int, slots: torch.Tensor) -> torch.Tensor:
+        assert dim == 0, "QuantizedSlots gathers whole slots"
+        return dequantize_int8(self.data.index_select(0, slots), self.scale.index_select(0, slots), self.dtype)

@@ -15,8 +15,11 @@ Decisions (see the README's "HTTP API" section):
 - Unknown top-level fields are ignored, like vLLM (the OpenAI API itself rejects them; tools that
   speak to many providers send extras) — each ignored name is logged once and listed in the
   ``X-Radixserve-Ignored-Fields`` response header. Known OpenAI fields this server cannot honour
-  (``logit_bias``, ``tools``, ``suffix``, ``echo``, ``best_of > n``, ``response_format`` other
-  than text, ...) are refused with 400 naming the field rather than silently dropped.
+  (``logit_bias``, ``tools``, ``suffix``, ``echo``, ``best_of > n``, ...) are refused with 400
+  naming the field rather than silently dropped.
+- Structured output: chat's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` (both endpoints) become
+  ``SamplingParams.structured`` (xgrammar token masks in the worker's sampler).
 - Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad field
   (the prompt longer than the context: 400 ``context_length_exceeded``, as OpenAI does), 401
   missing/wrong key, 404 unknown model or route, 405, 413 body over ``max_body_bytes``, 503 with
@@ -197,7 +200,8 @@ def _is_num(v) -> bool:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
            "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "user", "ignore_eos", "stop_token_ids", "logit_bias", "best_of"}
+           "user", "ignore_eos", "stop_token_ids", "logit_bias", "best_of",
+           "guided_json", "guided_regex", "guided_choice"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "echo"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                           "functions", "function_call", "parallel_tool_calls", "response_format",
@@ -296,12 +300,52 @@ def _sampling(body: dict, chat: bool, limits: P.Limits) -> tuple[dict, int]:
     user = get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", "must be a string")
+    structured = _structured(body, chat)
+    if structured is not None:
+        kw["structured"] = structured
     try:
         params = SamplingParams(**kw)
         params.validate(vocab_size=1 << 31)
     except BadRequestError as exc:
         raise bad(exc.field, exc.message.split(": ", 1)[-1]) from None
     return kw, n
+
+
+def _structured(body: dict, chat: bool):
+    """Structured output from OpenAI's ``response_format`` (chat: ``json_object``, ``json_schema``)
+    or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` (both endpoints)."""
+    from radixserve.engine.structured import StructuredOutput
+
+    found = []
+    rf = body.get("response_format") if chat else None
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput(json_object=True)))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad("response_format", "json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            found.append(("response_format", StructuredOutput(json_schema=schema)))
+        elif kind != "text":
+            raise bad("response_format", "type must be text, json_object or json_schema")
+    gj, gr, gc = body.get("guided_json"), body.get("guided_regex"), body.get("guided_choice")
+    if gj is not None:
+        if not isinstance(gj, (dict, str)):
+            raise bad("guided_json", "must be a JSON schema (an object or its JSON text)")
+        found.append(("guided_json", StructuredOutput(json_schema=gj)))
+    if gr is not None:
+        if not isinstance(gr, str):
+            raise bad("guided_regex", "must be a string")
+        found.append(("guided_regex", StructuredOutput(regex=gr)))
+    if gc is not None:
+        if not isinstance(gc, list) or not all(isinstance(c, str) for c in gc):
+            raise bad("guided_choice", "must be a list of strings")
+        found.append(("guided_choice", StructuredOutput(choice=gc)))
+    if len(found) > 1:
+        raise bad(found[1][0], "give only one of response_format, guided_json, guided_regex, guided_choice")
+    return found[0][1] if found else None
 
 
 def _unsupported(body: dict, chat: bool) -> None:
@@ -315,9 +359,6 @@ def _unsupported(body: dict, chat: bool) -> None:
             raise bad("tool_choice", "tool calling is not supported by this server")
         if body.get("function_call") not in (None, "none", "auto"):
             raise bad("function_call", "function calling is not supported by this server")
-        rf = body.get("response_format")
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise bad("response_format", "only {\"type\": \"text\"} is supported")
         mod = body.get("modalities")
         if mod is not None and mod != ["text"]:
             raise bad("modalities", "only [\"text\"] is supported")
