@@ -3,15 +3,17 @@
 The LLM agent's prompt is a long system prompt (rules and strategy) shared by every agent of a
 game type, followed by a short per-move part: side, ASCII board, FEN, recent moves, legal moves.
 With ``render`` (the model's chat template, :func:`chat_renderer`) the system prompt is the system
-message and the position the user's. So every agent of a game hits the same cached system
-prompt, and one agent's consecutive prompts share nothing past it (the board changes), which is the realistic fleet workload.
+message, then one worked example exchange, then the position as the user's turn. So every agent of a
+game hits the same cached system prompt, and one agent's consecutive prompts share nothing past it
+(the board changes), which is the realistic fleet workload.
 
 Move selection (``mode``):
 * ``choose``: score every legal move as a continuation of the prompt (``AsyncClient.choose``):
   legal by construction;
 * ``generate``: free generation, parsed (the first legal UCI move anywhere in the answer); an
-  unparsable or illegal answer is re-prompted with the reason, at most ``max_retries`` times,
-  then it falls back to ``choose``. Every illegal attempt and every fallback is counted;
+  unparsable or illegal answer is re-prompted with the reason (as the next chat turn), at most
+  ``max_retries`` times, then it falls back to ``choose``. Every illegal attempt and every fallback
+  is counted;
 * ``constrained``: generation under a grammar that admits exactly the legal moves
   (:func:`legal_move_constraint`, xgrammar token masks on the server): legal by construction,
   one call per move, no retries.
@@ -193,10 +195,8 @@ class LLMAgent:
         self.render = render  # chat template: prompts are messages rendered by it; None: plain text
         self.stats = MoveStats()
 
-    def _prompt(self, game: Game, messages: list[dict] | None = None) -> str:
-        if self.render is None:
-            return move_prompt(game)
-        return self.render(messages or move_messages(game))
+    def _prompt(self, game: Game) -> str:
+        return move_prompt(game) if self.render is None else self.render(move_messages(game))
 
     async def select(self, game: Game) -> str:
         start = time.monotonic()

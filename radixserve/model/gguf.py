@@ -6,7 +6,7 @@ the ``gguf`` package: the config from its metadata, every tensor dequantized by 
 renamed to the Hugging Face names our decoder uses, and the tokenizer and chat template built by
 transformers from the same file. It writes ``config.json``, fp32 ``model.safetensors``,
 ``generation_config.json`` and the tokenizer files into the cache folder once, keyed by the file's
-path, size and mtime, so every later load is a plain directory load (about a second).
+path, size and mtime, so every later load is a plain directory load (a few seconds).
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of llama-arch models (its RoPE
 rotates adjacent pairs, Hugging Face's rotates halves); :func:`unpermute_qk` reverses it, as
