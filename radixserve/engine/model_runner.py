@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from radixserve.attention.base import AttentionBackend
@@ -11,6 +13,8 @@ from radixserve.errors import BadRequestError
 from radixserve.engine.scheduler import ScheduledItem
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import CausalLM, ForwardBatch, head_dim_of
+
+log = logging.getLogger("radixserve")
 
 
 class ModelRunner:
@@ -76,14 +80,33 @@ class ModelRunner:
 
 
 def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:
-    """``auto``: FlashInfer on CUDA when it imports, else the torch backend."""
-    from radixserve.attention import flashinfer_backend
+    """``auto``: FlashInfer on CUDA when it imports; on the CPU the C++ kernels of ``csrc/`` when
+    they build and support the pool (dtype, head_dim), else the torch backend (the oracle)."""
+    from radixserve.attention import cpu_backend, cpu_ext, flashinfer_backend
 
     scale = head_dim_of(model.config) ** -0.5
+    heads = model.config.num_attention_heads
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_backend.available() else "torch"
+        if device.type == "cuda":
+            name = "flashinfer" if flashinfer_backend.available() else "torch"
+        elif device.type == "cpu":
+            reason = cpu_backend.supports(pool, heads)
+            if reason is None and cpu_ext.load() is not None:
+                name = "cpu"
+            else:
+                if reason is not None:
+                    log.info("CPU attention kernels not used: %s; using the torch backend", reason)
+                name = "torch"
     if name == "flashinfer":
         if device.type != "cuda" or not flashinfer_backend.available():
             raise BadRequestError("attention", "flashinfer needs a CUDA device and the flashinfer package (pip install 'radixserve[gpu]')")
-        return flashinfer_backend.FlashInferAttention(pool, scale, num_qo_heads=model.config.num_attention_heads)
+        return flashinfer_backend.FlashInferAttention(pool, scale, num_qo_heads=heads)
+    if name == "cpu":
+        reason = cpu_backend.supports(pool, heads)
+        if reason is not None:
+            raise BadRequestError("attention", f"the cpu backend cannot serve this model: {reason}")
+        ext = cpu_ext.load()
+        if ext is None:
+            raise BadRequestError("attention", "the CPU attention kernels failed to build (see the warning above); use attention='torch'")
+        return cpu_backend.CpuAttention(pool, scale, ext)
     return TorchAttention(pool, scale)
