@@ -29,10 +29,18 @@
 #include <limits>
 #include <vector>
 
+// Fortran BLAS sgemm, exported by the MKL inside torch's CPU wheels. Called from inside the
+// parallel region, where MKL runs sequentially on the calling thread.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
 namespace {
 
 constexpr int kChunk = 32;    // keys per tile
-constexpr int kMaxRows = 32;  // query rows (tokens x heads of a group) per work item
+constexpr int kMaxRows = 64;  // query rows (tokens x heads of a group) per work item
+constexpr int kGemmRows = 8;  // items with at least this many rows use the GEMM-tiled path
+constexpr int kBlockN = 256;  // keys per tile of the GEMM-tiled path
 constexpr int kMaxDim = 256;  // largest head_dim
 constexpr int kMinSplit = 256;  // fewest keys per context split
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -102,20 +110,31 @@ inline int kv_len_of(const int32_t* kv_indptr, const int32_t* last, int page_siz
   return pages == 0 ? 0 : (pages - 1) * page_size + last[s];
 }
 
+inline void gemm(char ta, char tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                 float beta, float* c, int ldc) {
+  const float one = 1.0f;
+  sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// Per-thread scratch of the GEMM-tiled path.
+struct Scratch {
+  std::vector<float> q, k, v, s;
+  Scratch() : q(kMaxRows * kMaxDim), k(kBlockN * kMaxDim), v(kBlockN * kMaxDim), s(kMaxRows * kBlockN) {}
+};
+
 // Attend rows (tokens t0..t1 x heads g0..g1 of KV head `head`) to keys [k0, k1) of sequence `seq`.
 // Writes normalised outputs [rows][dim] and base-2 LSEs [rows] (0 and -inf for an empty row).
 template <typename T>
-void attend(const Problem<T>& p, const Item& it, float* out, float* lse) {
+void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
   const int D = p.dim;
   const int heads = it.g1 - it.g0;
   const int R = (it.t1 - it.t0) * heads;
-  alignas(64) float qb[kMaxRows * kMaxDim];
-  alignas(64) float kt[kMaxDim * kChunk];  // K tile transposed [dim][key] (many rows) ...
-  alignas(64) float kc[kChunk * kMaxDim];  // ... or row-major [key][dim] (few rows)
+  alignas(64) float qb[kGemmRows * kMaxDim];
+  alignas(64) float kc[kChunk * kMaxDim];
   alignas(64) float vc[kChunk * kMaxDim];
-  alignas(64) float s[kMaxRows * kChunk];
-  float m[kMaxRows], l[kMaxRows];
-  int limit[kMaxRows];  // last key index each row may see
+  alignas(64) float s[kGemmRows * kChunk];
+  float m[kGemmRows], l[kGemmRows];
+  int limit[kGemmRows];  // last key index each row may see
 
   const int qo_start = p.qo_indptr[it.seq];
   const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
@@ -135,8 +154,6 @@ void attend(const Problem<T>& p, const Item& it, float* out, float* lse) {
   std::fill(out, out + R * D, 0.0f);
   int kend = it.k1;
   if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);  // past the last row's limit
-  const bool tiled = R >= 8;
-  if (tiled) std::fill(kt, kt + D * kChunk, 0.0f);
 
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
@@ -144,28 +161,11 @@ void attend(const Problem<T>& p, const Item& it, float* out, float* lse) {
       const int pos = c + j;
       const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
       const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-      if (tiled) {
-        load_row(p.k + off, kc, D);
-        for (int d = 0; d < D; ++d) kt[d * kChunk + j] = kc[d];
-      } else {
-        load_row(p.k + off, kc + j * D, D);
-      }
+      load_row(p.k + off, kc + j * D, D);
       load_row(p.v + off, vc + j * D, D);
     }
     // Scores (already in base 2).
-    if (tiled) {
-      for (int r = 0; r < R; ++r) {
-        alignas(64) float acc[kChunk] = {0};
-        const float* qr = qb + r * D;
-        for (int d = 0; d < D; ++d) {
-          const float qv = qr[d];
-          const float* kr = kt + d * kChunk;
-#pragma omp simd
-          for (int j = 0; j < kChunk; ++j) acc[j] += qv * kr[j];
-        }
-        std::memcpy(s + r * kChunk, acc, sizeof(acc));
-      }
-    } else {
+    {
       for (int r = 0; r < R; ++r) {
         const float* qr = qb + r * D;
         for (int j = 0; j < n; ++j) {
@@ -224,6 +224,97 @@ void attend(const Problem<T>& p, const Item& it, float* out, float* lse) {
       lse[r] = kNegInf;
     }
   }
+}
+
+// The same for many rows: K/V tiles of kBlockN keys are gathered (widened to fp32) once and
+// both products run as sgemm on the calling thread.
+template <typename T>
+void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
+  const int D = p.dim;
+  const int heads = it.g1 - it.g0;
+  const int R = (it.t1 - it.t0) * heads;
+  float* qb = w.q.data();
+  float* kb = w.k.data();
+  float* vb = w.v.data();
+  float* sb = w.s.data();
+  float m[kMaxRows], l[kMaxRows];
+  int limit[kMaxRows];
+  const int qo_start = p.qo_indptr[it.seq];
+  const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
+  const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  for (int t = it.t0; t < it.t1; ++t) {
+    for (int g = it.g0; g < it.g1; ++g) {
+      const int r = (t - it.t0) * heads + (g - it.g0);
+      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
+      load_row(src, qb + r * D, D);
+      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
+    }
+  }
+  std::fill(out, out + R * D, 0.0f);
+  int kend = it.k1;
+  if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);
+  for (int c = it.k0; c < kend; c += kBlockN) {
+    const int n = std::min(kBlockN, kend - c);
+    for (int j = 0; j < n; ++j) {
+      const int pos = c + j;
+      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+      load_row(p.k + off, kb + j * D, D);
+      load_row(p.v + off, vb + j * D, D);
+    }
+    // S (row-major [R][kBlockN]) = Q K^T, i.e. column-major S^T = K Q^T.
+    gemm('T', 'N', n, R, D, kb, D, qb, D, 0.0f, sb, kBlockN);
+    for (int r = 0; r < R; ++r) {
+      float* sr = sb + r * kBlockN;
+      const int valid = std::max(0, std::min(n, limit[r] - c + 1));
+      float mx = kNegInf;
+      for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+      float sum = 0.0f;
+      if (valid > 0) {
+        const float m_new = std::max(m[r], mx);
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < valid; ++j) {
+          const float e = exp2_approx(sr[j] - m_new);
+          sr[j] = e;
+          sum += e;
+        }
+        if (m[r] != m_new) {
+          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+          l[r] *= alpha;
+          float* orow = out + r * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) orow[d] *= alpha;
+          m[r] = m_new;
+        }
+        l[r] += sum;
+      }
+      std::fill(sr + valid, sr + n, 0.0f);
+    }
+    // O += P V, i.e. column-major O^T += V^T P^T.
+    gemm('N', 'N', D, R, n, vb, D, sb, kBlockN, 1.0f, out, D);
+  }
+  for (int r = 0; r < R; ++r) {
+    float* orow = out + r * D;
+    if (l[r] > 0.0f) {
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; ++d) orow[d] *= inv;
+      lse[r] = m[r] + std::log2(l[r]);
+    } else {
+      lse[r] = kNegInf;
+    }
+  }
+}
+
+template <typename T>
+void attend(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
+  if ((it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows)
+    attend_gemm(p, it, out, lse, w);
+  else
+    attend_small(p, it, out, lse);
 }
 
 template <typename T>
@@ -286,21 +377,22 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
   };
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float o[kMaxRows * kMaxDim];
+    Scratch w;
+    std::vector<float> o(kMaxRows * kMaxDim);
     float ls[kMaxRows];
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       if (it.partial >= 0) {
-        attend(p, it, part_out.data() + it.partial * D, part_lse.data() + it.partial);
+        attend(p, it, part_out.data() + it.partial * D, part_lse.data() + it.partial, w);
       } else {
-        attend(p, it, o, ls);
-        write(it, o, ls);
+        attend(p, it, o.data(), ls, w);
+        write(it, o.data(), ls);
       }
     }
   });
   if (merges.empty()) return;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float o[kMaxRows * kMaxDim];
+    std::vector<float> o(kMaxRows * kMaxDim);
     float ls[kMaxRows];
     for (int64_t mi = begin; mi < end; ++mi) {
       const auto [first, count] = merges[mi];
@@ -309,7 +401,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
       for (int r = 0; r < rows; ++r) {
         float mx = kNegInf;
         for (int64_t i = 0; i < count; ++i) mx = std::max(mx, part_lse[items[first + i].partial + r]);
-        float* orow = o + r * D;
+        float* orow = o.data() + r * D;
         std::fill(orow, orow + D, 0.0f);
         if (mx == kNegInf) {
           ls[r] = kNegInf;
@@ -328,7 +420,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
         for (int d = 0; d < D; ++d) orow[d] *= inv;
         ls[r] = mx + std::log2(wsum);
       }
-      write(head, o, ls);
+      write(head, o.data(), ls);
     }
   });
 }

@@ -77,16 +77,19 @@ def _build():
         cpp_extension.verify_ninja_availability()
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        fresh = not any(directory.glob(f"{NAME}*.so"))
-        if fresh:
+        built = any(directory.glob(f"{NAME}*.so"))
+        if not built:
             log.warning("building the CPU attention kernels in %s (once per machine; about a minute)...", directory)
+        else:
+            log.info("loading the CPU attention kernels from %s (rebuilt if csrc/ changed)", directory)
         start = time.perf_counter()
         module = cpp_extension.load(
             name=NAME, sources=[str(s) for s in sources], build_directory=str(directory),
             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
         )
-        if fresh:
-            log.warning("built the CPU attention kernels in %.1f s", time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if not built or elapsed > 5:
+            log.warning("built the CPU attention kernels in %.1f s", elapsed)
         return module
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, once, loudly
         log.warning("CPU attention kernels unavailable (%s: %s); using the torch attention backend",
