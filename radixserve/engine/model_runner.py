@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -24,6 +25,10 @@ class ModelRunner:
         self.device = device
         self.attention = make_attention(attention, model, pool, device)
         self.scores: list[tuple] = []
+        # The weights, config and tokenizer objects live for the whole process: move them out of
+        # the collector's generations so GC passes during the step loop stay short.
+        gc.collect()
+        gc.freeze()
 
     def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
