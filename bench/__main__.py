@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots"]
+COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "peers"]
 
 
 def build_parser() -> argparse.ArgumentParser:
