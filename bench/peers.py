@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64, help="fleet: most running requests (both engines)")
     p.add_argument("--gsp-max-running", type=int, default=16, help="gsp: most running requests (both engines)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one step (both engines)")
+    p.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch"],
+                   help="radixserve's attention backend (auto: the csrc/ kernels when they build)")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each engine run may take")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -132,7 +134,8 @@ class RadixAdapter:
         torch.set_num_threads(spec["threads"])
         self.params = SamplingParams
         self.engine = Engine(spec["model"], dtype=spec["dtype"], max_running=spec["max_running"],
-                             max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0)
+                             max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0,
+                             attention=spec.get("attention", "auto"))
         self.backend = type(self.engine.runner.attention).__name__
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
@@ -199,7 +202,7 @@ def _vocab(model: str) -> tuple[int, int]:
 def specs(args, model: str) -> dict[str, dict]:
     vocab, max_pos = _vocab(model)
     common = dict(model=model, vocab=vocab, dtype=args.dtype, threads=args.threads,
-                  max_batched_tokens=args.max_batched_tokens, vllm_eager=args.vllm_eager)
+                  max_batched_tokens=args.max_batched_tokens, vllm_eager=args.vllm_eager, attention=args.attention)
     fleet_longest = args.system_tokens + args.private_tokens + args.turns * (args.output_tokens + OBSERVATION_TOKENS)
     fleet_tokens = args.system_tokens + args.agents * (fleet_longest - args.system_tokens)
     gsp_tokens = args.gsp_groups * (args.gsp_prefix + args.gsp_prompts * (args.gsp_question + args.gsp_output))

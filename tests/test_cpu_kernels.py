@@ -165,3 +165,17 @@ def test_engine_picks_cpu_kernels_and_greedy_matches_transformers(llama_dir):
     assert type(engine.runner.attention).__name__ == "CpuAttention"
     got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in got] == hf_greedy(llama_dir, prompts, 12)
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog, llama_dir):
+    from radixserve import Engine
+
+    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "no-csrc")
+    monkeypatch.setattr(cpu_ext, "_state", {})
+    with caplog.at_level("WARNING", logger="radixserve"):
+        assert cpu_ext.load() is None
+        assert cpu_ext.load() is None  # remembered: no second attempt, no second warning
+        engine = Engine(llama_dir, kv_cache_tokens=256)
+    assert type(engine.runner.attention).__name__ == "TorchAttention"
+    warnings = [r for r in caplog.records if "CPU attention kernels unavailable" in r.getMessage()]
+    assert len(warnings) == 1
