@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q and KV pool dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode (median reported)")
-    parser.add_argument("--json", action="store_true", help='print {"flat_s", "cascade_s", "ratio"}')
+    parser.add_argument("--json", action="store_true", help='print {"backend", "dtype", "flat_s", "cascade_s", "ratio"}')
 
 
 def run(args) -> int:
