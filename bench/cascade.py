@@ -1,4 +1,4 @@
-"""Decode attention, flat paged vs shared-prefix (cascade), on the CPU torch backend.
+"""Decode attention, flat paged vs shared-prefix (cascade), on a CPU backend (the csrc/ kernels or torch).
 
 A batch of decode requests shares one cached prefix (an agent fleet's system prompt) and each has
 a private suffix. Flat attention gathers and reads the prefix once per request; cascade reads it
@@ -25,21 +25,31 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "torch"],
+                        help="cpu: the csrc/ kernels (falls back to torch if they do not build); torch: the oracle")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q and KV pool dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode (median reported)")
-    parser.add_argument("--json", action="store_true", help='print {"flat_s", "cascade_s", "ratio"}')
+    parser.add_argument("--json", action="store_true", help='print {"backend", "dtype", "flat_s", "cascade_s", "ratio"}')
 
 
 def run(args) -> int:
     import torch
 
     from radixserve.attention.metadata import build_metadata
+    from radixserve.attention import cpu_ext
+    from radixserve.attention.cpu_backend import CpuAttention
     from radixserve.attention.torch_backend import TorchAttention
     from radixserve.kv.pool import KVPool
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
 
     page = args.page_size
     tokens = args.prefix + args.batch * (args.suffix + page)
     pool = KVPool(num_layers=args.layers, num_pages=-(-tokens // page) + args.batch, page_size=page,
-                  num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=torch.float32, device="cpu")
+                  num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device="cpu")
     g = torch.Generator().manual_seed(0)
     for layer in range(args.layers):
         pool.k[layer].normal_(generator=g)
@@ -47,10 +57,11 @@ def run(args) -> int:
     prefix_pages = pool.alloc(args.prefix // page)
     tables = [prefix_pages + pool.alloc(-(-(args.suffix + 1) // page)) for _ in range(args.batch)]
     kv_lens = [args.prefix // page * page + args.suffix + 1] * args.batch
-    q = torch.randn(args.batch, args.heads, args.head_dim, generator=g)
-    k = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=g)
-    v = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=g)
-    backend = TorchAttention(pool, scale=args.head_dim**-0.5)
+    q = torch.randn(args.batch, args.heads, args.head_dim, generator=g).to(dtype)
+    k = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=g).to(dtype)
+    v = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=g).to(dtype)
+    ext = cpu_ext.load() if args.backend == "cpu" else None
+    backend = CpuAttention(pool, args.head_dim**-0.5, ext) if ext else TorchAttention(pool, args.head_dim**-0.5)
 
     def once(groups) -> float:
         start = time.perf_counter()
@@ -67,13 +78,14 @@ def run(args) -> int:
         for name, groups in modes.items():
             times[name].append(once(groups))
     flat_s, cascade_s = statistics.median(times["flat"]), statistics.median(times["cascade"])
-    result = {"flat_s": flat_s, "cascade_s": cascade_s, "ratio": flat_s / cascade_s}
+    result = {"backend": type(backend).__name__, "dtype": args.dtype, "flat_s": flat_s, "cascade_s": cascade_s,
+              "ratio": flat_s / cascade_s}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"decode attention, {args.batch} requests x ({args.prefix} shared + {args.suffix} own) tokens, "
           f"{args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, page {page}, "
-          f"median of {args.repeats}")
+          f"{type(backend).__name__} {args.dtype}, median of {args.repeats}")
     print(f"flat     {flat_s * 1e3:9.1f} ms/step")
     print(f"cascade  {cascade_s * 1e3:9.1f} ms/step")
     print(f"ratio    {result['ratio']:9.2f} x (flat / cascade)")

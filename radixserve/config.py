@@ -14,7 +14,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str | None = None
     """float32, bfloat16 or float16; None takes the checkpoint's dtype (float32 on CPU for fp16)."""
     attention: str = "auto"
-    """Attention backend: auto (FlashInfer on CUDA when installed, else torch), torch or flashinfer."""
+    """Attention backend: auto (FlashInfer on CUDA when installed; on the CPU the csrc/ kernels when they
+    build, else torch), cpu (the csrc/ kernels), torch (the plain-torch oracle) or flashinfer."""
     page_size: int = 1
     """Tokens per KV page. 1 gives token-granular prefix hits; FlashInfer likes 16 on GPU."""
     kv_cache_tokens: int | None = None
@@ -48,9 +49,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """In-batch dedup: defer a request whose uncached prefix shares >= this many tokens with one being prefilled."""
     pin_budget_tokens: int | None = None
     """Most tokens that pinned prefixes may hold; None: a quarter of the KV pool."""
-    cascade_min_shared_tokens: int | None = 16384
+    cascade_min_shared_tokens: int | None = 2048
     """Shared-prefix (cascade) decode attention for a group of running requests that share a cached
-    prefix, when group size x prefix length reaches this; None turns it off."""
+    prefix, when group size x prefix length reaches this; None turns it off. 2048: with the csrc/
+    kernels cascade already wins at 8 requests x 256 shared tokens (``python -m bench cascade``)."""
     seed: int = 0
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
@@ -68,8 +70,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             positive(name)
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise BadRequestError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention not in ("auto", "torch", "flashinfer"):
-            raise BadRequestError("attention", f"must be auto, torch or flashinfer, got {self.attention!r}")
+        if self.attention not in ("auto", "cpu", "torch", "flashinfer"):
+            raise BadRequestError("attention", f"must be auto, cpu, torch or flashinfer, got {self.attention!r}")
         if self.eviction not in ("lru", "lfu"):
             raise BadRequestError("eviction", f"must be lru or lfu, got {self.eviction!r}")
         if self.batching not in ("continuous", "static"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+
 import torch
 
 from radixserve.attention.base import AttentionBackend
@@ -12,6 +15,8 @@ from radixserve.engine.scheduler import ScheduledItem
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import CausalLM, ForwardBatch, head_dim_of
 
+log = logging.getLogger("radixserve")
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, attention: str = "auto"):
@@ -20,6 +25,10 @@ class ModelRunner:
         self.device = device
         self.attention = make_attention(attention, model, pool, device)
         self.scores: list[tuple] = []
+        # The weights, config and tokenizer objects live for the whole process: move them out of
+        # the collector's generations so GC passes during the step loop stay short.
+        gc.collect()
+        gc.freeze()
 
     def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
@@ -76,18 +85,37 @@ class ModelRunner:
 
 
 def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:
-    """``auto``: FlashInfer on CUDA when it imports, else the torch backend."""
-    from radixserve.attention import flashinfer_backend
+    """``auto``: FlashInfer on CUDA when it imports; on the CPU the C++ kernels of ``csrc/`` when
+    they build and support the pool (dtype, head_dim), else the torch backend (the oracle)."""
+    from radixserve.attention import cpu_backend, cpu_ext, flashinfer_backend
 
     scale = head_dim_of(model.config) ** -0.5
     if pool.quantized:  # int8 KV: only the torch backend dequantizes on read
         if name not in ("auto", "torch"):
             raise BadRequestError("attention", f"kv_dtype={pool.kv_dtype} needs the torch attention backend, not {name}")
         name = "torch"
+    heads = model.config.num_attention_heads
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_backend.available() else "torch"
+        if device.type == "cuda":
+            name = "flashinfer" if flashinfer_backend.available() else "torch"
+        elif device.type == "cpu":
+            reason = cpu_backend.supports(pool, heads)
+            if reason is None and cpu_ext.load() is not None:
+                name = "cpu"
+            else:
+                if reason is not None:
+                    log.info("CPU attention kernels not used: %s; using the torch backend", reason)
+                name = "torch"
     if name == "flashinfer":
         if device.type != "cuda" or not flashinfer_backend.available():
             raise BadRequestError("attention", "flashinfer needs a CUDA device and the flashinfer package (pip install 'radixserve[gpu]')")
-        return flashinfer_backend.FlashInferAttention(pool, scale, num_qo_heads=model.config.num_attention_heads)
+        return flashinfer_backend.FlashInferAttention(pool, scale, num_qo_heads=heads)
+    if name == "cpu":
+        reason = cpu_backend.supports(pool, heads)
+        if reason is not None:
+            raise BadRequestError("attention", f"the cpu backend cannot serve this model: {reason}")
+        ext = cpu_ext.load()
+        if ext is None:
+            raise BadRequestError("attention", "the CPU attention kernels failed to build (see the warning above); use attention='torch'")
+        return cpu_backend.CpuAttention(pool, scale, ext)
     return TorchAttention(pool, scale)

@@ -1,0 +1,325 @@
+"""radixserve next to vLLM-CPU: the same token-id workloads through both engines, in one run.
+
+Workloads (greedy, ignore_eos, token ids only, the bench model unless --model):
+
+* fleet: A agents share an S-token system prompt, each has a P-token private state and plays T
+  turns (closed loop: an agent's next turn is sent the moment its previous one finished; a turn's
+  prompt is system + private + every earlier turn's output + a 16-token observation);
+* gsp: G groups x Q prompts of a group prefix + a unique question, shuffled, sent at once.
+
+Each engine runs in a child process of its own, one after the other (never both at once), with
+the same thread count; vLLM gets every core (VLLM_CPU_OMP_THREADS_BIND=0-N,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its engine core in-process. Both get one warm-up request
+first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
+(measured the same way for both: submit -> first step that returns a token), computed prompt
+tokens (prompt - cached), then the radixserve/vLLM ratios and whether every request's tokens are
+equal. This command installs nothing: vLLM must be importable by --vllm-python (default: this
+interpreter), e.g. a venv made as bench/README.md describes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HELP = "radixserve vs vLLM-CPU side by side on the fleet and GSP token workloads (needs a vLLM install)"
+
+ROOT = Path(__file__).resolve().parents[1]
+OBSERVATION_TOKENS = 16
+SEED = 7
+RESULT = "PEERS-RESULT "
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of an environment where vllm imports (default: this one)")
+    p.add_argument("--engines", default="radixserve,vllm", help="comma list from radixserve,vllm")
+    p.add_argument("--workloads", default="fleet,gsp", help="comma list from fleet,gsp")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
+    p.add_argument("--model", default=None, metavar="PATH", help="model directory (default: the bench model)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of each engine")
+    p.add_argument("--agents", type=int, default=64)
+    p.add_argument("--system-tokens", type=int, default=2048)
+    p.add_argument("--private-tokens", type=int, default=128)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--output-tokens", type=int, default=8, help="output tokens per fleet turn")
+    p.add_argument("--gsp-groups", type=int, default=16)
+    p.add_argument("--gsp-prompts", type=int, default=8)
+    p.add_argument("--gsp-prefix", type=int, default=1024)
+    p.add_argument("--gsp-question", type=int, default=128)
+    p.add_argument("--gsp-output", type=int, default=8)
+    p.add_argument("--max-running", type=int, default=64, help="fleet: most running requests (both engines)")
+    p.add_argument("--gsp-max-running", type=int, default=16, help="gsp: most running requests (both engines)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one step (both engines)")
+    p.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch"],
+                   help="radixserve's attention backend (auto: the csrc/ kernels when they build)")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds each engine run may take")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+
+
+# -- workloads (numpy only: the vLLM environment has no radixserve) -------------------------------
+def _rng(*seed):
+    import numpy as np
+
+    return np.random.default_rng(list(seed))
+
+
+def _ids(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(7, vocab, size=n).tolist()  # ids < 7 are the bench tokenizer's special tokens
+
+
+def drive(adapter, spec: dict) -> dict:
+    """Run one workload through an adapter (submit / step); returns per-request records."""
+    vocab, w = spec["vocab"], spec["workload"]
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, dict] = {}
+    pending: list[tuple[str, list[int], int]] = []
+    if w == "fleet":
+        system = _ids(_rng(SEED, 0), spec["system_tokens"], vocab)
+        private = [_ids(_rng(SEED, 1, a), spec["private_tokens"], vocab) for a in range(spec["agents"])]
+        obs = [[_ids(_rng(SEED, 2, a, t), OBSERVATION_TOKENS, vocab) for t in range(spec["turns"])]
+               for a in range(spec["agents"])]
+        history: list[list[int]] = [[] for _ in range(spec["agents"])]
+        total = spec["agents"] * spec["turns"]
+        pending = [(f"a{a}-t0", system + private[a], spec["output_tokens"]) for a in range(spec["agents"])]
+    else:
+        prompts = []
+        for g in range(spec["groups"]):
+            prefix = _ids(_rng(SEED, 10, g), spec["prefix_tokens"], vocab)
+            for q in range(spec["prompts"]):
+                prompts.append((f"g{g}-q{q}", prefix + _ids(_rng(SEED, 11, g, q), spec["question_tokens"], vocab)))
+        order = _rng(SEED, 12).permutation(len(prompts)).tolist()
+        pending = [(prompts[i][0], prompts[i][1], spec["output_tokens"]) for i in order]
+        total = len(pending)
+    t0 = time.perf_counter()
+    last_log = t0
+    while len(done) < total:
+        for rid, ids, n in pending:
+            submitted[rid] = time.perf_counter()
+            adapter.submit(rid, ids, n)
+        pending = []
+        for rid, has_token, final in adapter.step():
+            now = time.perf_counter()
+            if has_token and rid not in first:
+                first[rid] = now
+            if final is None:
+                continue
+            done[rid] = {**final, "ttft_s": first.get(rid, now) - submitted[rid]}
+            if w == "fleet":
+                a, t = (int(x[1:]) for x in rid.split("-"))
+                if t + 1 < spec["turns"]:
+                    history[a] = history[a] + final["tokens"] + obs[a][t]
+                    pending.append((f"a{a}-t{t + 1}", system + private[a] + history[a], spec["output_tokens"]))
+        if time.perf_counter() - last_log > 10:
+            last_log = time.perf_counter()
+            print(f"  {spec['engine']} {w}: {len(done)}/{total} requests, {last_log - t0:.0f} s", file=sys.stderr, flush=True)
+    return {"wall_s": time.perf_counter() - t0, "requests": done}
+
+
+class RadixAdapter:
+    def __init__(self, spec: dict):
+        import torch
+
+        from radixserve import Engine, SamplingParams
+
+        torch.set_num_threads(spec["threads"])
+        self.params = SamplingParams
+        self.engine = Engine(spec["model"], dtype=spec["dtype"], max_running=spec["max_running"],
+                             max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0,
+                             attention=spec.get("attention", "auto"))
+        self.backend = type(self.engine.runner.attention).__name__
+
+    def submit(self, rid: str, ids: list[int], n: int) -> None:
+        params = self.params(max_tokens=n, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(self.engine.make_request(ids, params, request_id=rid))
+
+    def step(self):
+        for chunk in self.engine.step():
+            out = chunk.output
+            final = None if out is None else {
+                "tokens": list(out.token_ids), "prompt": out.prompt_tokens, "cached": out.cached_tokens}
+            yield chunk.request_id, bool(chunk.token_ids) or out is not None, final
+
+
+class VllmAdapter:
+    def __init__(self, spec: dict):
+        from vllm import EngineArgs, LLMEngine, SamplingParams
+
+        self.params = SamplingParams
+        self.engine = LLMEngine.from_engine_args(EngineArgs(
+            model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=True, skip_tokenizer_init=True,
+            max_num_seqs=spec["max_running"], max_num_batched_tokens=spec["max_batched_tokens"], seed=0,
+            max_model_len=spec["max_model_len"], enforce_eager=spec["vllm_eager"]))
+        self.backend = "vllm"
+
+    def submit(self, rid: str, ids: list[int], n: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        params = self.params(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+
+    def step(self):
+        for out in self.engine.step():
+            tokens = list(out.outputs[0].token_ids) if out.outputs else []
+            final = None if not out.finished else {
+                "tokens": tokens, "prompt": len(out.prompt_token_ids), "cached": int(out.num_cached_tokens or 0)}
+            yield out.request_id, bool(tokens), final
+
+
+def child(engine: str, spec: dict) -> None:
+    if engine == "vllm":
+        cpus = f"0-{spec['threads'] - 1}"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_gib"]))
+    t = time.perf_counter()
+    adapter = (VllmAdapter if engine == "vllm" else RadixAdapter)(spec)
+    load_s = time.perf_counter() - t
+    warm = {**spec, "workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 64, "question_tokens": 8,
+            "output_tokens": 4}
+    drive(adapter, {**warm, "vocab": spec["vocab"], "system_tokens": 0})  # untimed warm-up; other ids than the workload's
+    result = drive(adapter, spec)
+    result.update(engine=engine, backend=adapter.backend, load_s=load_s)
+    print(RESULT + json.dumps(result), flush=True)
+
+
+# -- parent ----------------------------------------------------------------------------------
+def _vocab(model: str) -> tuple[int, int]:
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 8192))
+
+
+def specs(args, model: str) -> dict[str, dict]:
+    vocab, max_pos = _vocab(model)
+    common = dict(model=model, vocab=vocab, dtype=args.dtype, threads=args.threads,
+                  max_batched_tokens=args.max_batched_tokens, vllm_eager=args.vllm_eager, attention=args.attention)
+    fleet_longest = args.system_tokens + args.private_tokens + args.turns * (args.output_tokens + OBSERVATION_TOKENS)
+    fleet_tokens = args.system_tokens + args.agents * (fleet_longest - args.system_tokens)
+    gsp_tokens = args.gsp_groups * (args.gsp_prefix + args.gsp_prompts * (args.gsp_question + args.gsp_output))
+    out = {
+        "fleet": dict(common, workload="fleet", agents=args.agents, system_tokens=args.system_tokens,
+                      private_tokens=args.private_tokens, turns=args.turns, output_tokens=args.output_tokens,
+                      max_running=args.max_running, tokens=fleet_tokens,
+                      max_model_len=min(max_pos, max(2048, fleet_longest + 64))),
+        "gsp": dict(common, workload="gsp", groups=args.gsp_groups, prompts=args.gsp_prompts,
+                    prefix_tokens=args.gsp_prefix, question_tokens=args.gsp_question, output_tokens=args.gsp_output,
+                    max_running=args.gsp_max_running, tokens=gsp_tokens,
+                    max_model_len=min(max_pos, max(2048, args.gsp_prefix + args.gsp_question + args.gsp_output + 64))),
+    }
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (4 if args.dtype == "float32" else 2)
+    for s in out.values():
+        # Room for everything the workload computes (no eviction in either engine), plus slack.
+        s["kv_tokens"] = -(-int(s["tokens"] * 1.25 + 4096) // 256) * 256
+        s["kv_gib"] = max(1, -(-s["kv_tokens"] * per_token // (1 << 30)))
+    return out
+
+
+def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [python, "-m", "bench.peers", "--child", engine, "--spec", json.dumps(spec)]
+    print(f"{engine} {spec['workload']} ({spec['dtype']}, {spec['threads']} threads): starting", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{engine} {spec['workload']} failed (exit {proc.returncode}); see its stderr above")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def summary(res: dict) -> dict:
+    reqs = res["requests"].values()
+    ttft = sorted(r["ttft_s"] * 1e3 for r in reqs)
+
+    def pct(q: float) -> float:
+        return ttft[min(len(ttft) - 1, int(round(q / 100 * (len(ttft) - 1))))]
+
+    out_tokens = sum(len(r["tokens"]) for r in reqs)
+    return {"backend": res["backend"], "wall_s": res["wall_s"], "out_tok_per_s": out_tokens / res["wall_s"],
+            "ttft_p50_ms": pct(50), "ttft_p99_ms": pct(99), "prompt_tokens": sum(r["prompt"] for r in reqs),
+            "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"])}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.child:
+        child(args.child, json.loads(args.spec))
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.model:
+        model = str(Path(args.model).expanduser())
+    else:
+        from bench.models import bench_model_path
+
+        model = str(bench_model_path())
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    vllm_python = args.vllm_python or sys.executable
+    if "vllm" in engines:
+        probe = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            print(f"vllm does not import in {vllm_python}; give --vllm-python /path/to/venv/bin/python "
+                  "(bench/README.md says how to make one) or --engines radixserve", file=sys.stderr)
+            return 2
+        vllm_version = probe.stdout.strip()
+    all_specs = specs(args, model)
+    result = {"command": "peers", "model": model, "dtype": args.dtype, "threads": args.threads, "workloads": {}}
+    if "vllm" in engines:
+        result["vllm_version"] = vllm_version
+    for w in workloads:
+        spec = all_specs[w]
+        runs = {}
+        for e in engines:
+            runs[e] = run_child(vllm_python if e == "vllm" else sys.executable, e, {**spec, "engine": e}, args.timeout)
+        entry = {"config": {k: v for k, v in spec.items() if k not in ("model",)},
+                 "engines": {e: summary(r) for e, r in runs.items()}}
+        if len(runs) == 2:
+            a, b = runs["radixserve"], runs["vllm"]
+            same = sum(a["requests"][rid]["tokens"] == b["requests"].get(rid, {}).get("tokens") for rid in a["requests"])
+            sa, sb = entry["engines"]["radixserve"], entry["engines"]["vllm"]
+            entry["ratios"] = {"wall": sa["wall_s"] / sb["wall_s"], "ttft_p50": sa["ttft_p50_ms"] / sb["ttft_p50_ms"],
+                               "ttft_p99": sa["ttft_p99_ms"] / sb["ttft_p99_ms"],
+                               "computed_prompt_tokens": sa["computed_prompt_tokens"] / max(1, sb["computed_prompt_tokens"])}
+            entry["equal_requests"] = f"{same}/{len(a['requests'])}"
+        result["workloads"][w] = entry
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(render(result))
+    return 0
+
+
+def render(res: dict) -> str:
+    lines = [f"model {res['model']}, {res['dtype']}, {res['threads']} threads per engine"
+             + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")]
+    head = f"{'engine':<12}{'backend':<15}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}{'computed prompt tok':>21}"
+    for w, entry in res["workloads"].items():
+        c = entry["config"]
+        desc = (f"fleet: {c['agents']} agents x {c['turns']} turns, {c['system_tokens']} shared + {c['private_tokens']} private"
+                f", {c['output_tokens']} out/turn, max_running {c['max_running']}" if w == "fleet" else
+                f"gsp: {c['groups']} groups x {c['prompts']} prompts, {c['prefix_tokens']} shared + {c['question_tokens']}"
+                f" question, {c['output_tokens']} out, max_running {c['max_running']}")
+        lines += ["", desc, head]
+        for e, s in entry["engines"].items():
+            lines.append(f"{e:<12}{s['backend']:<15}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
+                         f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,}")
+        if "ratios" in entry:
+            r = entry["ratios"]
+            lines.append(f"radixserve / vLLM: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
+                         f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.peers")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

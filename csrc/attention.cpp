@@ -1,0 +1,518 @@
+// Paged attention on the CPU, reading the KV pool in place.
+//
+// Driven by FlashInfer's paged metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len),
+// over a per-layer cache [num_pages, page_size, num_kv_heads, head_dim] (NHD). One call handles a
+// whole batch: decode rows and prefill/extend chunks alike (bottom-right causal mask), or, with
+// causal=false, a cascade level in which each "sequence" is a group's queries against a shared
+// prefix. Returns the output and the base-2 log-sum-exp of every row.
+//
+// Work items are (sequence, KV head, block of query tokens, split of the context). An item's
+// rows are all query heads of one KV head's group for a block of tokens, so each K/V row is read
+// once for all of them. Softmax is online (running max and sum per row); long contexts with few
+// rows are split and the partial states merged by LSE. Items run on torch's intra-op pool
+// (OpenMP), so torch.set_num_threads governs them.
+//
+// The inner loops are written with fixed trip counts (16 or 32 floats) so that -O3
+// -march=native vectorises them; bf16/fp16 values are widened to fp32 as they are loaded and all
+// arithmetic is fp32.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// Fortran BLAS sgemm, exported by the MKL inside torch's CPU wheels. Called from inside the
+// parallel region, where MKL runs sequentially on the calling thread.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+constexpr int kChunk = 32;    // keys per tile
+constexpr int kMaxRows = 64;  // query rows (tokens x heads of a group) per work item
+constexpr int kGemmRows = 8;  // items with at least this many rows use the GEMM-tiled path
+constexpr int kBlockN = 256;  // keys per tile of the GEMM-tiled path
+constexpr int kMaxDim = 256;  // largest head_dim
+constexpr int kMinSplit = 256;  // fewest keys per context split
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// 2^x for x in [-126, 127]: round to nearest integer n, 2^(x-n) by a degree-7 Taylor polynomial
+// on [-0.5, 0.5] (relative error ~4e-9), times 2^n built in the exponent bits. Vectorises.
+inline float exp2_approx(float x) {
+  x = std::min(std::max(x, -126.0f), 127.0f);
+  const float n = std::floor(x + 0.5f);
+  const float f = x - n;
+  float p = 1.5252733804059841e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int d) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int i = 0; i < d; ++i) o[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int d) {
+  for (int i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <typename T>
+struct Problem {
+  const T* q;
+  int64_t q_stride_t, q_stride_h;
+  const T* k;
+  const T* v;
+  int64_t slot_stride;  // elements between consecutive slots (num_kv_heads * head_dim)
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* last_page_len;
+  int page_size, group, dim;
+  float scale_log2;  // softmax scale * log2(e): scores are kept in base 2
+  bool causal;
+};
+
+struct Item {
+  int seq, head, g0, g1, t0, t1, k0, k1;
+  int64_t partial;  // -1: write the result directly; else the first of its rows in the partial buffer
+};
+
+inline int kv_len_of(const int32_t* kv_indptr, const int32_t* last, int page_size, int s) {
+  const int pages = kv_indptr[s + 1] - kv_indptr[s];
+  return pages == 0 ? 0 : (pages - 1) * page_size + last[s];
+}
+
+inline void gemm(char ta, char tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                 float beta, float* c, int ldc) {
+  const float one = 1.0f;
+  sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// Per-thread scratch of the GEMM-tiled path.
+struct Scratch {
+  std::vector<float> q, k, v, s;
+  Scratch() : q(kMaxRows * kMaxDim), k(kBlockN * kMaxDim), v(kBlockN * kMaxDim), s(kMaxRows * kBlockN) {}
+};
+
+// Attend rows (tokens t0..t1 x heads g0..g1 of KV head `head`) to keys [k0, k1) of sequence `seq`.
+// Writes normalised outputs [rows][dim] and base-2 LSEs [rows] (0 and -inf for an empty row).
+template <typename T>
+void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
+  const int D = p.dim;
+  const int heads = it.g1 - it.g0;
+  const int R = (it.t1 - it.t0) * heads;
+  alignas(64) float qb[kGemmRows * kMaxDim];
+  alignas(64) float kc[kChunk * kMaxDim];
+  alignas(64) float vc[kChunk * kMaxDim];
+  alignas(64) float s[kGemmRows * kChunk];
+  float m[kGemmRows], l[kGemmRows];
+  int limit[kGemmRows];  // last key index each row may see
+
+  const int qo_start = p.qo_indptr[it.seq];
+  const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
+  const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  for (int t = it.t0; t < it.t1; ++t) {
+    for (int g = it.g0; g < it.g1; ++g) {
+      const int r = (t - it.t0) * heads + (g - it.g0);
+      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
+      load_row(src, qb + r * D, D);
+      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
+    }
+  }
+  std::fill(out, out + R * D, 0.0f);
+  int kend = it.k1;
+  if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);  // past the last row's limit
+
+  for (int c = it.k0; c < kend; c += kChunk) {
+    const int n = std::min(kChunk, kend - c);
+    for (int j = 0; j < n; ++j) {
+      const int pos = c + j;
+      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+      load_row(p.k + off, kc + j * D, D);
+      load_row(p.v + off, vc + j * D, D);
+    }
+    // Scores (already in base 2).
+    {
+      for (int r = 0; r < R; ++r) {
+        const float* qr = qb + r * D;
+        for (int j = 0; j < n; ++j) {
+          const float* kr = kc + j * D;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int d = 0; d < D; ++d) acc += qr[d] * kr[d];
+          s[r * kChunk + j] = acc;
+        }
+      }
+    }
+    // Online softmax, then O += P V.
+    for (int r = 0; r < R; ++r) {
+      const int valid = std::min(n, limit[r] - c + 1);
+      if (valid <= 0) continue;
+      float* sr = s + r * kChunk;
+      float mx = kNegInf;
+      for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+      const float m_new = std::max(m[r], mx);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < valid; ++j) {
+        const float e = exp2_approx(sr[j] - m_new);
+        sr[j] = e;
+        sum += e;
+      }
+      float* orow = out + r * D;
+      if (m[r] != m_new) {
+        const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+        l[r] *= alpha;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) orow[d] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += sum;
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        alignas(64) float acc[16];
+        std::memcpy(acc, orow + d0, sizeof(acc));
+        for (int j = 0; j < valid; ++j) {
+          const float pj = sr[j];
+          const float* vr = vc + j * D + d0;
+#pragma omp simd
+          for (int x = 0; x < 16; ++x) acc[x] += pj * vr[x];
+        }
+        std::memcpy(orow + d0, acc, sizeof(acc));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* orow = out + r * D;
+    if (l[r] > 0.0f) {
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; ++d) orow[d] *= inv;
+      lse[r] = m[r] + std::log2(l[r]);
+    } else {
+      lse[r] = kNegInf;
+    }
+  }
+}
+
+// The same for many rows: K/V tiles of kBlockN keys are gathered (widened to fp32) once and
+// both products run as sgemm on the calling thread.
+template <typename T>
+void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
+  const int D = p.dim;
+  const int heads = it.g1 - it.g0;
+  const int R = (it.t1 - it.t0) * heads;
+  float* qb = w.q.data();
+  float* kb = w.k.data();
+  float* vb = w.v.data();
+  float* sb = w.s.data();
+  float m[kMaxRows], l[kMaxRows];
+  int limit[kMaxRows];
+  const int qo_start = p.qo_indptr[it.seq];
+  const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
+  const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  for (int t = it.t0; t < it.t1; ++t) {
+    for (int g = it.g0; g < it.g1; ++g) {
+      const int r = (t - it.t0) * heads + (g - it.g0);
+      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
+      load_row(src, qb + r * D, D);
+      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
+    }
+  }
+  std::fill(out, out + R * D, 0.0f);
+  int kend = it.k1;
+  if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);
+  for (int c = it.k0; c < kend; c += kBlockN) {
+    const int n = std::min(kBlockN, kend - c);
+    for (int j = 0; j < n; ++j) {
+      const int pos = c + j;
+      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+      load_row(p.k + off, kb + j * D, D);
+      load_row(p.v + off, vb + j * D, D);
+    }
+    // S (row-major [R][kBlockN]) = Q K^T, i.e. column-major S^T = K Q^T.
+    gemm('T', 'N', n, R, D, kb, D, qb, D, 0.0f, sb, kBlockN);
+    for (int r = 0; r < R; ++r) {
+      float* sr = sb + r * kBlockN;
+      const int valid = std::max(0, std::min(n, limit[r] - c + 1));
+      float mx = kNegInf;
+      for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+      float sum = 0.0f;
+      if (valid > 0) {
+        const float m_new = std::max(m[r], mx);
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < valid; ++j) {
+          const float e = exp2_approx(sr[j] - m_new);
+          sr[j] = e;
+          sum += e;
+        }
+        if (m[r] != m_new) {
+          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+          l[r] *= alpha;
+          float* orow = out + r * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) orow[d] *= alpha;
+          m[r] = m_new;
+        }
+        l[r] += sum;
+      }
+      std::fill(sr + valid, sr + n, 0.0f);
+    }
+    // O += P V, i.e. column-major O^T += V^T P^T.
+    gemm('N', 'N', D, R, n, vb, D, sb, kBlockN, 1.0f, out, D);
+  }
+  for (int r = 0; r < R; ++r) {
+    float* orow = out + r * D;
+    if (l[r] > 0.0f) {
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; ++d) orow[d] *= inv;
+      lse[r] = m[r] + std::log2(l[r]);
+    } else {
+      lse[r] = kNegInf;
+    }
+  }
+}
+
+template <typename T>
+void attend(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
+  if ((it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows)
+    attend_gemm(p, it, out, lse, w);
+  else
+    attend_small(p, it, out, lse);
+}
+
+template <typename T>
+void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse_out) {
+  const int G = p.group, D = p.dim;
+  const int hq = num_kv_heads * G;
+  const int heads_per_item = std::min(G, kMaxRows);
+  const int tokens_per_item = std::max(1, kMaxRows / heads_per_item);
+  const int threads = at::get_num_threads();
+
+  // Items without splits first, to decide whether long contexts need splitting.
+  std::vector<Item> base;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int qo_len = p.qo_indptr[s + 1] - p.qo_indptr[s];
+    const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, s);
+    for (int h = 0; h < num_kv_heads; ++h)
+      for (int g0 = 0; g0 < G; g0 += heads_per_item)
+        for (int t0 = 0; t0 < qo_len; t0 += tokens_per_item)
+          base.push_back({s, h, g0, std::min(G, g0 + heads_per_item), t0,
+                          std::min(qo_len, t0 + tokens_per_item), 0, kv_len, -1});
+  }
+  const int64_t target = 4LL * threads;
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, count) of split rows
+  int64_t partial_rows = 0;
+  for (const Item& b : base) {
+    const int qo_len = p.qo_indptr[b.seq + 1] - p.qo_indptr[b.seq];
+    const int keys = b.k1 - b.k0;
+    int splits = 1;
+    if (static_cast<int64_t>(base.size()) < target && b.t1 - b.t0 == qo_len)
+      splits = static_cast<int>(std::min<int64_t>((target + base.size() - 1) / base.size(), keys / kMinSplit));
+    if (splits <= 1) {
+      items.push_back(b);
+      continue;
+    }
+    const int rows = (b.t1 - b.t0) * (b.g1 - b.g0);
+    const int per = (keys + splits - 1) / splits;
+    merges.push_back({static_cast<int64_t>(items.size()), splits});
+    for (int i = 0; i < splits; ++i) {
+      Item it = b;
+      it.k0 = b.k0 + i * per;
+      it.k1 = std::min(b.k1, it.k0 + per);
+      it.partial = partial_rows;
+      partial_rows += rows;
+      items.push_back(it);
+    }
+  }
+  std::vector<float> part_out(partial_rows * D), part_lse(partial_rows);
+
+  auto write = [&](const Item& it, const float* o, const float* ls) {
+    const int heads = it.g1 - it.g0;
+    const int qo_start = p.qo_indptr[it.seq];
+    for (int t = it.t0; t < it.t1; ++t)
+      for (int g = it.g0; g < it.g1; ++g) {
+        const int r = (t - it.t0) * heads + (g - it.g0);
+        const int64_t row = static_cast<int64_t>(qo_start + t) * hq + it.head * G + g;
+        store_row(o + r * D, out + row * D, D);
+        lse_out[row] = ls[r];
+      }
+  };
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    std::vector<float> o(kMaxRows * kMaxDim);
+    float ls[kMaxRows];
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      if (it.partial >= 0) {
+        attend(p, it, part_out.data() + it.partial * D, part_lse.data() + it.partial, w);
+      } else {
+        attend(p, it, o.data(), ls, w);
+        write(it, o.data(), ls);
+      }
+    }
+  });
+  if (merges.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(kMaxRows * kMaxDim);
+    float ls[kMaxRows];
+    for (int64_t mi = begin; mi < end; ++mi) {
+      const auto [first, count] = merges[mi];
+      const Item& head = items[first];
+      const int rows = (head.t1 - head.t0) * (head.g1 - head.g0);
+      for (int r = 0; r < rows; ++r) {
+        float mx = kNegInf;
+        for (int64_t i = 0; i < count; ++i) mx = std::max(mx, part_lse[items[first + i].partial + r]);
+        float* orow = o.data() + r * D;
+        std::fill(orow, orow + D, 0.0f);
+        if (mx == kNegInf) {
+          ls[r] = kNegInf;
+          continue;
+        }
+        float wsum = 0.0f;
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t pr = items[first + i].partial + r;
+          const float w = exp2_approx(part_lse[pr] - mx);
+          if (part_lse[pr] == kNegInf) continue;
+          wsum += w;
+          const float* src = part_out.data() + pr * D;
+          for (int d = 0; d < D; ++d) orow[d] += w * src[d];
+        }
+        const float inv = 1.0f / wsum;
+        for (int d = 0; d < D; ++d) orow[d] *= inv;
+        ls[r] = mx + std::log2(wsum);
+      }
+      write(head, o.data(), ls);
+    }
+  });
+}
+
+void check_index(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt32 && t.dim() == 1 && t.is_contiguous(),
+              name, " must be a contiguous 1-D int32 CPU tensor");
+}
+
+}  // namespace
+
+// q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; returns (out [T, Hq, D], lse [T, Hq] fp32).
+std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                                           torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                                           double scale, bool causal) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU [T, Hq, D] tensor, last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache/v_cache must be contiguous [pages, page_size, Hkv, D] tensors of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the KV cache must have one dtype");
+  check_index(qo_indptr, "qo_indptr");
+  check_index(kv_indptr, "kv_indptr");
+  check_index(kv_indices, "kv_indices");
+  check_index(kv_last_page_len, "kv_last_page_len");
+  const int num_seqs = qo_indptr.size(0) - 1;
+  TORCH_CHECK(kv_indptr.size(0) == num_seqs + 1 && kv_last_page_len.size(0) == num_seqs, "metadata sizes disagree");
+  const int hq = q.size(1), D = q.size(2);
+  const int hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= kMaxDim, "head_dim must match, be a multiple of 16 and <= 256");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(qo_indptr[num_seqs].item<int>() == q.size(0), "qo_indptr[-1] must equal the number of query rows");
+  auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+  auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
+  if (q.size(0) == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      Problem<scalar_t> p{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
+                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          static_cast<int64_t>(hkv) * D, qo_indptr.data_ptr<int32_t>(),
+                          kv_indptr.data_ptr<int32_t>(), kv_indices.data_ptr<int32_t>(),
+                          kv_last_page_len.data_ptr<int32_t>(), static_cast<int>(k_cache.size(1)),
+                          hq / hkv, D, static_cast<float>(scale * 1.4426950408889634), causal};
+      run(p, num_seqs, hkv, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+    }
+  });
+  return {out, lse};
+}
+
+// Merge two attention states over disjoint KV sets: out [N, H, D], lse [N, H] (base 2, fp32).
+torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b) {
+  TORCH_CHECK(out_a.sizes() == out_b.sizes() && out_a.dim() == 3 && out_a.scalar_type() == out_b.scalar_type(),
+              "outputs must be [N, H, D] of one shape and dtype");
+  TORCH_CHECK(lse_a.scalar_type() == torch::kFloat32 && lse_b.scalar_type() == torch::kFloat32, "LSEs must be float32");
+  out_a = out_a.contiguous();
+  out_b = out_b.contiguous();
+  lse_a = lse_a.contiguous();
+  lse_b = lse_b.contiguous();
+  const int64_t rows = out_a.size(0) * out_a.size(1);
+  const int D = out_a.size(2);
+  TORCH_CHECK(lse_a.numel() == rows && lse_b.numel() == rows, "LSEs must be [N, H]");
+  auto out = torch::empty_like(out_a);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_a.scalar_type(), "merge_state", [&] {
+    const scalar_t* a = out_a.data_ptr<scalar_t>();
+    const scalar_t* b = out_b.data_ptr<scalar_t>();
+    const float* la = lse_a.data_ptr<float>();
+    const float* lb = lse_b.data_ptr<float>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float mx = std::max(la[r], lb[r]);
+        float wa = 0.0f, wb = 0.0f;
+        if (mx != kNegInf) {
+          wa = la[r] == kNegInf ? 0.0f : std::exp2(la[r] - mx);
+          wb = lb[r] == kNegInf ? 0.0f : std::exp2(lb[r] - mx);
+        }
+        const float inv = wa + wb > 0.0f ? 1.0f / (wa + wb) : 0.0f;
+        for (int d = 0; d < D; ++d)
+          o[r * D + d] = static_cast<scalar_t>((wa * static_cast<float>(a[r * D + d]) +
+                                                wb * static_cast<float>(b[r * D + d])) * inv);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "radixserve CPU paged attention kernels";
+  m.def("paged_attention", &paged_attention,
+        "Paged attention over FlashInfer-format metadata; returns (out, lse base 2)");
+  m.def("merge_state", &merge_state, "Merge two attention states by base-2 LSE");
+}

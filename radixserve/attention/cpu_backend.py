@@ -1,0 +1,105 @@
+"""CPU attention through the C++ kernels of ``csrc/`` (see :mod:`radixserve.attention.cpu_ext`).
+
+The kernels read K/V pages in place from the pool, driven by the batch's FlashInfer-format
+metadata, so nothing is gathered per layer:
+
+* every sequence that is not in a cascade group, decode and prefill chunks alike: one kernel call
+  (bottom-right causal);
+* cascade groups: the grouped queries against their shared prefix (one multi-query "sequence"
+  per group, not causal) and against their own suffixes, both returning base-2 LSEs, then one
+  fused merge.
+
+Supports float32, bfloat16 and float16 KV pools with head_dim a multiple of 16 (up to 256);
+:func:`supports` says whether a pool qualifies, and the runner falls back to the torch backend
+when it does not (for example a quantised KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.attention.metadata import AttentionMetadata
+from radixserve.kv.pool import KVPool
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(pool: KVPool, num_qo_heads: int) -> str | None:
+    """None when the kernels can serve this pool, else why not."""
+    k0 = pool.k[0]
+    if k0.device.type != "cpu":
+        return f"the KV pool is on {k0.device.type}, not the CPU"
+    if k0.dtype not in DTYPES:
+        return f"KV dtype {k0.dtype} is not one of float32, bfloat16, float16"
+    head_dim, num_kv = k0.shape[3], k0.shape[2]
+    if head_dim % 16 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 16 up to 256"
+    if num_qo_heads % num_kv:
+        return f"{num_qo_heads} query heads are not a multiple of {num_kv} KV heads"
+    return None
+
+
+class CpuAttention(AttentionBackend):
+    def __init__(self, pool: KVPool, scale: float, ext):
+        self.pool = pool
+        self.scale = scale
+        self.ext = ext
+        self._meta: AttentionMetadata | None = None
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        self._meta = metadata
+        cascade = metadata.cascade
+        self._flat = None
+        self._grouped = None
+        if cascade is None:
+            self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
+                          metadata.kv_last_page_len)
+            return
+        grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
+        members = set(grouped)
+        qo = metadata.qo_indptr.tolist()
+        self._grouped = (
+            torch.tensor([qo[i] for i in grouped], dtype=torch.long),
+            torch.arange(len(grouped) + 1, dtype=torch.int32),
+        )
+        flat = [i for i in range(metadata.num_seqs) if i not in members]
+        if flat:
+            kv = metadata.kv_indptr.tolist()
+            rows = torch.tensor([r for i in flat for r in range(qo[i], qo[i + 1])], dtype=torch.long)
+            qo_indptr, kv_indptr, parts = [0], [0], []
+            for i in flat:
+                qo_indptr.append(qo_indptr[-1] + qo[i + 1] - qo[i])
+                kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
+                parts.append(metadata.kv_indices[kv[i] : kv[i + 1]])
+            self._flat = (
+                rows, torch.tensor(qo_indptr, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
+                torch.cat(parts), metadata.kv_last_page_len[torch.tensor(flat)].contiguous(),
+            )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        meta = self._meta
+        assert meta is not None, "plan() must be called before forward()"
+        self.pool.k_slots(layer).index_copy_(0, meta.out_slots, k)
+        self.pool.v_slots(layer).index_copy_(0, meta.out_slots, v)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        q = q.contiguous()
+        attend = self.ext.paged_attention
+        if self._grouped is None:
+            _, qo_indptr, kv_indptr, kv_indices, last = self._flat
+            return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
+        out = torch.empty_like(q)
+        if self._flat is not None:
+            rows, qo_indptr, kv_indptr, kv_indices, last = self._flat
+            flat_out = attend(q.index_select(0, rows), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last,
+                              self.scale, True)[0]
+            out.index_copy_(0, rows, flat_out)
+        rows, one_each = self._grouped
+        c = meta.cascade
+        qg = q.index_select(0, rows)
+        out_p, lse_p = attend(qg, k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices,
+                              c.prefix_kv_last_page_len, self.scale, False)
+        out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
+                              c.suffix_kv_last_page_len, self.scale, True)
+        out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
+        return out

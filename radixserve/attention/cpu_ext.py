@@ -1,0 +1,97 @@
+"""Build (once) and load the C++ CPU attention kernels in ``csrc/``.
+
+The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (ninja,
+``-O3 -march=native -fopenmp``) into ``$RADIXSERVE_CACHE/ext/<torch, python, CPU>`` (default
+``~/.cache/radixserve/ext/...``) and reused from there by every later process; torch's file lock
+keeps concurrent first uses from building twice. The directory name includes a hash of the CPU's
+feature flags, so a cache shared between different machines never loads code built for another
+CPU. When the build is impossible (no compiler, no ninja, no sources) :func:`load` returns None and
+logs one warning; callers then fall back to the torch backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("radixserve")
+
+NAME = "radixserve_cpu_attention"
+SOURCES = ("attention.cpp",)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def csrc_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "csrc"
+
+
+def _cpu_tag() -> str:
+    flags = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
+    tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}-{_cpu_tag()}"
+    return root / "ext" / tag
+
+
+def load():
+    """The compiled module, or None (with one warning) when it cannot be built."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        _state["module"] = module = _build()
+        return module
+
+
+def _build():
+    if os.environ.get("RADIXSERVE_NO_EXT"):
+        log.info("CPU attention kernels disabled by RADIXSERVE_NO_EXT; using the torch backend")
+        return None
+    sources = [csrc_dir() / s for s in SOURCES]
+    try:
+        missing = [str(s) for s in sources if not s.exists()]
+        if missing:
+            raise FileNotFoundError(f"sources not found: {', '.join(missing)}")
+        from torch.utils import cpp_extension
+
+        cpp_extension.verify_ninja_availability()
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        built = any(directory.glob(f"{NAME}*.so"))
+        if not built:
+            log.warning("building the CPU attention kernels in %s (once per machine; about a minute)...", directory)
+        else:
+            log.info("loading the CPU attention kernels from %s (rebuilt if csrc/ changed)", directory)
+        start = time.perf_counter()
+        module = cpp_extension.load(
+            name=NAME, sources=[str(s) for s in sources], build_directory=str(directory),
+            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+        )
+        elapsed = time.perf_counter() - start
+        if not built or elapsed > 5:
+            log.warning("built the CPU attention kernels in %.1f s", elapsed)
+        return module
+    except Exception as exc:  # no compiler, no ninja, a failed build: fall back, once, loudly
+        log.warning("CPU attention kernels unavailable (%s: %s); using the torch attention backend",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return None

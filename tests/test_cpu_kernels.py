@@ -1,0 +1,181 @@
+"""The C++ CPU attention kernels (csrc/) equal the torch backend, and greedy tokens still equal
+transformers with them on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixserve.attention import cpu_ext
+from radixserve.attention.cascade import attend_with_lse
+from radixserve.attention.cpu_backend import CpuAttention
+from radixserve.attention.metadata import build_metadata
+from radixserve.attention.torch_backend import TorchAttention
+from radixserve.kv.pool import KVPool
+
+ext = cpu_ext.load()
+pytestmark = pytest.mark.skipif(ext is None, reason="the CPU attention extension did not build (warning logged)")
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (6, 1)}
+
+
+def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head_dim=64, layers=2):
+    """A pool with random contents and a batch of (qo_len, kv_len) sequences on shuffled pages; the
+    first ``share`` tokens' pages of sequences in a group are the group leader's."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-kv // page_size) for _, kv in qo_kv) + 4
+    pool = KVPool(num_layers=layers, num_pages=need, page_size=page_size, num_kv_heads=kv_heads,
+                  head_dim=head_dim, dtype=dtype, device="cpu")
+    for layer in range(layers):
+        pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g))
+        pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g))
+    free = list(range(need))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-kv // page_size))] for _, kv in qo_kv]
+    for first, count, prefix in groups:
+        for i in range(first + 1, first + count):
+            tables[i][: prefix // page_size] = tables[first][: prefix // page_size]
+    meta = build_metadata(tables, [kv for _, kv in qo_kv], [qo for qo, _ in qo_kv], page_size, groups=groups)
+    t = sum(qo for qo, _ in qo_kv)
+    q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+    return pool, meta, q, k, v
+
+
+def both(pool, meta, q, k, v, layer=1):
+    """(cpu kernels, torch oracle) outputs of one layer; each writes the same new K/V first."""
+    scale = q.shape[-1] ** -0.5
+    cpu = CpuAttention(pool, scale, ext)
+    cpu.plan(meta)
+    got = cpu.forward(q, k, v, layer)
+    ref_backend = TorchAttention(pool, scale)
+    ref_backend.plan(meta)
+    if q.dtype == torch.float32:
+        want = ref_backend.forward(q, k, v, layer)
+    else:  # the oracle in fp32 over the same (rounded) values
+        f32 = KVPool(num_layers=len(pool.k), num_pages=pool.num_pages, page_size=pool.page_size,
+                     num_kv_heads=pool.k[0].shape[2], head_dim=pool.k[0].shape[3], dtype=torch.float32, device="cpu")
+        for i in range(len(pool.k)):
+            f32.k[i].copy_(pool.k[i])
+            f32.v[i].copy_(pool.v[i])
+        ref_backend = TorchAttention(f32, scale)
+        ref_backend.plan(meta)
+        want = ref_backend.forward(q.float(), k.float(), v.float(), layer)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
+def test_mixed_decode_and_extend_equal_torch(dtype, page_size, layout):
+    heads, kv_heads = HEADS[layout]
+    # decodes with short and long contexts, a fresh prefill, extends over a cached prefix,
+    # a one-token context and a chunk crossing pages
+    qo_kv = [(1, 1), (1, 37), (1, 1500), (19, 19), (7, 300), (1, 16), (40, 41), (3, 17), (1, 700)]
+    pool, meta, q, k, v = make_case(page_size * 31 + heads, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
+    got, want = both(pool, meta, q, k, v)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_only_split_contexts_equal_torch(page_size):
+    # few rows and long contexts: the kernel splits each context and merges the splits
+    qo_kv = [(1, 4000), (1, 2500), (1, 257)]
+    pool, meta, q, k, v = make_case(3, page_size, 8, 2, torch.float32, qo_kv=qo_kv)
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cascade_groups_equal_torch(dtype, page_size):
+    # two groups (one with an empty shared prefix), ungrouped decodes and an extend around them
+    qo_kv = [(5, 60), (1, 300), (1, 290), (1, 333), (1, 50), (1, 20), (1, 70), (9, 9)]
+    groups = ((1, 3, 256), (5, 2, 0))
+    pool, meta, q, k, v = make_case(11 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_empty_context_and_lse_base2():
+    # non-causal level with an empty KV set: out 0, lse -inf; otherwise lse equals the torch one
+    pool, _, q, _, _ = make_case(5, 16, 4, 2, torch.float32, qo_kv=[(1, 64)])
+    pages = torch.tensor([0, 1, 2], dtype=torch.int32)
+    q = torch.randn(6, 4, 64)
+    qo_indptr = torch.tensor([0, 2, 6], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 0, 3], dtype=torch.int32)
+    last = torch.tensor([16, 9], dtype=torch.int32)
+    out, lse = ext.paged_attention(q, pool.k[0], pool.v[0], qo_indptr, kv_indptr, pages, last, 0.125, False)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.isinf(lse[:2]).all() and (lse[:2] < 0).all()
+    keys = pool.k_slots(0)[: 2 * 16 + 9]
+    vals = pool.v_slots(0)[: 2 * 16 + 9]
+    qg = q[2:].view(4, 2, 2, 64).permute(1, 0, 2, 3).reshape(2, 8, 64)  # [Hkv, queries x group, D]
+    ref_out, ref_lse = attend_with_lse(qg, keys.transpose(0, 1), vals.transpose(0, 1), 0.125)
+    ref_out = ref_out.view(2, 4, 2, 64).permute(1, 0, 2, 3).reshape(4, 4, 64)
+    ref_lse = ref_lse.view(2, 4, 2).permute(1, 0, 2).reshape(4, 4)
+    torch.testing.assert_close(out[2:], ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse[2:], ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_merge_state_equals_torch():
+    from radixserve.attention.cascade import merge_states
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 3, 32, generator=g), torch.randn(5, 3, 32, generator=g)
+    la, lb = torch.randn(5, 3, generator=g) * 4, torch.randn(5, 3, generator=g) * 4
+    la[0, 0] = float("-inf")
+    torch.testing.assert_close(ext.merge_state(a, la, b, lb), merge_states(a, la, b, lb))
+
+
+def test_rejects_bad_input():
+    pool, meta, q, _, _ = make_case(1, 1, 4, 2, torch.float32, qo_kv=[(2, 5)])
+    args = (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.1, True)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ext.paged_attention(q.bfloat16(), pool.k[0], pool.v[0], *args)
+    with pytest.raises(RuntimeError, match="qo_indptr"):
+        ext.paged_attention(q[:1], pool.k[0], pool.v[0], *args)
+    with pytest.raises(RuntimeError, match="int32"):
+        ext.paged_attention(q, pool.k[0], pool.v[0], meta.qo_indptr.long(), *args[1:])
+
+
+def test_unsupported_kv_dtype_falls_back_to_torch(llama_dir):
+    from radixserve.attention.cpu_backend import supports
+
+    pool = KVPool(num_layers=1, num_pages=2, page_size=1, num_kv_heads=2, head_dim=64, dtype=torch.int8, device="cpu")
+    assert "int8" in supports(pool, 4)
+    pool = KVPool(num_layers=1, num_pages=2, page_size=1, num_kv_heads=2, head_dim=24, dtype=torch.float32, device="cpu")
+    assert "head_dim" in supports(pool, 4)
+
+
+def test_engine_picks_cpu_kernels_and_greedy_matches_transformers(llama_dir):
+    from radixserve import Engine
+    from radixserve import SamplingParams
+    from conftest import hf_greedy, random_prompts
+
+    prompts = random_prompts([40, 9, 70, 40], seed=3)
+    prompts[3] = prompts[0][:30] + prompts[3][:10]  # a cache hit on a shared prefix
+    engine = Engine(llama_dir, kv_cache_tokens=2048, max_batched_tokens=48, page_size=1)
+    assert type(engine.runner.attention).__name__ == "CpuAttention"
+    got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in got] == hf_greedy(llama_dir, prompts, 12)
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog, llama_dir):
+    from radixserve import Engine
+
+    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "no-csrc")
+    monkeypatch.setattr(cpu_ext, "_state", {})
+    with caplog.at_level("WARNING", logger="radixserve"):
+        assert cpu_ext.load() is None
+        assert cpu_ext.load() is None  # remembered: no second attempt, no second warning
+        engine = Engine(llama_dir, kv_cache_tokens=256)
+    assert type(engine.runner.attention).__name__ == "TorchAttention"
+    warnings = [r for r in caplog.records if "CPU attention kernels unavailable" in r.getMessage()]
+    assert len(warnings) == 1
