@@ -120,6 +120,7 @@ def _check_device(device: str) -> None:
 
 def cmd_serve(args) -> int:
     import os
+    import signal
 
     from radixserve.protocol import Limits
     from radixserve.serve.router import Router, RouterConfig, load_tokenizer
@@ -182,6 +183,9 @@ def cmd_serve(args) -> int:
     try:
         _run_async(router.serve())
     finally:
+        # The loop's handlers are gone: a Ctrl-C while the gateway and workers stop only marks the
+        # stop as forced (exit 130), instead of a KeyboardInterrupt traceback half-way through it.
+        signal.signal(signal.SIGINT, lambda *_: setattr(router, "forced", True))
         if gateway is not None:
             gateway.stop(timeout=1.0 if router.forced else 10.0)
         supervisor.stop(timeout=1.0 if router.forced else 5.0)

@@ -85,8 +85,10 @@ def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
     shadow.mkdir()
     (shadow / "__init__.py").write_text("raise ImportError('shadowed by the working directory')\n")
     proc = subprocess.Popen(CLI + ["--log-level", "WARNING", "serve", "--model", llama_dir, "--port", "0",
-                                   "--workers", "1", "--worker-threads", "1", "--drain-timeout", "120"],
+                                   "--workers", "1", "--worker-threads", "1", "--drain-timeout", "120",
+                                   "--heartbeat-timeout", "60"],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True)
+    worker_pid = None
     try:
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -100,6 +102,10 @@ def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
         address = lines[0].split("listening on ", 1)[1].split()[0]
         with Client(address, timeout=60) as c:
             assert c.generate([5, 6, 7], max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+        # Freeze the worker so the long call stays in flight whatever the speed of the kernels
+        # (the heartbeat timeout above is longer than the test): the drain then has to wait.
+        worker_pid = int(subprocess.check_output(["pgrep", "-P", str(proc.pid)], text=True).split()[0])
+        os.kill(worker_pid, signal.SIGSTOP)
         long = threading.Thread(target=_long_call, args=(address,), daemon=True)
         long.start()
         time.sleep(1.0)
@@ -114,6 +120,11 @@ def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if worker_pid is not None:
+            try:
+                os.kill(worker_pid, signal.SIGKILL)  # the frozen worker, if the supervisor left it
+            except ProcessLookupError:
+                pass
 
 
 def _long_call(address: str) -> None:

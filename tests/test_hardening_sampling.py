@@ -43,7 +43,7 @@ def test_sampler_survives_degenerate_rows():
     class R:
         def __init__(self, **kw):
             self.params, self.rid, self.generator = SamplingParams(**kw), "r", None
-            self.prompt_ids, self.output_ids = [1, 2, 3], [4]
+            self.prompt_ids, self.output_ids, self.grammar = [1, 2, 3], [4], None
 
     logits = torch.randn(4, 64)
     logits[1, 5] = math.inf

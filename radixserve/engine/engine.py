@@ -482,15 +482,15 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.scheduler.has_work:
-                try:
-                    item = self._inbox.get(timeout=0.5)  # sleep until something arrives
-                except queue.Empty:
-                    continue
-                # Apply it now, before what came after it: putting it back at the tail let an
-                # abort that arrived meanwhile run before its own add (and be lost).
-                self._apply(item)
             try:
+                if not self.scheduler.has_work:
+                    try:
+                        item = self._inbox.get(timeout=0.5)  # sleep until something arrives
+                    except queue.Empty:
+                        continue
+                    # Apply it now, before what came after it: putting it back at the tail let an
+                    # abort that arrived meanwhile run before its own add (and be lost).
+                    self._apply(item)
                 self.step()
             except Exception:  # never leave a request without a final message
                 log.exception("engine step failed; failing the requests in flight")

@@ -25,10 +25,7 @@ class ModelRunner:
         self.device = device
         self.attention = make_attention(attention, model, pool, device)
         self.scores: list[tuple] = []
-        # The weights, config and tokenizer objects live for the whole process: move them out of
-        # the collector's generations so GC passes during the step loop stay short.
-        gc.collect()
-        gc.freeze()
+        _freeze_gc_once()
 
     def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
@@ -82,6 +79,20 @@ class ModelRunner:
                 offset += n
             logits = logits[:num_sample]
         return logits
+
+
+_gc_frozen = False
+
+
+def _freeze_gc_once() -> None:
+    """The first model of a process (weights, config, tokenizer) lives as long as the process:
+    move it out of the collector's generations so GC passes during the step loop stay short.
+    Once per process: freezing again at every Engine would keep each one's garbage for good."""
+    global _gc_frozen
+    if not _gc_frozen:
+        _gc_frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:

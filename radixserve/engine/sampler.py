@@ -41,7 +41,7 @@ class Sampler:
                         log.exception("penalties failed for request %s; failing it alone", r.rid)
                         failed.add(row)
         if any(r.grammar is not None for r in reqs):
-            logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs)
+            logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs, failed)
         tokens = logits.argmax(dim=-1)
         for row, r in enumerate(reqs):
             if not r.params.greedy and row not in failed:
@@ -53,7 +53,7 @@ class Sampler:
         token_list: list[int | None] = tokens.tolist()
         for row in failed:
             token_list[row] = None
-        advance_grammars(token_list, reqs)
+        advance_grammars(token_list, reqs, failed)
 
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         wanted = [row for row, r in enumerate(reqs) if r.params.logprobs is not None and row not in failed]
@@ -103,29 +103,47 @@ def _apply_penalties(row: torch.Tensor, r: Request) -> None:
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
-def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request], failed: set[int] | None = None) -> torch.Tensor:
     """In place: structured requests' rows keep only the tokens their grammar allows next
-    (the rest become -inf), from each request's xgrammar matcher. Returns ``logits``."""
+    (the rest become -inf), from each request's xgrammar matcher. Returns ``logits``. A row whose
+    matcher raises is added to ``failed`` (its request alone ends with an error)."""
     import xgrammar as xgr
 
-    rows = [row for row, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+    failed = set() if failed is None else failed
+    rows = [row for row, r in enumerate(reqs)
+            if row not in failed and r.grammar is not None and not r.grammar.is_terminated()]
     if not rows:
         return logits
     bitmask = xgr.allocate_token_bitmask(len(reqs), logits.shape[-1])
-    masked = [row for row in rows if reqs[row].grammar.fill_next_token_bitmask(bitmask, row)]
+    masked = []
+    for row in rows:
+        try:
+            if reqs[row].grammar.fill_next_token_bitmask(bitmask, row):
+                masked.append(row)
+        except Exception:
+            log.exception("grammar mask failed for request %s; failing it alone", reqs[row].rid)
+            failed.add(row)
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=masked)
     return logits
 
 
-def advance_grammars(tokens: list[int | None], reqs: list[Request]) -> None:
+def advance_grammars(tokens: list[int | None], reqs: list[Request], failed: set[int] | None = None) -> None:
     """Move each structured request's matcher past the token it just got. The mask makes a
-    rejected token impossible; if one is ever rejected, the matcher is dropped (the request goes on
-    unconstrained) and the event is logged rather than failing the whole batch."""
-    for token, r in zip(tokens, reqs):
+    rejected token impossible; if one is ever rejected (or the matcher raises), that row joins
+    ``failed`` and its token becomes None: its request alone ends with an error, rather than going
+    on unconstrained or failing the whole batch."""
+    failed = set() if failed is None else failed
+    for row, (token, r) in enumerate(zip(tokens, reqs)):
         m = r.grammar
-        if token is None:  # this row failed (see __call__): its request ends with an error
+        if token is None or m is None or m.is_terminated():  # None: this row already failed
             continue
-        if m is not None and not m.is_terminated() and not m.accept_token(token):
-            log.error("request %s: grammar rejected token %d; constraint dropped", r.rid, token)
-            r.grammar = None
+        try:
+            ok = m.accept_token(token)
+        except Exception:
+            log.exception("grammar failed for request %s; failing it alone", r.rid)
+            ok = False
+        if not ok:
+            log.error("request %s: grammar rejected token %d; failing it alone", r.rid, token)
+            failed.add(row)
+            tokens[row] = None

