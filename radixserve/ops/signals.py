@@ -229,7 +229,8 @@ REMEDIES = (
            "summarised old turns): each token of context costs KV and attention time",
            ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
     Remedy(2, "quantize the KV cache", "--kv-dtype int8: int8 K/V plus a float32 scale per token and head, "
-           "about half the bytes per token of bf16, so about twice the tokens fit (see radixserve plan)", ("queue_persistent", "preemption")),
+           "about half the bytes per token of bf16, so about twice the tokens fit (see radixserve plan); check "
+           "quality first: it changes greedy text on real models (python -m bench kv_quant)", ("queue_persistent", "preemption")),
     Remedy(3, "add workers / GPUs", "radixserve worker --router ADDR on another GPU or host; the router "
            "spreads load and keeps prefixes together", ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
 )
