@@ -185,6 +185,7 @@ class Register(_Msg, tag="register"):
     page_size: int = 1
     active: list[str] = msgspec.field(default_factory=list)  # work ids it is running (re-registration)
     fingerprint: str = ""  # the model's (auth.model_fingerprint); the router refuses a mismatch
+    session: str = ""  # random per worker process: the same session registering again is not a restart
     v: int = PROTOCOL_VERSION
 
 
@@ -211,10 +212,27 @@ class CacheEvent(msgspec.Struct, array_like=True):
 class CacheEvents(_Msg, tag="cache_events"):
     worker: str
     events: list[CacheEvent]
+    seq: int = 0  # 1, 2, ... per worker process: a gap means events were lost (the router resyncs)
+    reset: bool = False  # a snapshot: clear the mirror first (the events are the whole tree's leaves)
 
 
 class Goodbye(_Msg, tag="goodbye"):
+    """Worker -> router: draining (finish what runs, route nothing new here)."""
+
     worker: str
+
+
+class Leave(_Msg, tag="leave"):
+    """Worker -> router: gone now (after draining); the router forgets it at once."""
+
+    worker: str
+
+
+class Rejoin(_Msg, tag="rejoin"):
+    """Router -> worker: register again and send a cache snapshot (the router does not know
+    this connection, or lost some of its cache events)."""
+
+    reason: str = ""
 
 
 class Work(_Msg, tag="work"):
@@ -247,6 +265,7 @@ class Shutdown(_Msg, tag="shutdown"):
 Message = Union[
     Generate, Abort, Health, Stats, Chunk, Final, Error, HealthReply, StatsReply,
     Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown, Choose, ChoiceFinal, ChooseWork, Refused,
+    Leave, Rejoin,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
