@@ -200,6 +200,8 @@ class Heartbeat(_Msg, tag="heartbeat"):
     running: int = 0
     waiting: int = 0
     stats: dict[str, Any] = msgspec.field(default_factory=dict)
+    events_seq: int = 0  # the last CacheEvents seq sent before it: the router notices a lost last batch
+    reset_seq: int = 0  # the seq of the last snapshot sent: the router notices a lost snapshot
 
 
 class CacheEvent(msgspec.Struct, array_like=True):
@@ -233,6 +235,7 @@ class Rejoin(_Msg, tag="rejoin"):
     this connection, or lost some of its cache events)."""
 
     reason: str = ""
+    register: bool = True  # False: only send a snapshot (the index lost events; the rest is fine)
 
 
 class Work(_Msg, tag="work"):

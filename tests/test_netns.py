@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
            PYTHONPATH=str(ROOT))
 ROUTER_IP = "10.231.0.1"
-CUT_AT, CUT_FOR, LOAD_FOR = 6.0, 8.0, 30.0  # seconds from the start of the load
+CUT_AT, CUT_FOR, LOAD_FOR = 4.0, 7.0, 20.0  # seconds from the start of the load
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -94,6 +94,7 @@ def _in(ns: str, *cmd: str, **kw) -> subprocess.Popen:
 
 def test_link_cut_and_rejoin_across_hosts(hosts, llama_dir, tmp_path):
     ns, procs = hosts
+    started = time.time()
     secret = tmp_path / "worker.secret"
     py = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING"]
     router = _in(ns["r"], *py, "serve", "--model", llama_dir, "--workers", "0", "--host", ROUTER_IP,
@@ -112,9 +113,10 @@ def test_link_cut_and_rejoin_across_hosts(hosts, llama_dir, tmp_path):
     procs.append(ready)
     assert ready.communicate(timeout=100)[0].strip() == "ready"
 
+    print(f"\nrouter and 2 workers ready in {time.time() - started:.1f} s")
     out = tmp_path / "load.json"
     driver = _in(ns["r"], sys.executable, str(ROOT / "tests" / "netns_load.py"), "--address", f"tcp://{ROUTER_IP}:7700",
-                 "--duration", str(LOAD_FOR), "--concurrency", "6", "--deadline", "30", "--out", str(out))
+                 "--duration", str(LOAD_FOR), "--concurrency", "6", "--deadline", "20", "--out", str(out))
     procs.append(driver)
     t0 = time.time()
     time.sleep(CUT_AT)

@@ -120,6 +120,8 @@ class WorkerState:
     session: str = ""
     synced: bool = False  # the index holds the worker's snapshot and every event after it
     next_seq: int = 0  # the CacheEvents seq expected next
+    seen_seq: int = 0  # the highest CacheEvents seq received
+    resync_from: int = 0  # unsynced: a snapshot with a higher seq is the one we wait for
     rejoin_asked: float = 0.0
     host: str = ""
     proc: Any = None  # subprocess.Popen for workers this process started
@@ -592,12 +594,22 @@ class Router:
         self._wsend(identity, P.Ping())
         self._pump()
 
+    def _resync(self, worker: WorkerState, why: str, known: int = 0) -> None:
+        """Events were lost (the connection dropped some): the mirror may hold stale prefixes or
+        miss some. Empty it and ask the worker for a fresh snapshot (only that)."""
+        log.warning("worker %s: %s; resyncing its cache index", worker.name, why)
+        self.counters["index_resyncs"] += 1
+        self._reset_index(worker)
+        worker.resync_from = max(worker.resync_from, known)
+        self._wsend(worker.identity, P.Rejoin(reason="cache events were lost", register=False))
+
     def _reset_index(self, worker: WorkerState) -> None:
         """Empty the worker's mirror (pending prefixes stay) until its next snapshot arrives."""
         pending = worker.index.pending
         worker.index.clear()
         worker.index.pending.update(pending)
         worker.synced = False
+        worker.resync_from = worker.seen_seq
 
     def _reclaim_lost(self, worker: WorkerState, active: list[str]) -> None:
         """Requests we think run on ``worker`` but it does not: their Work or their Final was
@@ -630,10 +642,17 @@ class Router:
         if worker is None:  # e.g. declared dead, or the router restarted: ask it to register
             return
         worker.engine = msg.stats
+        # Heartbeats follow the worker's cache events on the same ordered stream: they tell us
+        # whether the last batch, or the snapshot we wait for, was lost on the way.
+        if worker.synced and msg.events_seq and msg.events_seq != worker.next_seq - 1:
+            self._resync(worker, f"cache events up to {msg.events_seq} sent, {worker.next_seq - 1} received")
+        elif not worker.synced and msg.reset_seq > worker.resync_from:
+            self._resync(worker, f"the cache snapshot {msg.reset_seq} was lost", known=msg.reset_seq)
 
     def _on_cache_events(self, identity: bytes, worker, msg: P.CacheEvents) -> None:
         if worker is None or not worker.alive:
             return
+        worker.seen_seq = max(worker.seen_seq, msg.seq)
         if msg.reset:  # a snapshot: the whole tree, then the events after it
             self._reset_index(worker)
             worker.synced = True
@@ -642,11 +661,7 @@ class Router:
         elif msg.seq != worker.next_seq:
             # Events were lost (the connection dropped some): the mirror may hold stale
             # prefixes or miss some. Start again from a fresh snapshot.
-            log.warning("worker %s: cache events %d..%d lost; resyncing its index", worker.name,
-                        worker.next_seq, msg.seq - 1)
-            self.counters["index_resyncs"] += 1
-            self._reset_index(worker)
-            self._wsend(worker.identity, P.Rejoin(reason="cache events were lost"))
+            self._resync(worker, f"cache events {worker.next_seq}..{msg.seq - 1} lost")
             return
         worker.next_seq = msg.seq + 1
         index = worker.index

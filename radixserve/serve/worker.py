@@ -59,6 +59,7 @@ class Worker:
         self.router_timeout_s = router_timeout_s
         self.session = secrets.token_hex(8)
         self._seq = 0  # CacheEvents sent (the router checks they arrive without a gap)
+        self._reset_seq = 0  # the seq of the last snapshot sent
         self.secret = secret
         self.refused: str | None = None
         from radixserve.serve.auth import model_fingerprint
@@ -123,6 +124,8 @@ class Worker:
 
     def _send_events(self, events: list[P.CacheEvent], reset: bool) -> None:
         self._seq += 1
+        if reset:
+            self._reset_seq = self._seq
         self._send(P.CacheEvents(worker=self.name, events=events, seq=self._seq, reset=reset))
 
     def _on_chunk(self, work: P.Work, chunk) -> None:  # engine thread
@@ -193,9 +196,14 @@ class Worker:
         elif isinstance(msg, P.Ping):
             pass
         elif isinstance(msg, P.Rejoin):
-            if not self.stopping:
+            if self.stopping:
+                pass
+            elif msg.register:
                 log.info("the router asks this worker to register again (%s)", msg.reason or "no reason given")
                 self._register()
+            else:
+                log.info("the router asks for a cache snapshot (%s)", msg.reason or "no reason given")
+                self.engine.call_soon(self._snapshot)
         elif isinstance(msg, P.Refused):
             log.error("the router refused this worker: %s", msg.reason)
             self.refused = msg.reason
@@ -251,17 +259,20 @@ class Worker:
             id=work.id, best=result.best, index=result.index, ranked=result.ranked, usage=result.usage,
             timings=P.Timings(queue_s=0.0, ttft_s=result.ttft_s, e2e_s=result.e2e_s), worker=self.name))
 
+    def _heartbeat(self) -> P.Heartbeat:
+        try:
+            stats = dict(self.engine.stats())
+        except RuntimeError:  # a dict changed size under us (engine thread): next time
+            stats = {}
+        stats["ttft_s"] = self.ttft.to_dict()
+        stats["e2e_s"] = self.e2e.to_dict()
+        return P.Heartbeat(worker=self.name, running=stats.get("running", 0), waiting=stats.get("waiting", 0),
+                           stats=stats, events_seq=self._seq, reset_seq=self._reset_seq)
+
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            try:
-                stats = dict(self.engine.stats())
-            except RuntimeError:  # a dict changed size under us (engine thread): next time
-                stats = {}
-            stats["ttft_s"] = self.ttft.to_dict()
-            stats["e2e_s"] = self.e2e.to_dict()
-            self._send(P.Heartbeat(worker=self.name, running=stats.get("running", 0),
-                                   waiting=stats.get("waiting", 0), stats=stats))
+            self._send(self._heartbeat())
             if self.parent is not None and os.getppid() != self.parent and not self.stopping:
                 log.warning("the serve process that started this worker is gone; exiting")
                 asyncio.ensure_future(self.drain(0.0))
