@@ -71,6 +71,7 @@ class Worker:
         self._events_lock = threading.Lock()
         self._flush_scheduled = False
         self._last_router = time.monotonic()
+        self._registered_in_silence = False
         self.ttft = Histogram()
         self.e2e = Histogram()
 
@@ -185,6 +186,7 @@ class Worker:
 
     def _handle(self, msg) -> None:
         self._last_router = time.monotonic()
+        self._registered_in_silence = False
         if isinstance(msg, P.Work):
             self._start(msg)
         elif isinstance(msg, P.ChooseWork):
@@ -276,12 +278,15 @@ class Worker:
             if self.parent is not None and os.getppid() != self.parent and not self.stopping:
                 log.warning("the serve process that started this worker is gone; exiting")
                 asyncio.ensure_future(self.drain(0.0))
-            if time.monotonic() - self._last_router > self.router_timeout_s and not self.stopping:
+            silent = time.monotonic() - self._last_router > self.router_timeout_s
+            if silent and not self.stopping and not self._registered_in_silence:
                 # The router may be stalled, restarted or unreachable. Register again and tell it
-                # what is running: it keeps what it still knows and aborts the rest.
+                # what is running: it keeps what it still knows and aborts the rest. Once per
+                # silence: a long cut must not queue a Register every few seconds (the router
+                # answers a connection it does not know with Rejoin if this one is lost).
                 log.warning("no word from the router for %.1f s; registering again", self.router_timeout_s)
                 self._register()
-                self._last_router = time.monotonic()
+                self._registered_in_silence = True
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking work, let requests in flight finish for ``grace_s``, fail the rest."""
