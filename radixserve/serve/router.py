@@ -225,7 +225,12 @@ class Router:
         # A worker reconnecting after a link cut keeps its identity: the new connection takes
         # over from the old one (which TCP may not have noticed is dead yet).
         wsock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # ZMTP pings clean up connections that died without a FIN. Their timeout must be set: it
+        # defaults to the interval, and one slow round trip would then drop a live connection.
+        # Longer than heartbeat_timeout_s, so the router declares a worker dead before libzmq
+        # drops its connection (messages still queued on it would be lost).
         wsock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_s * 1000))
+        wsock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((cfg.heartbeat_timeout_s + 2.0) * 1000))
         auth.make_server(wsock, self.secret)
         self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters)
         worker_address = cfg.worker_address
