@@ -212,7 +212,11 @@ def cmd_worker(args) -> int:
 
         torch.set_num_threads(args.threads)
     engine = _make_engine(args)
-    return run_worker(engine, args.router, args.worker_id, exit_with_parent=args.exit_with_parent, secret=secret)
+    if args.router_timeout <= args.heartbeat:
+        print("radixserve worker: error: --router-timeout must be longer than --heartbeat", file=sys.stderr)
+        return 2
+    return run_worker(engine, args.router, args.worker_id, exit_with_parent=args.exit_with_parent, secret=secret,
+                      heartbeat_s=args.heartbeat, router_timeout_s=args.router_timeout)
 
 
 def cmd_stats(args) -> int:
@@ -361,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--cache-threshold", type=float, default=0.3, help="cache_aware: a cached prefix shorter than this fraction of the prompt does not steer routing (default: 0.3)")
     srv.add_argument("--max-queue", type=int, default=256, help="requests the router may queue when every worker is full; beyond it: overloaded (default: 256)")
     srv.add_argument("--max-inflight", type=int, default=64, help="requests in flight per worker (default: 64)")
-    srv.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds of silence before a worker is declared dead (default: 3)")
+    srv.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds of silence before a worker is declared dead and its requests restarted elsewhere (default: 3 = 6 missed heartbeats; raise it on lossy or long-haul links, and keep workers' --router-timeout longer)")
     srv.add_argument("--drain-timeout", type=float, default=5.0, help="on SIGINT/SIGTERM, seconds requests in flight may take to finish (default: 5)")
     srv.add_argument("--max-frame-bytes", type=int, default=4 * 2**20, help="largest client frame accepted (default: 4 MiB)")
     srv.add_argument("--metrics-log", default=None, help="append one JSON line of stats per interval to this file")
@@ -383,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     wrk.add_argument("--worker-id", default=None, help="unique name (default: HOST-PID)")
     wrk.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     wrk.add_argument("--exit-with-parent", action="store_true", help="exit when the process that started it exits (set by serve)")
+    wrk.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")
+    wrk.add_argument("--router-timeout", type=float, default=5.0, help="seconds without a word from the router before this worker drops the connection and registers again (default: 5; longer than the router's --heartbeat-timeout)")
     wrk.set_defaults(func=cmd_worker)
 
     demo = sub.add_parser("demo", help="start a server and play a small chess + janggi agent fleet against it")

@@ -185,6 +185,7 @@ class Register(_Msg, tag="register"):
     page_size: int = 1
     active: list[str] = msgspec.field(default_factory=list)  # work ids it is running (re-registration)
     fingerprint: str = ""  # the model's (auth.model_fingerprint); the router refuses a mismatch
+    session: str = ""  # random per worker process: the same session registering again is not a restart
     v: int = PROTOCOL_VERSION
 
 
@@ -199,6 +200,8 @@ class Heartbeat(_Msg, tag="heartbeat"):
     running: int = 0
     waiting: int = 0
     stats: dict[str, Any] = msgspec.field(default_factory=dict)
+    events_seq: int = 0  # the last CacheEvents seq sent before it: the router notices a lost last batch
+    reset_seq: int = 0  # the seq of the last snapshot sent: the router notices a lost snapshot
 
 
 class CacheEvent(msgspec.Struct, array_like=True):
@@ -211,10 +214,28 @@ class CacheEvent(msgspec.Struct, array_like=True):
 class CacheEvents(_Msg, tag="cache_events"):
     worker: str
     events: list[CacheEvent]
+    seq: int = 0  # 1, 2, ... per worker process: a gap means events were lost (the router resyncs)
+    reset: bool = False  # a snapshot: clear the mirror first (the events are the whole tree's leaves)
 
 
 class Goodbye(_Msg, tag="goodbye"):
+    """Worker -> router: draining (finish what runs, route nothing new here)."""
+
     worker: str
+
+
+class Leave(_Msg, tag="leave"):
+    """Worker -> router: gone now (after draining); the router forgets it at once."""
+
+    worker: str
+
+
+class Rejoin(_Msg, tag="rejoin"):
+    """Router -> worker: register again and send a cache snapshot (the router does not know
+    this connection, or lost some of its cache events)."""
+
+    reason: str = ""
+    register: bool = True  # False: only send a snapshot (the index lost events; the rest is fine)
 
 
 class Work(_Msg, tag="work"):
@@ -247,6 +268,7 @@ class Shutdown(_Msg, tag="shutdown"):
 Message = Union[
     Generate, Abort, Health, Stats, Chunk, Final, Error, HealthReply, StatsReply,
     Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown, Choose, ChoiceFinal, ChooseWork, Refused,
+    Leave, Rejoin,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

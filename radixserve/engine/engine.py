@@ -439,6 +439,15 @@ class Engine:
         self._inbox.put(("call", lambda: (fn(), done.set()), None))
         done.wait()
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the engine thread between steps, without waiting (e.g. a worker's
+        snapshot of the radix tree, consistent with the cache events around it)."""
+        if self._thread is None:
+            self._drain_inbox()
+            fn()
+            return
+        self._inbox.put(("call", fn, None))
+
     # -- asyncio -------------------------------------------------------------------------------
     async def stream(
         self,

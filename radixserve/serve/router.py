@@ -18,7 +18,16 @@ streamed a token to the client (all non-streaming ones) is restarted from scratc
 worker, under a new work id, so late messages of the dead attempt are ignored; a request that
 already streamed tokens fails with ``worker_lost`` (no duplicated tokens, no duplicated final).
 With no live worker left they all fail with ``worker_lost``. Every request ends with exactly
-one Final or Error.
+one Final or Error. A worker that stops (SIGTERM) drains, then sends ``Leave``: it is forgotten at
+once, without waiting for the heartbeat timeout.
+
+The per-worker cache index stays exact across hosts: every registration is followed by the
+worker's snapshot of its tree (a ``reset`` CacheEvents), which replaces the mirror; until it
+arrives the mirror is empty and other events are ignored. CacheEvents are numbered; a gap (lost
+messages, e.g. a dropped connection) empties the mirror and asks the worker to ``Rejoin``, which
+sends a new snapshot. A message from a connection the router does not know (a worker declared
+dead after a link cut, or a router restart) is answered with ``Rejoin`` too, so the worker comes
+back as soon as the link does.
 """
 
 from __future__ import annotations
@@ -58,6 +67,9 @@ class RouterConfig:
     policy: str = "cache_aware"
     max_queue: int = 256
     max_inflight_per_worker: int = 64
+    # Pings to workers every heartbeat_s; a worker silent for heartbeat_timeout_s is dead. 3 s is
+    # 6 missed heartbeats: on a LAN, a false alarm needs one segment lost 4 times in a row (TCP
+    # retransmits after 0.2, 0.4, 0.8, 1.6 s); raise it for a lossy or long-haul link (README).
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     max_attempts: int = 3
@@ -105,6 +117,12 @@ class WorkerState:
     name: str
     identity: bytes
     pid: int = 0
+    session: str = ""
+    synced: bool = False  # the index holds the worker's snapshot and every event after it
+    next_seq: int = 0  # the CacheEvents seq expected next
+    seen_seq: int = 0  # the highest CacheEvents seq received
+    resync_from: int = 0  # unsynced: a snapshot with a higher seq is the one we wait for
+    rejoin_asked: float = 0.0
     host: str = ""
     proc: Any = None  # subprocess.Popen for workers this process started
     alive: bool = True
@@ -121,7 +139,7 @@ class WorkerState:
 
 COUNTERS = (
     "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
-    "refused_workers",
+    "refused_workers", "workers_left", "index_resyncs", "rejoins_asked",
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
@@ -162,6 +180,7 @@ class Router:
         self._tokenizing: dict[tuple, bool] = {}  # key -> aborted while tokenizing
         self._last_tick = time.monotonic()
         self._token_chars = _longest_token_chars(tokenizer)
+        self._rejoin_asked: dict[bytes, float] = {}
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -207,6 +226,15 @@ class Router:
         wsock.setsockopt(zmq.LINGER, 500)
         wsock.setsockopt(zmq.SNDHWM, 0)
         wsock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)
+        # A worker reconnecting after a link cut keeps its identity: the new connection takes
+        # over from the old one (which TCP may not have noticed is dead yet).
+        wsock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # ZMTP pings clean up connections that died without a FIN. Their timeout must be set: it
+        # defaults to the interval, and one slow round trip would then drop a live connection.
+        # Longer than heartbeat_timeout_s, so the router declares a worker dead before libzmq
+        # drops its connection (messages still queued on it would be lost).
+        wsock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_s * 1000))
+        wsock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((cfg.heartbeat_timeout_s + 2.0) * 1000))
         auth.make_server(wsock, self.secret)
         self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters)
         worker_address = cfg.worker_address
@@ -288,7 +316,17 @@ class Router:
             log.warning("worker %r sent a %s, which is not a worker message", identity, type(msg).__name__)
             return
         if worker is None and not isinstance(msg, P.Register):
-            return  # not (or no longer) registered: it registers again when it hears nothing from us
+            # Not (or no longer) registered, e.g. declared dead during a link cut: ask it to
+            # register again (at most once per heartbeat timeout per connection).
+            if not isinstance(msg, (P.Leave, P.Goodbye)) and not self.shutting_down:
+                now = time.monotonic()
+                if now - self._rejoin_asked.get(identity, 0.0) > self.config.heartbeat_timeout_s:
+                    if len(self._rejoin_asked) > 4096:
+                        self._rejoin_asked.clear()
+                    self._rejoin_asked[identity] = now
+                    self.counters["rejoins_asked"] += 1
+                    self._wsend(identity, P.Rejoin(reason="this connection is not registered"))
+            return
         if worker is not None:
             worker.last_seen = time.monotonic()
         handler(self, identity, worker, msg)
@@ -527,18 +565,23 @@ class Router:
             self._wsend(identity, P.Refused(reason=f"this connection is worker {worker.name}; it cannot rename itself"))
             return
         old = self.workers.get(msg.worker)
-        if old is not None and old.alive and old.pid == msg.pid and old.identity == identity:
+        same = old is not None and (old.session == msg.session if msg.session else old.pid == msg.pid)
+        if old is not None and old.alive and same and old.identity == identity:
             # The same live process registering again: it heard nothing from us for a while (we
             # were stalled, or the network was). Not a restart: keep its state and its requests.
+            # Its snapshot follows: the index starts again from it (events may have been lost).
             old.last_seen = time.monotonic()
+            self._reset_index(old)
             self._abort_unknown(old, msg.active)
+            self._reclaim_lost(old, msg.active)
             log.info("worker %s registered again (pid %d, same process); keeping its %d requests",
                      old.name, old.pid, len(old.inflight))
             self._wsend(identity, P.Ping())
             return
         if old is not None and old.alive:
             self._declare_dead(old, "it registered again (restarted)")
-        state = WorkerState(name=msg.worker, identity=identity, pid=msg.pid, host=msg.host,
+        self._rejoin_asked.pop(identity, None)
+        state = WorkerState(name=msg.worker, identity=identity, pid=msg.pid, host=msg.host, session=msg.session,
                             info=dict(max_model_len=msg.max_model_len, kv_total_tokens=msg.kv_total_tokens,
                                       page_size=msg.page_size))
         if old is not None:
@@ -560,6 +603,44 @@ class Router:
         self._wsend(identity, P.Ping())
         self._pump()
 
+    def _resync(self, worker: WorkerState, why: str, known: int = 0) -> None:
+        """Events were lost (the connection dropped some): the mirror may hold stale prefixes or
+        miss some. Empty it and ask the worker for a fresh snapshot (only that)."""
+        log.warning("worker %s: %s; resyncing its cache index", worker.name, why)
+        self.counters["index_resyncs"] += 1
+        self._reset_index(worker)
+        worker.resync_from = max(worker.resync_from, known)
+        self._wsend(worker.identity, P.Rejoin(reason="cache events were lost", register=False))
+
+    def _reset_index(self, worker: WorkerState) -> None:
+        """Empty the worker's mirror (pending prefixes stay) until its next snapshot arrives."""
+        pending = worker.index.pending
+        worker.index.clear()
+        worker.index.pending.update(pending)
+        worker.synced = False
+        worker.resync_from = worker.seen_seq
+
+    def _reclaim_lost(self, worker: WorkerState, active: list[str]) -> None:
+        """Requests we think run on ``worker`` but it does not: their Work or their Final was
+        lost with a dropped connection (messages it sent before this Register arrived before
+        it). Restart them elsewhere under a new work id (or fail those that streamed), and
+        abort the old attempt in case its Work is still on its way (its answer would be
+        ignored anyway: the work id is no longer ours)."""
+        running = set(active)
+        lost = sorted((j for wid, j in worker.inflight.items() if wid not in running), key=lambda j: j.n, reverse=True)
+        for job in lost:
+            self._wsend(worker.identity, P.Abort(id=job.work_id))
+            self._finish(job, worker, keep_job=True)
+            if self._retryable(job) and not self.shutting_down:
+                self._requeue(job)
+            else:
+                self.jobs.pop((job.client, job.cid), None)
+                self._reply_error(job.client, job.cid, P.WORKER_LOST,
+                                  f"worker {worker.name} lost the request with its connection; retry the request")
+        if lost:
+            log.warning("worker %s re-registered without %d of its requests; restarted them", worker.name, len(lost))
+            self._pump()
+
     def _abort_unknown(self, worker: WorkerState, active: list[str]) -> None:
         """Abort the worker's requests that we gave up (e.g. restarted elsewhere)."""
         for wid in active[:4096]:
@@ -570,10 +651,28 @@ class Router:
         if worker is None:  # e.g. declared dead, or the router restarted: ask it to register
             return
         worker.engine = msg.stats
+        # Heartbeats follow the worker's cache events on the same ordered stream: they tell us
+        # whether the last batch, or the snapshot we wait for, was lost on the way.
+        if worker.synced and msg.events_seq and msg.events_seq != worker.next_seq - 1:
+            self._resync(worker, f"cache events up to {msg.events_seq} sent, {worker.next_seq - 1} received")
+        elif not worker.synced and msg.reset_seq > worker.resync_from:
+            self._resync(worker, f"the cache snapshot {msg.reset_seq} was lost", known=msg.reset_seq)
 
     def _on_cache_events(self, identity: bytes, worker, msg: P.CacheEvents) -> None:
         if worker is None or not worker.alive:
             return
+        worker.seen_seq = max(worker.seen_seq, msg.seq)
+        if msg.reset:  # a snapshot: the whole tree, then the events after it
+            self._reset_index(worker)
+            worker.synced = True
+        elif not worker.synced:
+            return  # before the snapshot: the snapshot includes it
+        elif msg.seq != worker.next_seq:
+            # Events were lost (the connection dropped some): the mirror may hold stale
+            # prefixes or miss some. Start again from a fresh snapshot.
+            self._resync(worker, f"cache events {worker.next_seq}..{msg.seq - 1} lost")
+            return
+        worker.next_seq = msg.seq + 1
         index = worker.index
         for ev in msg.events:
             if ev.kind == "insert":
@@ -585,6 +684,12 @@ class Router:
         if worker is not None:
             worker.draining = True
             log.info("worker %s is draining", worker.name)
+
+    def _on_leave(self, identity: bytes, worker, msg: P.Leave) -> None:
+        if worker is None:
+            return
+        self.counters["workers_left"] += 1
+        self._declare_dead(worker, "it left", left=True)
 
     def _job_of(self, worker, work_id: str) -> Job | None:
         job = self.works.get(work_id)
@@ -715,12 +820,15 @@ class Router:
         job.queued_at = time.monotonic()
         self.queue.appendleft(job)
 
-    def _declare_dead(self, worker: WorkerState, why: str) -> None:
+    def _declare_dead(self, worker: WorkerState, why: str, *, left: bool = False) -> None:
         if not worker.alive:
             return
-        log.warning("worker %s is dead: %s; restarting its %d requests", worker.name, why, len(worker.inflight))
+        if left:
+            log.info("worker %s left (%d requests still in flight there are restarted)", worker.name, len(worker.inflight))
+        else:
+            log.warning("worker %s is dead: %s; restarting its %d requests", worker.name, why, len(worker.inflight))
+            self.counters["worker_deaths"] += 1
         worker.alive = False
-        self.counters["worker_deaths"] += 1
         self.by_identity.pop(worker.identity, None)
         jobs = sorted(worker.inflight.values(), key=lambda j: j.n, reverse=True)
         for job in jobs:
@@ -733,7 +841,8 @@ class Router:
                 self._reply_error(job.client, job.cid, P.WORKER_LOST,
                                   f"worker {worker.name} died ({why}) {what}; retry the request")
         worker.index.clear()
-        if worker.proc is not None and worker.proc.poll() is None:
+        worker.synced = False
+        if worker.proc is not None and worker.proc.poll() is None and not left:
             worker.proc.kill()  # hung: make sure it is gone
         if not any(w.alive for w in self.workers.values()):
             self._fail_queue(P.WORKER_LOST, "no worker is left; retry later")
@@ -852,7 +961,7 @@ class Router:
             workers[w.name] = {
                 "alive": w.alive, "draining": w.draining, "pid": w.pid, "host": w.host,
                 "inflight": len(w.inflight), "routed": w.routed, "completed": w.completed,
-                "index_tokens": w.index.tokens, "last_seen_s": round(now - w.last_seen, 3),
+                "index_tokens": w.index.tokens, "index_synced": w.synced, "last_seen_s": round(now - w.last_seen, 3),
                 **w.info, "engine": engine, "histograms": hists,
                 **({"restarts": self.supervisor.workers[w.name].restarts}
                    if self.supervisor is not None and w.name in self.supervisor.workers else {}),
@@ -886,7 +995,7 @@ _WORKER_HANDLERS = {  # the worker socket
     P.Register: Router._on_register, P.Heartbeat: Router._on_heartbeat,
     P.CacheEvents: Router._on_cache_events, P.Goodbye: Router._on_goodbye,
     P.Chunk: Router._on_chunk, P.Final: Router._on_final, P.Error: Router._on_worker_error,
-    P.ChoiceFinal: Router._on_choice_final,
+    P.ChoiceFinal: Router._on_choice_final, P.Leave: Router._on_leave,
 }
 
 

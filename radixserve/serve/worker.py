@@ -9,6 +9,13 @@ thread. Everything the engine thread produces (token chunks, finals, cache event
 to the loop with ``call_soon_threadsafe`` into ONE ordered outbox, so the router always sees a
 request's cache insert events before its final message. Cache events are batched: the engine
 thread appends to a list and schedules one flush per burst (about once per step).
+
+Across hosts (:doc:`README`, "Deployment"): every CacheEvents message carries a sequence number,
+so the router notices lost events and asks for a :class:`~radixserve.protocol.Rejoin`; every
+registration is followed by a snapshot of the radix tree (``reset``), taken on the engine thread
+so it is consistent with the events before and after it. The router's mirror of this worker's
+cache is therefore exact again after any link cut. On SIGTERM the worker drains, then sends
+:class:`~radixserve.protocol.Leave` so the router reroutes at once.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -32,18 +40,26 @@ from radixserve.serve.metrics import Histogram
 
 log = logging.getLogger("radixserve.worker")
 
-HEARTBEAT_S = 0.5
-ROUTER_TIMEOUT_S = 5.0  # no word from the router this long: re-register
+HEARTBEAT_S = 0.5  # the router declares a worker dead after --heartbeat-timeout (3 s) of silence
+# No word from the router this long: register again. Longer than the router's heartbeat timeout,
+# so after a link cut the router has already given up the old session when the new one arrives.
+ROUTER_TIMEOUT_S = 5.0
+SNAPSHOT_TOKENS = 1 << 20  # tokens per snapshot message (a few MB of msgpack)
+_RESET = object()  # marks where a tree snapshot starts in the event list
 
 
 class Worker:
     def __init__(self, engine, router: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 exit_with_parent: bool = False, secret: str):
+                 router_timeout_s: float = ROUTER_TIMEOUT_S, exit_with_parent: bool = False, secret: str):
         self.parent = os.getppid() if exit_with_parent else None
         self.engine = engine
         self.router = router
         self.name = name
         self.heartbeat_s = heartbeat_s
+        self.router_timeout_s = router_timeout_s
+        self.session = secrets.token_hex(8)
+        self._seq = 0  # CacheEvents sent (the router checks they arrive without a gap)
+        self._reset_seq = 0  # the seq of the last snapshot sent
         self.secret = secret
         self.refused: str | None = None
         from radixserve.serve.auth import model_fingerprint
@@ -56,6 +72,7 @@ class Worker:
         self._events_lock = threading.Lock()
         self._flush_scheduled = False
         self._last_router = time.monotonic()
+        self._registered_in_silence = False
         self.ttft = Histogram()
         self.e2e = Histogram()
 
@@ -71,12 +88,47 @@ class Worker:
             self._flush_scheduled = True
         self.loop.call_soon_threadsafe(self._flush_events)
 
+    def _snapshot(self) -> None:  # engine thread, between steps
+        """Replace the events not sent yet by the whole tree: its leaves' paths (a reset)."""
+        tree = self.engine.cache.tree
+        leaves = []
+        if tree is not None:
+            for node in tree._nodes():
+                if node.is_leaf:
+                    ns = node.namespace if isinstance(node.namespace, str) or node.namespace is None else str(node.namespace)
+                    leaves.append(P.CacheEvent("insert", ns, tree._path_tokens(node)))
+        with self._events_lock:
+            self._events = [_RESET, *leaves]  # what was pending is in the snapshot already
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        self.loop.call_soon_threadsafe(self._flush_events)
+
     def _flush_events(self) -> None:  # loop
         with self._events_lock:
             events, self._events = self._events, []
             self._flush_scheduled = False
-        if events:
-            self._send(P.CacheEvents(worker=self.name, events=events))
+        reset = False
+        if events and events[0] is _RESET:
+            reset, events = True, events[1:]
+        if not events and not reset:
+            return
+        batch: list[P.CacheEvent] = []
+        size = 0
+        for ev in events:  # a big snapshot goes in several messages (the first one resets)
+            batch.append(ev)
+            size += len(ev.tokens)
+            if size >= SNAPSHOT_TOKENS:
+                self._send_events(batch, reset)
+                batch, size, reset = [], 0, False
+        if batch or reset:
+            self._send_events(batch, reset)
+
+    def _send_events(self, events: list[P.CacheEvent], reset: bool) -> None:
+        self._seq += 1
+        if reset:
+            self._reset_seq = self._seq
+        self._send(P.CacheEvents(worker=self.name, events=events, seq=self._seq, reset=reset))
 
     def _on_chunk(self, work: P.Work, chunk) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self._forward_chunk, work, chunk)
@@ -118,7 +170,11 @@ class Worker:
         e = self.engine
         self._send(P.Register(worker=self.name, pid=os.getpid(), host=socket.gethostname(),
                               max_model_len=e.max_model_len, kv_total_tokens=e.pool.capacity_tokens,
-                              page_size=e.pool.page_size, active=list(self.active), fingerprint=self.fingerprint))
+                              page_size=e.pool.page_size, active=list(self.active), fingerprint=self.fingerprint,
+                              session=self.session))
+        # The router starts this worker's cache mirror from scratch: send it the whole tree,
+        # taken on the engine thread so no event is lost or counted twice around it.
+        self.engine.call_soon(self._snapshot)
 
     def _abort(self, work_id: str) -> None:
         if work_id in self.compiling:
@@ -134,6 +190,7 @@ class Worker:
 
     def _handle(self, msg) -> None:
         self._last_router = time.monotonic()
+        self._registered_in_silence = False
         if isinstance(msg, P.Work):
             self._start(msg)
         elif isinstance(msg, P.ChooseWork):
@@ -144,6 +201,15 @@ class Worker:
             asyncio.ensure_future(self.drain(msg.grace_s))
         elif isinstance(msg, P.Ping):
             pass
+        elif isinstance(msg, P.Rejoin):
+            if self.stopping:
+                pass
+            elif msg.register:
+                log.info("the router asks this worker to register again (%s)", msg.reason or "no reason given")
+                self._register()
+            else:
+                log.info("the router asks for a cache snapshot (%s)", msg.reason or "no reason given")
+                self.engine.call_soon(self._snapshot)
         elif isinstance(msg, P.Refused):
             log.error("the router refused this worker: %s", msg.reason)
             self.refused = msg.reason
@@ -227,26 +293,32 @@ class Worker:
             id=work.id, best=result.best, index=result.index, ranked=result.ranked, usage=result.usage,
             timings=P.Timings(queue_s=0.0, ttft_s=result.ttft_s, e2e_s=result.e2e_s), worker=self.name))
 
+    def _heartbeat(self) -> P.Heartbeat:
+        try:
+            stats = dict(self.engine.stats())
+        except RuntimeError:  # a dict changed size under us (engine thread): next time
+            stats = {}
+        stats["ttft_s"] = self.ttft.to_dict()
+        stats["e2e_s"] = self.e2e.to_dict()
+        return P.Heartbeat(worker=self.name, running=stats.get("running", 0), waiting=stats.get("waiting", 0),
+                           stats=stats, events_seq=self._seq, reset_seq=self._reset_seq)
+
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            try:
-                stats = dict(self.engine.stats())
-            except RuntimeError:  # a dict changed size under us (engine thread): next time
-                stats = {}
-            stats["ttft_s"] = self.ttft.to_dict()
-            stats["e2e_s"] = self.e2e.to_dict()
-            self._send(P.Heartbeat(worker=self.name, running=stats.get("running", 0),
-                                   waiting=stats.get("waiting", 0), stats=stats))
+            self._send(self._heartbeat())
             if self.parent is not None and os.getppid() != self.parent and not self.stopping:
                 log.warning("the serve process that started this worker is gone; exiting")
                 asyncio.ensure_future(self.drain(0.0))
-            if time.monotonic() - self._last_router > ROUTER_TIMEOUT_S and not self.stopping:
+            silent = time.monotonic() - self._last_router > self.router_timeout_s
+            if silent and not self.stopping and not self._registered_in_silence:
                 # The router may be stalled, restarted or unreachable. Register again and tell it
-                # what is running: it keeps what it still knows and aborts the rest.
-                log.warning("no word from the router for %.0f s; registering again", ROUTER_TIMEOUT_S)
+                # what is running: it keeps what it still knows and aborts the rest. Once per
+                # silence: a long cut must not queue a Register every few seconds (the router
+                # answers a connection it does not know with Rejoin if this one is lost).
+                log.warning("no word from the router for %.1f s; registering again", self.router_timeout_s)
                 self._register()
-                self._last_router = time.monotonic()
+                self._registered_in_silence = True
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking work, let requests in flight finish for ``grace_s``, fail the rest."""
@@ -262,6 +334,7 @@ class Worker:
         while self.active and time.monotonic() < deadline + 2.0:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)
+        self._send(P.Leave(worker=self.name))  # after every final: the router forgets us at once
         flush_by = time.monotonic() + 1.0  # the router may be gone: do not wait forever
         while not self._outq.empty() and time.monotonic() < flush_by:
             await asyncio.sleep(0.01)
@@ -273,6 +346,17 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
+        # Real networks: ZMTP heartbeats drop a connection that has been silent for the router
+        # timeout (a cut link), and reconnects are retried every 0.1-1 s with a 2 s connect
+        # timeout, so a restored link is used again within about a second, not after TCP's
+        # retransmission back-off (which grows to minutes).
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.router_timeout_s * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.router_timeout_s * 1000))
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self.sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         from radixserve.serve.auth import make_client
 
         make_client(self.sock, self.secret)
@@ -313,10 +397,11 @@ class Worker:
 
 
 def run_worker(engine, router: str, name: str | None = None, *, exit_with_parent: bool = False,
-               secret: str) -> int:
+               secret: str, heartbeat_s: float = HEARTBEAT_S, router_timeout_s: float = ROUTER_TIMEOUT_S) -> int:
     """Serve until told to stop; returns the exit status (3: the router refused this worker)."""
     name = name or f"{socket.gethostname()}-{os.getpid()}"
-    worker = Worker(engine, router, name, exit_with_parent=exit_with_parent, secret=secret)
+    worker = Worker(engine, router, name, exit_with_parent=exit_with_parent, secret=secret,
+                    heartbeat_s=heartbeat_s, router_timeout_s=router_timeout_s)
     try:
         import uvloop
 
