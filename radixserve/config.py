@@ -61,6 +61,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
     """Check KV accounting (free + cached + running == total) whenever the engine goes idle."""
+    tensor_parallel: int = 1
+    """Split attention heads and MLP columns over this many ranks (processes, gloo, CPU only); heads,
+    KV heads and intermediate_size must divide by it. Each rank holds its KV heads' share of the pool."""
 
     def validate(self) -> None:
         def positive(name: str) -> None:
@@ -69,7 +72,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise BadRequestError(name, f"must be an integer >= 1, got {value!r}")
 
         for name in ("page_size", "kv_cache_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens", "max_overtakes"):
+                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens", "max_overtakes", "tensor_parallel"):
             positive(name)
         if self.cascade_min_shared_tokens != "auto":
             positive("cascade_min_shared_tokens")

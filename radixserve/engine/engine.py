@@ -25,6 +25,7 @@ from radixserve.errors import BadRequestError, TooLongError
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import head_dim_of
 from radixserve.model.loader import load_model
+from radixserve.model.parallel import TensorParallelRunner, check_divisible
 from radixserve.sampling_params import SamplingParams
 
 log = logging.getLogger("radixserve")
@@ -75,7 +76,10 @@ class Engine:
         self.pool = self._make_pool()
         self.cache = CacheManager(self.pool, enable_prefix_cache=enable_prefix_cache, eviction=config.eviction)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(loaded.model, self.pool, self.device, config.attention)
+        if config.tensor_parallel > 1:  # shards loaded.model and starts the follower ranks
+            self.runner = TensorParallelRunner(loaded, self.pool, self.device, config.attention, config.tensor_parallel)
+        else:
+            self.runner = ModelRunner(loaded.model, self.pool, self.device, config.attention)
         self.sampler = Sampler(seed, self.device)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(loaded.eos_token_ids))
         self.pin_budget_tokens = config.pin_budget_tokens or self.pool.capacity_tokens // 4
@@ -89,16 +93,19 @@ class Engine:
         self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
         log.info(
             "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d, %s) "
-            "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s",
+            "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s tensor_parallel=%d",
             loaded.path, loaded.config.architectures[0], str(loaded.dtype).removeprefix("torch."),
             device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size,
             "kv=" + (config.kv_dtype or str(loaded.dtype).removeprefix("torch.")), max_running,
-            max_batched_tokens, self.max_model_len, "on" if enable_prefix_cache else "off",
+            max_batched_tokens, self.max_model_len, "on" if enable_prefix_cache else "off", config.tensor_parallel,
         )
 
     def _make_pool(self) -> KVPool:
         cfg = self.loaded.config
-        num_kv_heads, head_dim = cfg.num_key_value_heads, head_dim_of(cfg)
+        tp = self.config.tensor_parallel
+        if tp > 1:
+            check_divisible(cfg, tp)
+        num_kv_heads, head_dim = cfg.num_key_value_heads // tp, head_dim_of(cfg)  # this rank's KV heads
         per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.loaded.dtype,
                                            self.config.kv_dtype)
         tokens = self.config.kv_cache_tokens
@@ -491,6 +498,8 @@ class Engine:
         self._drain_inbox()
         for req in list(self._requests.values()):
             self._finish(req, "abort")
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

@@ -105,7 +105,7 @@ def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.devic
         if name not in ("auto", "torch"):
             raise BadRequestError("attention", f"kv_dtype={pool.kv_dtype} needs the torch attention backend, not {name}")
         name = "torch"
-    heads = model.config.num_attention_heads
+    heads = model.model.layers[0].self_attn.num_heads  # this rank's query heads under tensor parallel
     if name == "auto":
         if device.type == "cuda":
             name = "flashinfer" if flashinfer_backend.available() else "torch"

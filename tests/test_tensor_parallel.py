@@ -1,0 +1,86 @@
+"""Tensor parallel (radixserve/model/parallel.py): greedy tokens at TP=2 equal TP=1 and
+transformers (fp32, CPU), across chunked prefill, mixed batches and prefix-cache hits; a model
+whose heads do not divide is refused with the numbers; no follower process outlives the engine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from conftest import hf_greedy, random_prompts
+from radixserve import Engine, SamplingParams
+from radixserve.errors import BadRequestError
+from radixserve.model.builtin import make_tiny_model_dir
+
+NEW = 8
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+LENGTHS = (1, 9, 37, 130)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases are sharded too
+def test_tp2_greedy_equals_tp1_and_transformers(tiny_models, arch):
+    model = tiny_models[arch]
+    prompts = random_prompts(LENGTHS, seed=3)
+    shared = random_prompts((40,), seed=4)[0]
+    later = [shared + p for p in random_prompts((3, 20), seed=5)]  # hits the cached `shared`
+    ref = hf_greedy(model, prompts + [shared] + later, NEW)
+    options = dict(kv_cache_tokens=2048, max_prefill_chunk=16, max_batched_tokens=48, debug_checks=True)
+
+    tp1 = Engine(model, **options)
+    tp1_out = [o.token_ids for o in tp1.generate(prompts + [shared], GREEDY)]
+    tp1_out += [o.token_ids for o in tp1.generate(later, GREEDY)]
+
+    engine = Engine(model, tensor_parallel=2, **options)
+    pids = engine.runner.pids
+    try:
+        assert len(pids) == 1 and all(_alive(p) for p in pids)
+        out = engine.generate(prompts + [shared], GREEDY)
+        second = engine.generate(later, GREEDY)
+        assert all(o.cached_tokens >= 40 for o in second), "the second batch should hit the cached prefix"
+        got = [o.token_ids for o in out + second]
+        engine.scheduler.check()
+    finally:
+        engine.shutdown()
+    assert got == tp1_out
+    assert got == ref
+    assert not any(_alive(p) for p in pids), "a follower rank outlived shutdown"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("radixserve-tp")]
+
+
+def test_tp2_with_the_torch_attention_backend(tiny_models):
+    """The torch backend (the oracle) sees half the heads per rank just like the csrc/ kernels."""
+    model = tiny_models["qwen3"]
+    prompts = random_prompts((5, 33), seed=6)
+    engine = Engine(model, tensor_parallel=2, attention="torch", kv_cache_tokens=1024)
+    try:
+        assert engine.pool.k[0].shape[2] == 1  # 2 KV heads split over 2 ranks
+        got = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.shutdown()
+    assert got == hf_greedy(model, prompts, NEW)
+
+
+def test_non_divisible_heads_are_refused(tmp_path):
+    model = make_tiny_model_dir(tmp_path / "nine", "llama", num_attention_heads=9, num_key_value_heads=3,
+                                hidden_size=144, head_dim=16)
+    with pytest.raises(BadRequestError) as err:
+        Engine(str(model), tensor_parallel=2, kv_cache_tokens=256)
+    message = str(err.value)
+    assert "num_attention_heads=9" in message and "num_key_value_heads=3" in message
+    assert "tensor_parallel=2" in message
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("radixserve-tp")]
+
+
+def test_tensor_parallel_must_be_positive(llama_dir):
+    with pytest.raises(BadRequestError, match="tensor_parallel"):
+        Engine(llama_dir, tensor_parallel=0)
