@@ -24,6 +24,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, default=64, help="most requests per batch (default: 64)")
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split attention heads and MLP columns over N processes on this host (gloo, CPU; heads and KV heads must divide by N; default: 1)")
 
 
 def _make_engine(args):
@@ -34,6 +36,7 @@ def _make_engine(args):
         kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens, enable_prefix_cache=not args.no_prefix_cache,
         **({"kv_dtype": args.kv_dtype} if getattr(args, "kv_dtype", None) else {}),
+        tensor_parallel=getattr(args, "tensor_parallel", 1),
     )
 
 
@@ -78,6 +81,8 @@ def _engine_argv(args, device: str) -> list[str]:
         argv.append("--no-prefix-cache")
     if getattr(args, "kv_dtype", None):
         argv += ["--kv-dtype", args.kv_dtype]
+    if getattr(args, "tensor_parallel", 1) != 1:
+        argv += ["--tensor-parallel", str(args.tensor_parallel)]
     return argv
 
 
