@@ -3,9 +3,9 @@
 Each round runs one batch of ``--batch`` random prompts of ``--prompt`` tokens to ``--new``
 generated tokens on each engine, one after the other, timing every model step (the
 runner's forward, logits included): steps that carry prefill chunks count as prefill, the
-rest as decode. Medians over all rounds. With N ranks
-on a machine of few cores the ranks share the cores and pay an all_reduce per layer twice, so
-expect no speedup on 2 cores; the command says the ratio, whatever it is.
+rest as decode. Medians over all rounds. With N ranks on a machine of few cores the ranks share
+the cores and pay two all_reduces per layer, so expect no speedup on 2 cores; the command prints
+the ratio, whatever it is.
 """
 
 from __future__ import annotations

