@@ -103,7 +103,13 @@ struct Problem {
 struct Item {
   int seq, head, g0, g1, t0, t1, k0, k1;
   int64_t partial;  // -1: write the result directly; else the first of its rows in the partial buffer
+  // The GEMM path's K/V of (seq, head) already gathered to fp32 ([kv_len][dim] K, then V), shared
+  // by all of that pair's query blocks; nullptr: the item gathers its tiles itself.
+  const float* kv = nullptr;
 };
+
+// Cap on the fp32 K/V gathered once per (sequence, KV head) for reuse by its query blocks.
+constexpr int64_t kMaxGatherFloats = 64LL << 20;  // 256 MiB
 
 inline int kv_len_of(const int32_t* kv_indptr, const int32_t* last, int page_size, int s) {
   const int pages = kv_indptr[s + 1] - kv_indptr[s];
@@ -259,7 +265,11 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
   if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);
   for (int c = it.k0; c < kend; c += kBlockN) {
     const int n = std::min(kBlockN, kend - c);
-    for (int j = 0; j < n; ++j) {
+    if (it.kv != nullptr) {
+      kb = const_cast<float*>(it.kv) + static_cast<int64_t>(c) * D;
+      vb = kb + static_cast<int64_t>(kv_len) * D;
+    }
+    for (int j = 0; it.kv == nullptr && j < n; ++j) {
       const int pos = c + j;
       const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
       const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
@@ -363,6 +373,47 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
     }
   }
   std::vector<float> part_out(partial_rows * D), part_lse(partial_rows);
+
+  // (seq, head) pairs with several GEMM-path items (query blocks) over one context: gather their
+  // K/V to fp32 once, instead of once per query block, up to kMaxGatherFloats in all.
+  std::vector<int> gemm_items(static_cast<size_t>(num_seqs) * num_kv_heads, 0);
+  for (const Item& it : items)
+    if ((it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows) ++gemm_items[it.seq * num_kv_heads + it.head];
+  std::vector<int64_t> kv_off(gemm_items.size(), -1);
+  std::vector<int> pairs;
+  int64_t gathered = 0;
+  for (size_t i = 0; i < gemm_items.size(); ++i) {
+    if (gemm_items[i] < 2) continue;
+    const int s = static_cast<int>(i) / num_kv_heads;
+    const int64_t need = 2LL * kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, s) * D;
+    if (need == 0 || gathered + need > kMaxGatherFloats) continue;
+    kv_off[i] = gathered;
+    gathered += need;
+    pairs.push_back(static_cast<int>(i));
+  }
+  std::vector<float> kv_buf(gathered);
+  if (!pairs.empty()) {
+    at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t pi = begin; pi < end; ++pi) {
+        const int i = pairs[pi];
+        const int s = i / num_kv_heads, h = i % num_kv_heads;
+        const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, s);
+        const int32_t* pages = p.kv_indices + p.kv_indptr[s];
+        float* kd = kv_buf.data() + kv_off[i];
+        float* vd = kd + static_cast<int64_t>(kv_len) * D;
+        for (int pos = 0; pos < kv_len; ++pos) {
+          const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+          const int64_t off = slot * p.slot_stride + static_cast<int64_t>(h) * D;
+          load_row(p.k + off, kd + static_cast<int64_t>(pos) * D, D);
+          load_row(p.v + off, vd + static_cast<int64_t>(pos) * D, D);
+        }
+      }
+    });
+    for (Item& it : items) {
+      const int64_t o = kv_off[it.seq * num_kv_heads + it.head];
+      if (o >= 0 && (it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows) it.kv = kv_buf.data() + o;
+    }
+  }
 
   auto write = [&](const Item& it, const float* o, const float* ls) {
     const int heads = it.g1 - it.g0;

@@ -104,6 +104,21 @@ def test_decode_only_split_contexts_equal_torch(page_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
+def test_many_query_blocks_over_long_contexts_equal_torch(dtype, page_size, layout):
+    # Each (sequence, KV head) of a long chunk has many query blocks; the kernel gathers that
+    # pair's K/V once and every block reuses it. Several such sequences of different lengths sit
+    # side by side (a wrong offset or head in the shared gather shows up), next to a chunk with a
+    # single block (gathers its own tiles), a fresh prefill and decodes.
+    heads, kv_heads = HEADS[layout]
+    qo_kv = [(150, 1800), (1, 900), (96, 96), (70, 1300), (5, 400), (33, 2100)]
+    pool, meta, q, k, v = make_case(page_size * 7 + heads + 100, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_cascade_groups_equal_torch(dtype, page_size):
     # two groups (one with an empty shared prefix), ungrouped decodes and an extend around them
     qo_kv = [(5, 60), (1, 300), (1, 290), (1, 333), (1, 50), (1, 20), (1, 70), (9, 9)]

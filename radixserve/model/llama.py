@@ -59,8 +59,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        scale = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        x = (x * scale).to(dtype)  # a new tensor: scale it by the weight in place
+        return x.mul_(self.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,6 +72,7 @@ class RotaryEmbedding(nn.Module):
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)  # filled by build()
+        self._batch: tuple | None = None  # (positions, dtype, cos, sin) of the last batch
 
     def build(self, device: torch.device | str | None = None) -> None:
         """Compute the fp32 cos/sin tables (the loader calls it once the weights are in place)."""
@@ -88,14 +90,40 @@ class RotaryEmbedding(nn.Module):
         self.sin = (emb.sin() * scaling).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self._tables(positions, q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Half-width cos/sin ``[T, 1, D/2]`` for ``positions``, gathered once per batch.
+
+        Every layer gets the same positions tensor, so the gather runs for the first layer only.
+        The two halves of each table are equal (``emb = cat(freqs, freqs)``), so half suffices.
+        """
+        cached = self._batch
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
+        half = self.head_dim // 2
+        cos = self.cos[positions, :half].unsqueeze(1).to(dtype)
+        sin = self.sin[positions, :half].unsqueeze(1).to(dtype)
+        self._batch = (positions, dtype, cos, sin)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` computed half by half, without the concatenation.
+
+    With ``x = [x1, x2]``: first half ``x1*c - x2*s``, second half ``x2*c + x1*s`` -- the same
+    products and sums as Hugging Face's formula, so the result is bit-identical.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    lo, hi = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=lo)
+    lo.sub_(x2 * sin)
+    torch.mul(x2, cos, out=hi)
+    hi.add_(x1 * sin)
+    return out
 
 
 class Attention(nn.Module):
@@ -136,7 +164,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: no temporaries beyond gate/up
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -148,8 +177,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual is added in place: x is this forward's own activation, never a caller's.
+        x = x.add_(self.self_attn(self.input_layernorm(x), batch))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Backbone(nn.Module):
