@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -96,3 +97,25 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def running_router(config):
+    """An in-process Router on its own event loop thread, for tests that talk raw ZMQ to it;
+    shut down, joined and its loop closed on exit."""
+    import asyncio
+
+    from radixserve.serve.router import Router
+
+    router = Router(config)
+    router.bind()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(router.serve(),), daemon=True)
+    thread.start()
+    try:
+        yield router
+    finally:
+        loop.call_soon_threadsafe(router.request_shutdown)
+        thread.join(30)
+        if not thread.is_alive():
+            loop.close()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import pytest
@@ -12,7 +10,8 @@ import zmq
 from radixserve import protocol as P
 from radixserve.client import Client
 from radixserve.serve import auth
-from radixserve.serve.router import Router, RouterConfig
+from radixserve.serve.router import RouterConfig
+from serve_cluster import running_router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,14 +20,9 @@ FINGERPRINT = "0123456789abcdef:4096"
 
 @pytest.fixture()
 def router():
-    r = Router(RouterConfig(port=0, model_fingerprint=FINGERPRINT, heartbeat_timeout_s=1.5, forget_dead_s=1.0))
-    r.bind()
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_until_complete, args=(r.serve(),), daemon=True)
-    t.start()
-    yield r
-    loop.call_soon_threadsafe(r.request_shutdown)
-    t.join(30)
+    with running_router(RouterConfig(port=0, model_fingerprint=FINGERPRINT, heartbeat_timeout_s=1.5,
+                                     forget_dead_s=1.0)) as r:
+        yield r
 
 
 def _dealer(ctx, address: str, identity: bytes, secret: str | None = None) -> zmq.Socket:

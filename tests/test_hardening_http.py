@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import socket
-import threading
 import time
 
 import msgspec
@@ -15,7 +13,8 @@ import zmq
 
 from radixserve import protocol as P
 from radixserve.serve.http import Gateway, GatewayConfig, GatewayServer
-from radixserve.serve.router import Router, RouterConfig
+from radixserve.serve.router import RouterConfig
+from serve_cluster import running_router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,14 +35,8 @@ def test_deep_msgpack_is_a_decode_error():
 
 @pytest.fixture(scope="module")
 def router():
-    r = Router(RouterConfig(port=0))
-    r.bind()
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_until_complete, args=(r.serve(),), daemon=True)
-    t.start()
-    yield r
-    loop.call_soon_threadsafe(r.request_shutdown)
-    t.join(30)
+    with running_router(RouterConfig(port=0)) as r:
+        yield r
 
 
 def test_deep_msgpack_gets_an_error_reply_and_the_router_stays_up(router):
