@@ -84,3 +84,9 @@ def error_from_code(code: str, message: str) -> RadixServeError:
     if cls is InternalError and code not in _BY_CODE:
         exc.code = code
     return exc
+
+
+class InvariantError(InternalError, AssertionError):
+    """An internal invariant broke (KV accounting, radix tree, page tables): a bug, never bad input.
+    Raised explicitly, so it fires under ``python -O`` too (unlike ``assert``)."""
+

@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from radixserve.errors import InvariantError
 from radixserve.kv.radix import EVICTION_POLICIES, MatchResult, RadixCache, RadixNode
 
 
@@ -267,11 +268,11 @@ def test_check_integrity_catches_corruption():
     tree.insert([3, 4], [20, 21])
     tree.check_integrity()
     tree._evictable += 1
-    with pytest.raises(AssertionError, match="evictable"):
+    with pytest.raises(InvariantError, match="evictable"):
         tree.check_integrity()
     tree._evictable -= 1
     tree.match([3, 4]).node.pages[0] = 10
-    with pytest.raises(AssertionError, match="twice"):
+    with pytest.raises(InvariantError, match="twice"):
         tree.check_integrity()
 
 

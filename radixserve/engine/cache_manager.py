@@ -4,7 +4,8 @@ Invariants (checked by :meth:`CacheManager.check`):
 
 * free pages + pages held by the tree + pages owned by running requests == total pages;
 * ``req.pages[: req.cached_len // page_size]`` are the tree's canonical pages for that prefix,
-  kept from eviction by the lock on ``req.node``; the rest of ``req.pages`` are the request's own.
+  kept from eviction by the lock on ``req.node``; the rest of ``req.pages`` are the request's own;
+* so a running request's page table points only at pages it owns or holds locked through the tree.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from typing import Hashable, Iterable
 
 from radixserve.engine.request import Request
+from radixserve.errors import InvariantError
 from radixserve.kv.pool import KVPool
 from radixserve.kv.radix import RadixCache
 
@@ -57,7 +59,8 @@ class CacheManager:
     def match(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` and lock it. The last token is never
         matched: its logits are needed (nor, for a scoring request, any scored position)."""
-        assert not req.pages and req.node is None
+        if req.pages or req.node is not None:
+            raise InvariantError(f"match of {req.rid}, which still holds KV")
         length = 0
         if req.scoring:  # every scored row is (re)computed from here on
             req.score_logprobs = [None] * (req.num_tokens - req.score_from)
@@ -104,7 +107,8 @@ class CacheManager:
         already = self.tree.insert(tokens, req.pages[:num_pages], req.namespace)
         self.pool.free(req.pages[req.cached_len // self.page_size : already // self.page_size])
         m = self.tree.match(tokens, req.namespace)
-        assert m.length == aligned, (m.length, aligned)
+        if m.length != aligned:
+            raise InvariantError(f"{req.rid}: re-match after insert found {m.length} of {aligned} tokens")
         req.pages[:num_pages] = m.pages
         self.tree.lock(m.node)
         self.tree.unlock(req.node)
@@ -173,16 +177,45 @@ class CacheManager:
 
     # -- integrity -----------------------------------------------------------------------------
     def check(self, running: Iterable[Request]) -> None:
+        """Raise :class:`InvariantError` unless every page is held exactly once (free, by the
+        tree, or by one running request) and every page table points at pages its request owns
+        or holds locked through the tree."""
         owned: list[int] = []
         for req in running:
+            self._check_page_table(req)
             owned.extend(req.pages[req.cached_len // self.page_size :])
         tree_pages = self.tree.all_pages() if self.tree else []
-        free = self.pool._free
+        free = self.pool.free_page_ids()
         total = len(free) + len(tree_pages) + len(owned)
-        assert total == self.pool.num_pages, (
-            f"KV accounting broken: free {len(free)} + cached {len(tree_pages)} + running {len(owned)}"
-            f" = {total} != total {self.pool.num_pages}"
-        )
-        assert len(set(free) | set(tree_pages) | set(owned)) == total, "a KV page is held twice"
+        if total != self.pool.num_pages:
+            raise InvariantError(f"KV accounting broken: free {len(free)} + cached {len(tree_pages)} + running "
+                                 f"{len(owned)} = {total} != total {self.pool.num_pages}")
+        if len(set(free) | set(tree_pages) | set(owned)) != total:
+            raise InvariantError("a KV page is held twice")
         if self.tree is not None:
             self.tree.check_integrity()
+
+    def _check_page_table(self, req: Request) -> None:
+        problem = self._page_table_problem(req)
+        if problem:
+            raise InvariantError(f"request {req.rid}: {problem}")
+
+    def _page_table_problem(self, req: Request) -> str | None:
+        """``req.pages`` covers every computed token, and its cached prefix is exactly the pages
+        of the tree path that ``req`` holds locked (``req.node``)."""
+        if len(req.pages) * self.page_size < req.computed:
+            return f"page table covers {len(req.pages)} pages, fewer than its {req.computed} computed tokens"
+        if self.tree is None:
+            return None if req.cached_len == 0 and req.node is None else "a cached prefix without a prefix cache"
+        node = req.node
+        if node is None or req.cached_len % self.page_size:
+            return f"cached prefix of {req.cached_len} tokens without a page-aligned tree node"
+        if node is not self.tree.root and node.lock_ref <= 0:
+            return f"holds no lock on its cached prefix {node!r}"
+        path = self.tree.path_pages(node)
+        if path is None:
+            return f"its cached prefix node was evicted {node!r}"
+        shared = req.cached_len // self.page_size
+        if path != req.pages[:shared]:
+            return f"page table's cached prefix {req.pages[:shared]} is not its locked tree path {path}"
+        return None

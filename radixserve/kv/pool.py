@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from radixserve.errors import BadRequestError
+from radixserve.errors import BadRequestError, InvariantError
 
 log = logging.getLogger("radixserve")
 
@@ -85,6 +85,10 @@ class KVPool:
         del self._free[-n:]
         return pages
 
+    def free_page_ids(self) -> list[int]:
+        """The free pages (a copy, for integrity checks)."""
+        return list(self._free)
+
     def free(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
@@ -134,5 +138,6 @@ class QuantizedSlots:
         self.scale[slots] = scale
 
     def index_select(self, dim: int, slots: torch.Tensor) -> torch.Tensor:
-        assert dim == 0, "QuantizedSlots gathers whole slots"
+        if dim != 0:
+            raise InvariantError("QuantizedSlots gathers whole slots (dim 0)")
         return dequantize_int8(self.data.index_select(0, slots), self.scale.index_select(0, slots), self.dtype)

@@ -24,7 +24,9 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, NamedTuple, Protocol, Sequence
+from typing import Callable, Hashable, Iterator, NamedTuple, Protocol, Sequence
+
+from radixserve.errors import InvariantError
 
 
 class PageFreer(Protocol):
@@ -307,6 +309,19 @@ class RadixCache:
             path += key
         return path
 
+    def path_pages(self, node: RadixNode) -> list[int] | None:
+        """Pages from the root to the end of ``node``; None when ``node`` is no longer attached."""
+        chunks = []
+        while node is not self.root:
+            if node.parent is None:
+                return None
+            chunks.append(node.pages)
+            node = node.parent
+        pages: list[int] = []
+        for chunk in reversed(chunks):
+            pages += chunk
+        return pages
+
     def _nodes(self):
         """Every non-root node, depth first."""
         stack = list(self.root.children.values())
@@ -322,30 +337,82 @@ class RadixCache:
             pages += node.pages
         return pages
 
+    def leaf_paths(self) -> Iterator[tuple[Hashable, list[int]]]:
+        """``(namespace, tokens root to leaf)`` for every leaf: the whole tree as insert events
+        (a worker's snapshot for the router's mirror)."""
+        for node in self._nodes():
+            if node.is_leaf:
+                yield node.namespace, self._path_tokens(node)
+
+    def drop_subtree(self, tokens: Sequence[int], start: int, namespace: Hashable = None) -> int:
+        """Remove the node that begins at ``tokens[start]`` below the cached path
+        ``tokens[:start]`` (``start`` page-aligned), and everything under it; their pages go back
+        through the freer. For a mirror replaying another tree's ``evict`` events. Nothing
+        happens when that path or node is not cached. Returns the number of pages removed."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        if start < 0 or start >= len(tokens) or start % self.page_size:
+            return 0
+        parent = self.root
+        if start:
+            m = self.match(tokens[:start], namespace)  # splits so that a node ends at `start`
+            if m.length < start:
+                return 0  # the part above is not cached: nothing below it either
+            parent = m.node
+        first = tuple(tokens[start:start + self.page_size])
+        child = parent.children.get((namespace, first) if parent is self.root else first)
+        if child is None:
+            return 0
+        if child.lock_ref:
+            raise RuntimeError(f"drop_subtree of a locked node {child!r}")
+        del parent.children[self._child_key(child)]
+        pages: list[int] = []
+        stack = [child]
+        while stack:  # unlocked node: its whole subtree is unlocked (lock_ref >= children's)
+            node = stack.pop()
+            pages += node.pages
+            stack.extend(node.children.values())
+            node.parent = None
+        self._evictable -= len(pages)
+        if pages:
+            self.freer.free(pages)
+        return len(pages)
+
     def check_integrity(self) -> None:
-        """Recompute everything from the tree; raise ``AssertionError`` on any inconsistency."""
-        P, root = self.page_size, self.root
-        assert root.lock_ref == 1 and not root.key and not root.pages, "root was modified"
+        """Recompute everything from the tree; raise :class:`InvariantError` on any inconsistency."""
+        root = self.root
+        if root.lock_ref != 1 or root.key or root.pages:
+            raise InvariantError("root was modified")
         evictable = protected = 0
         seen: set[int] = set()
         for node in self._nodes():
-            parent = node.parent
-            assert parent is not None and parent.children.get(self._child_key(node)) is node, \
-                f"{node!r} is not filed under its parent by its first page"
-            assert node.key and len(node.key) % P == 0, f"{node!r}: key not whole pages"
-            assert len(node.pages) * P == len(node.key), f"{node!r}: pages do not cover the key"
-            assert parent is root or node.namespace == parent.namespace, \
-                f"{node!r}: namespace differs from its parent's"
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks >= 0, \
-                f"{node!r}: lock_ref below its children's total {child_locks}"
+            problem = self._node_problem(node)
+            if problem:
+                raise InvariantError(f"{node!r}: {problem}")
             if node.lock_ref == 0:
                 evictable += len(node.pages)
             else:
                 protected += len(node.pages)
             dup = seen.intersection(node.pages)
-            assert not dup and len(set(node.pages)) == len(node.pages), \
-                f"pages held twice in the tree: {sorted(dup) or node.pages}"
+            if dup or len(set(node.pages)) != len(node.pages):
+                raise InvariantError(f"pages held twice in the tree: {sorted(dup) or node.pages}")
             seen.update(node.pages)
-        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != recount {protected}"
+        if evictable != self._evictable:
+            raise InvariantError(f"evictable {self._evictable} != recount {evictable}")
+        if protected != self._protected:
+            raise InvariantError(f"protected {self._protected} != recount {protected}")
+
+    def _node_problem(self, node: RadixNode) -> str | None:
+        """What is wrong with one node on its own (None: nothing)."""
+        P, parent = self.page_size, node.parent
+        if parent is None or parent.children.get(self._child_key(node)) is not node:
+            return "not filed under its parent by its first page"
+        if not node.key or len(node.key) % P:
+            return "key not whole pages"
+        if len(node.pages) * P != len(node.key):
+            return "pages do not cover the key"
+        if parent is not self.root and node.namespace != parent.namespace:
+            return "namespace differs from its parent's"
+        child_locks = sum(c.lock_ref for c in node.children.values())
+        if not node.lock_ref >= child_locks >= 0:
+            return f"lock_ref below its children's total {child_locks}"
+        return None

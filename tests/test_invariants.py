@@ -1,0 +1,82 @@
+"""The engine's integrity check (debug_checks): KV accounting, the radix tree, and every running
+request's page table (it points only at pages the request owns or holds locked through the tree)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import random_prompts
+from radixserve import Engine, SamplingParams
+from radixserve.errors import InvariantError
+
+pytestmark = pytest.mark.timeout(120)
+
+LONG = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+
+def _running_with_cached_prefix(llama_dir, page_size: int = 1):
+    """An engine with one running request whose first pages come from the radix tree."""
+    engine = Engine(llama_dir, kv_cache_tokens=4096, page_size=page_size, debug_checks=True)
+    system = random_prompts((64,), seed=11)[0]
+    engine.generate([system + [5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    req = engine.make_request(system + [9, 10, 11, 12], LONG)
+    engine.add_request(req)
+    for _ in range(3):  # prefill of the tail, then decodes
+        engine.step()
+    assert not req.finished and req.cached_len >= 64 - page_size
+    engine.scheduler.check()  # sound before the corruption
+    return engine, req
+
+
+def test_cached_prefix_pointing_at_a_free_page_is_caught(llama_dir):
+    engine, req = _running_with_cached_prefix(llama_dir)
+    free = engine.pool.free_page_ids()
+    req.pages[0] = free[0]  # the accounting still balances: only the page-table check sees it
+    with pytest.raises(InvariantError, match="locked tree path"):
+        engine.scheduler.check()
+
+
+def test_cached_prefix_pointing_at_another_tree_node_is_caught(llama_dir):
+    engine, req = _running_with_cached_prefix(llama_dir, page_size=4)
+    other = engine.make_request(random_prompts((40,), seed=12)[0], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request(other)
+    while not other.finished:
+        engine.step()
+    mine = set(engine.cache.tree.path_pages(req.node))
+    foreign = next(p for p in engine.cache.tree.all_pages() if p not in mine)
+    req.pages[1] = foreign  # a tree page, but one on no path this request holds locked
+    with pytest.raises(InvariantError, match="locked tree path"):
+        engine.scheduler.check()
+
+
+def test_unlocked_cached_prefix_is_caught(llama_dir):
+    engine, req = _running_with_cached_prefix(llama_dir)
+    engine.cache.tree.unlock(req.node)  # the pages are right, but eviction could take them now
+    with pytest.raises(InvariantError, match="no lock"):
+        engine.scheduler.check()
+    engine.cache.tree.lock(req.node)
+    engine.scheduler.check()
+
+
+def test_page_table_shorter_than_the_computed_tokens_is_caught(llama_dir):
+    engine, req = _running_with_cached_prefix(llama_dir)
+    engine.pool.free([req.pages.pop()])  # accounting balances (the page went back to the pool)
+    with pytest.raises(InvariantError, match="fewer than"):
+        engine.scheduler.check()
+
+
+def test_invariant_error_is_an_internal_error_raised_by_the_tree_check():
+    from radixserve.errors import InternalError
+
+    assert issubclass(InvariantError, InternalError) and InvariantError("x").code == "internal"
+    from radixserve.kv.radix import RadixCache
+
+    class Freer:
+        def free(self, pages):
+            pass
+
+    tree = RadixCache(1, Freer())
+    tree.insert([1, 2], [10, 11])
+    tree.root.lock_ref = 2
+    with pytest.raises(InvariantError, match="root"):
+        tree.check_integrity()
