@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from radixserve import Engine, SamplingParams
+from radixserve.engine.commands import AbortRequest, AddRequest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,14 +28,14 @@ class _RacyInbox:
 
     def get(self, timeout=None):
         item = self.q.get(timeout=timeout)
-        if item[0] == "add":
-            self.q.put(("abort", item[1].rid, None))
+        if isinstance(item, AddRequest):
+            self.q.put(AbortRequest(item.req.rid))
         return item
 
 
 def test_abort_arriving_during_the_idle_take_is_applied_in_order(llama_dir):
     engine = Engine(llama_dir, kv_cache_tokens=4096)
-    engine._inbox = _RacyInbox()
+    engine.thread.inbox = _RacyInbox()
     engine.start()
     try:
         done = threading.Event()

@@ -3,8 +3,8 @@
 Invariants (checked by :meth:`CacheManager.check`):
 
 * free pages + pages held by the tree + pages owned by running requests == total pages;
-* ``req.pages[: req.cached_len // page_size]`` are the tree's canonical pages for that prefix,
-  kept from eviction by the lock on ``req.node``; the rest of ``req.pages`` are the request's own;
+* ``req.kv.pages[: req.kv.cached_len // page_size]`` are the tree's canonical pages for that prefix,
+  kept from eviction by the lock on ``req.kv.node``; the rest of ``req.kv.pages`` are the request's own;
 * so a running request's page table points only at pages it owns or holds locked through the tree.
 """
 
@@ -59,7 +59,7 @@ class CacheManager:
     def match(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` and lock it. The last token is never
         matched: its logits are needed (nor, for a scoring request, any scored position)."""
-        if req.pages or req.node is not None:
+        if req.kv.pages or req.kv.node is not None:
             raise InvariantError(f"match of {req.rid}, which still holds KV")
         length = 0
         if req.scoring:  # every scored row is (re)computed from here on
@@ -67,22 +67,22 @@ class CacheManager:
         if self.tree is not None:
             m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
             self.tree.lock(m.node)
-            req.node, req.pages, length = m.node, list(m.pages), m.length
-        req.cached_len = req.computed = length
+            req.kv.node, req.kv.pages, length = m.node, list(m.pages), m.length
+        req.kv.cached_len = req.kv.computed = length
 
     def record_admission(self, req: Request) -> None:
         """Count the prefix query and hit of a first admission (a retry after preemption
         recomputes or re-reads its own KV: that is never a hit)."""
-        if req.cached_tokens is None:
-            req.cached_tokens = req.cached_len
+        if req.kv.cached_tokens is None:
+            req.kv.cached_tokens = req.kv.cached_len
             self.query_tokens += len(req.prompt_ids)
-            self.hit_tokens += req.cached_len
+            self.hit_tokens += req.kv.cached_len
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, req: Request, num_new: int) -> bool:
-        """Make ``req.pages`` cover ``req.computed + num_new`` tokens, evicting cache if needed.
+        """Make ``req.kv.pages`` cover ``req.kv.computed + num_new`` tokens, evicting cache if needed.
         All or nothing: on False nothing was taken."""
-        need = -(-(req.computed + num_new) // self.page_size) - len(req.pages)
+        need = -(-(req.kv.computed + num_new) // self.page_size) - len(req.kv.pages)
         if need <= 0:
             return True
         if self.pool.num_free < need and self.tree is not None:
@@ -90,7 +90,7 @@ class CacheManager:
         pages = self.pool.alloc(need)
         if pages is None:
             return False
-        req.pages.extend(pages)
+        req.kv.pages.extend(pages)
         return True
 
     # -- insertion and release -----------------------------------------------------------------
@@ -99,32 +99,32 @@ class CacheManager:
         page table to the tree's canonical pages (moving its lock down to the new node)."""
         if self.tree is None:
             return
-        aligned = req.computed // self.page_size * self.page_size
-        if aligned <= req.cached_len:
+        aligned = req.kv.computed // self.page_size * self.page_size
+        if aligned <= req.kv.cached_len:
             return
         tokens = req.tokens[:aligned]
         num_pages = aligned // self.page_size
-        already = self.tree.insert(tokens, req.pages[:num_pages], req.namespace)
-        self.pool.free(req.pages[req.cached_len // self.page_size : already // self.page_size])
+        already = self.tree.insert(tokens, req.kv.pages[:num_pages], req.namespace)
+        self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size : already // self.page_size])
         m = self.tree.match(tokens, req.namespace)
         if m.length != aligned:
             raise InvariantError(f"{req.rid}: re-match after insert found {m.length} of {aligned} tokens")
-        req.pages[:num_pages] = m.pages
+        req.kv.pages[:num_pages] = m.pages
         self.tree.lock(m.node)
-        self.tree.unlock(req.node)
-        req.node, req.cached_len = m.node, aligned
+        self.tree.unlock(req.kv.node)
+        req.kv.node, req.kv.cached_len = m.node, aligned
 
     def release(self, req: Request, *, finished: bool = False) -> None:
         """Give back everything ``req`` holds; its computed KV stays cached in the tree (so a
         preempted request's retry, or the next turn of a conversation, hits it)."""
         if self.tree is not None:
             self.commit(req)
-            self.alignment_waste_tokens += req.computed - req.cached_len
+            self.alignment_waste_tokens += req.kv.computed - req.kv.cached_len
             if finished and req.pin:
                 self._pin(req)
-            self.tree.unlock(req.node)
-        self.pool.free(req.pages[req.cached_len // self.page_size :])
-        req.pages, req.node, req.cached_len, req.computed = [], None, 0, 0
+            self.tree.unlock(req.kv.node)
+        self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size :])
+        req.kv.pages, req.kv.node, req.kv.cached_len, req.kv.computed = [], None, 0, 0
 
     # -- pinning -------------------------------------------------------------------------------
     def _pin(self, req: Request) -> None:
@@ -154,7 +154,7 @@ class CacheManager:
         by_top: dict[int, list[tuple[Request, list]]] = {}
         for req in reqs:
             path = []
-            node = req.node
+            node = req.kv.node
             while node is not None and node is not self.tree.root:
                 path.append(node)
                 node = node.parent
@@ -183,7 +183,7 @@ class CacheManager:
         owned: list[int] = []
         for req in running:
             self._check_page_table(req)
-            owned.extend(req.pages[req.cached_len // self.page_size :])
+            owned.extend(req.kv.pages[req.kv.cached_len // self.page_size :])
         tree_pages = self.tree.all_pages() if self.tree else []
         free = self.pool.free_page_ids()
         total = len(free) + len(tree_pages) + len(owned)
@@ -201,21 +201,21 @@ class CacheManager:
             raise InvariantError(f"request {req.rid}: {problem}")
 
     def _page_table_problem(self, req: Request) -> str | None:
-        """``req.pages`` covers every computed token, and its cached prefix is exactly the pages
-        of the tree path that ``req`` holds locked (``req.node``)."""
-        if len(req.pages) * self.page_size < req.computed:
-            return f"page table covers {len(req.pages)} pages, fewer than its {req.computed} computed tokens"
+        """``req.kv.pages`` covers every computed token, and its cached prefix is exactly the pages
+        of the tree path that ``req`` holds locked (``req.kv.node``)."""
+        if len(req.kv.pages) * self.page_size < req.kv.computed:
+            return f"page table covers {len(req.kv.pages)} pages, fewer than its {req.kv.computed} computed tokens"
         if self.tree is None:
-            return None if req.cached_len == 0 and req.node is None else "a cached prefix without a prefix cache"
-        node = req.node
-        if node is None or req.cached_len % self.page_size:
-            return f"cached prefix of {req.cached_len} tokens without a page-aligned tree node"
+            return None if req.kv.cached_len == 0 and req.kv.node is None else "a cached prefix without a prefix cache"
+        node = req.kv.node
+        if node is None or req.kv.cached_len % self.page_size:
+            return f"cached prefix of {req.kv.cached_len} tokens without a page-aligned tree node"
         if node is not self.tree.root and node.lock_ref <= 0:
             return f"holds no lock on its cached prefix {node!r}"
         path = self.tree.path_pages(node)
         if path is None:
             return f"its cached prefix node was evicted {node!r}"
-        shared = req.cached_len // self.page_size
-        if path != req.pages[:shared]:
-            return f"page table's cached prefix {req.pages[:shared]} is not its locked tree path {path}"
+        shared = req.kv.cached_len // self.page_size
+        if path != req.kv.pages[:shared]:
+            return f"page table's cached prefix {req.kv.pages[:shared]} is not its locked tree path {path}"
         return None

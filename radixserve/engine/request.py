@@ -1,8 +1,9 @@
-"""A request's lifecycle state and the result handed back to users."""
+"""A request inside the engine (its typed parts) and the results handed back to users."""
 
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable
@@ -10,6 +11,7 @@ from typing import Any, Hashable
 import msgspec
 import torch
 
+from radixserve.errors import BadRequestError, TooLongError
 from radixserve.sampling_params import SamplingParams
 
 
@@ -58,48 +60,117 @@ class StreamChunk(msgspec.Struct, kw_only=True):
         return self.output is not None
 
 
-@dataclass(eq=False)
-class Request:
+def check_prompt_ids(ids: list[int], given: bool, vocab_size: int, max_model_len: int, capacity_tokens: int) -> None:
+    """Refuse an empty prompt (``given``: the caller's prompt was non-empty), token ids outside
+    the vocabulary, and a prompt that leaves no room to generate."""
+    if not ids or not given:
+        raise BadRequestError("prompt", "is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        bad = next(t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size)
+        raise BadRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    limit = min(max_model_len, capacity_tokens)
+    if len(ids) >= limit:
+        what = "context" if limit == max_model_len else "KV pool (raise kv_cache_tokens)"
+        raise TooLongError("prompt", f"has {len(ids)} tokens; the {what} holds {limit}, leaving no room to generate")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInput:
+    """What the caller asked for; never changes."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     namespace: Hashable = None
-    arrival: float = field(default_factory=time.monotonic)
-    status: Status = Status.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(eq=False, slots=True)
+class DecodeSettings:
+    """How tokens are chosen and when the request ends, beyond its SamplingParams; set before
+    the request is queued."""
+
     generator: torch.Generator | None = None
-    stream: bool = False  # detokenize every step (streaming consumers, stop strings)
     grammar: Any = None  # structured output: the request's xgrammar GrammarMatcher (see engine/structured.py)
+    stream: bool = False  # detokenize every step (streaming consumers, stop strings)
     pin: bool = False  # on finish, keep the prompt's KV locked in the cache (Engine.pin)
     # Scoring mode (Engine.choose): no sampling; the request ends right after its prefill with the
     # logprob of every token at positions score_from .. end-1 (score_from == len: prefill only).
     score_from: int | None = None
-    score_logprobs: list[float | None] = field(default_factory=list)
 
-    # KV state. pages[: cached_len // page_size] belong to the radix tree and are locked through
-    # `node`; the rest are owned by this request. KV of tokens[: computed] is in the pages.
+
+@dataclass(eq=False, slots=True)
+class OutputState:
+    """What the request produced so far, and how much of it was streamed out."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    score_logprobs: list[float | None] = field(default_factory=list)
+    text: str = ""  # detokenized output, stop strings applied
+    emitted_tokens: int = 0  # how many output tokens were streamed out
+    emitted_chars: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class KVState:
+    """The request's KV. ``pages[: cached_len // page_size]`` belong to the radix tree and are
+    locked through ``node``; the rest are owned by the request. KV of tokens[: computed] is in
+    the pages."""
+
     pages: list[int] = field(default_factory=list)
     computed: int = 0
     cached_len: int = 0
     node: Any = None
-
     cached_tokens: int | None = None  # prefix hit at first admission
-    admit_seq: int = 0  # admission order among running requests (preemption picks the newest)
+
+
+@dataclass(eq=False, slots=True)
+class Lifecycle:
+    """Where the request is in the scheduler, and when things happened (monotonic seconds)."""
+
+    status: Status = Status.WAITING
+    arrival: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # arrival order at the scheduler
+    admit_seq: int = 0  # admission order among running requests (preemption picks the newest)
     overtaken: int = 0  # later arrivals admitted ahead of this request while it waited (aging)
     preemptions: int = 0
     first_scheduled: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    finish_reason: str | None = None
-    text: str = ""  # detokenized output, stop strings applied
-    emitted_tokens: int = 0  # how many output tokens were streamed out
-    emitted_chars: int = 0
-    stop_at_char: int | None = None
 
-    def __post_init__(self) -> None:
-        self._tokens = list(self.prompt_ids)  # prompt + output, kept so hot paths never concatenate
+
+def _field(part: str, name: str) -> property:
+    """``request.<name>`` reads and writes ``request.<part>.<name>`` (the flat names the
+    scheduler, sampler and callers use); the getter runs at C speed."""
+
+    def set_(obj, value) -> None:
+        setattr(getattr(obj, part), name, value)
+
+    return property(operator.attrgetter(f"{part}.{name}"), set_, doc=f"``{part}.{name}``")
+
+
+class Request:
+    """One request inside the engine, in typed parts: :attr:`input` (immutable), :attr:`decode`
+    (sampling and stop settings), :attr:`out` (output state), :attr:`kv` (KV and cache state),
+    :attr:`life` (scheduling and timing). Each part's fields are also readable (and, but for
+    the input, writable) as attributes of the request itself."""
+
+    __slots__ = ("input", "decode", "out", "kv", "life", "_tokens")
+
+    _PARTS = {"input": RequestInput, "decode": DecodeSettings, "out": OutputState, "kv": KVState, "life": Lifecycle}
+
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, namespace: Hashable = None, *,
+                 generator: torch.Generator | None = None, grammar: Any = None, stream: bool = False,
+                 pin: bool = False, score_from: int | None = None):
+        self.input = RequestInput(rid, prompt_ids, params, namespace)
+        self.decode = DecodeSettings(generator, grammar, stream, pin, score_from)
+        self.out = OutputState()
+        self.kv = KVState()
+        self.life = Lifecycle()
+        self._tokens = list(prompt_ids)  # prompt + output, kept so hot paths never concatenate
+
+    def __repr__(self) -> str:
+        return f"Request({self.rid!r}, {self.status.value}, tokens={self.num_tokens}, computed={self.kv.computed})"
 
     @property
     def tokens(self) -> list[int]:
@@ -111,25 +182,26 @@ class Request:
         return len(self._tokens)
 
     def append(self, token: int) -> None:
-        self.output_ids.append(token)
+        self.out.output_ids.append(token)
         self._tokens.append(token)
 
     @property
     def scoring(self) -> bool:
-        return self.score_from is not None
+        return self.decode.score_from is not None
 
     @property
     def match_limit(self) -> int:
         """Longest prefix the cache may serve: never the last token (its logits are needed), and
         for a scoring request never a scored position (their logits rows must be computed)."""
-        if self.score_from is None:
+        score_from = self.decode.score_from
+        if score_from is None:
             return self.num_tokens - 1
-        return min(self.num_tokens - 1, self.score_from - 1)
+        return min(self.num_tokens - 1, score_from - 1)
 
     @property
     def pending(self) -> int:
         """Tokens whose KV still has to be computed before the next token can be sampled."""
-        return self.num_tokens - self.computed
+        return len(self._tokens) - self.kv.computed
 
     @property
     def prefilling(self) -> bool:
@@ -137,22 +209,29 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.life.status is Status.FINISHED
 
     def to_output(self) -> RequestOutput:
-        now = self.finished_at or time.monotonic()
-        start = self.first_scheduled or now
+        life, out = self.life, self.out
+        now = life.finished_at or time.monotonic()
+        start = life.first_scheduled or now
         return RequestOutput(
             request_id=self.rid,
             prompt_token_ids=self.prompt_ids,
-            token_ids=list(self.output_ids),
-            text=self.text,
+            token_ids=list(out.output_ids),
+            text=out.text,
             prompt_tokens=len(self.prompt_ids),
-            cached_tokens=self.cached_tokens or 0,
-            finish_reason=self.finish_reason,
-            logprobs=self.logprobs,
-            queue_s=start - self.arrival,
-            ttft_s=(self.first_token_at or now) - self.arrival,
-            e2e_s=now - self.arrival,
-            score_logprobs=[float(x) for x in self.score_logprobs] if self.scoring else None,
+            cached_tokens=self.kv.cached_tokens or 0,
+            finish_reason=out.finish_reason,
+            logprobs=out.logprobs,
+            queue_s=start - life.arrival,
+            ttft_s=(life.first_token_at or now) - life.arrival,
+            e2e_s=now - life.arrival,
+            score_logprobs=[float(x) for x in out.score_logprobs] if self.scoring else None,
         )
+
+
+for _part, _cls in Request._PARTS.items():
+    for _name in _cls.__dataclass_fields__:
+        setattr(Request, _name, _field(_part, _name))
+del _part, _cls, _name

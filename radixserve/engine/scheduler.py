@@ -39,15 +39,27 @@ class ScheduledItem:
         return range(max(self.start, req.score_from - 1), min(self.start + self.num_tokens, req.num_tokens - 1))
 
 
+@dataclass(frozen=True)
+class Batch:
+    """One step's work. ``items``: decode tokens and prefill chunks, decodes that share a long
+    cached prefix placed next to each other; ``groups``: those cascade groups as (first item,
+    count, shared prefix tokens); ``failed``: requests to end without running (no KV ever fits)."""
+
+    items: tuple[ScheduledItem, ...] = ()
+    groups: tuple[tuple[int, int, int], ...] = ()
+    failed: tuple[Request, ...] = ()
+
+
 class _NullFreer:
     def free(self, pages: list[int]) -> None:
         pass
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager):
+    def __init__(self, config: EngineConfig, cache: CacheManager, *, cascade_min_shared_tokens: int | None = None):
         self.config = config
         self.cache = cache
+        self.cascade_min_shared_tokens = cascade_min_shared_tokens  # None: no cascade groups
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunk = config.max_prefill_chunk or config.max_batched_tokens
@@ -65,8 +77,16 @@ class Scheduler:
         self.waiting.append(req)
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
-        """The next batch, and requests that had to be finished without running (no KV ever fits)."""
+    def schedule(self) -> Batch:
+        """The next batch (empty when there is nothing to run)."""
+        items, failed = self._pick()
+        if not items:
+            return Batch(failed=tuple(failed))
+        ordered, groups = self._cascade_groups(items)
+        return Batch(tuple(ordered), tuple(groups), tuple(failed))
+
+    def _pick(self) -> tuple[list[ScheduledItem], list[Request]]:
+        """The next batch's items, and requests that had to be finished without running."""
         budget = self.config.max_batched_tokens
         items: list[ScheduledItem] = []
         failed: list[Request] = []
@@ -99,6 +119,26 @@ class Scheduler:
         if self.waiting and budget > 0 and len(self.running) < self.config.max_running and not failed and not static_busy:
             items.extend(self._admit(budget))
         return items, failed
+
+    def _cascade_groups(self, items: list[ScheduledItem]) -> tuple[list[ScheduledItem], list[tuple[int, int, int]]]:
+        """Put decodes that share a long cached prefix next to each other, as cascade groups."""
+        threshold = self.cascade_min_shared_tokens
+        if threshold is None:
+            return items, []
+        decodes = [item.req for item in items if item.num_tokens == 1]
+        found = self.cache.shared_prefix_groups(decodes, threshold) if len(decodes) > 1 else []
+        if not found:
+            return items, []
+        by_req = {id(item.req): item for item in items}
+        ordered, groups = [], []
+        for members, prefix in found:
+            groups.append((len(ordered), len(members), prefix))
+            ordered += [by_req.pop(id(req)) for req in members]
+        return ordered + [item for item in items if id(item.req) in by_req], groups
+
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order admission would try them now (for benchmarks)."""
+        return self._admission_order()
 
     def _admit(self, budget: int) -> list[ScheduledItem]:
         items = self._admit_in_order(budget)

@@ -1,0 +1,118 @@
+"""From sampled tokens to what callers see: detokenizing, stop conditions (EOS, stop ids, stop
+strings, grammar end, length), stream chunks cut where text is safe to send, and the final
+chunk that carries a request's :class:`~radixserve.engine.request.RequestOutput`."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from radixserve.engine.commands import OnChunk
+from radixserve.engine.request import Request, StreamChunk, TokenLogprob
+
+
+class OutputProcessor:
+    """Owns the live requests and their listeners; runs on the engine thread.
+
+    ``release(req, reason)`` is called when a request finishes, before its final chunk is built
+    (the scheduler frees its KV and marks it finished)."""
+
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int], max_model_len: int,
+                 release: Callable[[Request, str], None]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.release = release
+        self.requests: dict[str, Request] = {}
+        self.listeners: dict[str, OnChunk] = {}
+
+    def register(self, req: Request, on_chunk: OnChunk | None) -> None:
+        self.requests[req.rid] = req
+        if on_chunk is not None:
+            self.listeners[req.rid] = on_chunk
+
+    def live(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        req = self.requests.get(request_id)
+        return None if req is None or req.finished else req
+
+    # -- per token -----------------------------------------------------------------------------
+    def on_token(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> StreamChunk | None:
+        """Record a sampled token; returns the request's final chunk when it stopped, else its
+        stream chunk (None when it does not stream)."""
+        req.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        if logprob is not None:
+            req.logprobs = (req.logprobs or []) + [logprob]
+        reason = self.stop_reason(req)
+        return self.finish(req, reason) if reason else self.chunk(req)
+
+    def stop_reason(self, req: Request) -> str | None:
+        p = req.params
+        token = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated():
+            return "stop"
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if req.stream and self.update_text(req):
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def update_text(self, req: Request) -> bool:
+        """Detokenize the output; True when a stop string appeared (the text is cut before it)."""
+        out = req.out
+        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        stops = req.params.stop
+        if stops:
+            start = max(0, out.emitted_chars - max(map(len, stops)))
+            hits = [(text.find(s, start), s) for s in stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                out.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+                return True
+        out.text = text
+        return False
+
+    # -- chunks --------------------------------------------------------------------------------
+    def chunk(self, req: Request, final: bool = False) -> StreamChunk | None:
+        """What is new since the last chunk. A non-final chunk holds back a trailing half
+        character and anything that may be the start of a stop string."""
+        if not final and not req.stream:
+            return None
+        out = req.out
+        text = out.text
+        end = len(text)
+        if not final:
+            if text.endswith("\ufffd"):
+                end -= 1  # half of a multi-byte character: wait for the rest
+            if req.params.stop:
+                end -= max(map(len, req.params.stop)) - 1  # might be the start of a stop string
+        end = max(end, out.emitted_chars)
+        chunk = StreamChunk(
+            request_id=req.rid,
+            token_ids=out.output_ids[out.emitted_tokens :],
+            text=text[out.emitted_chars : end],
+            logprobs=out.logprobs[out.emitted_tokens :] if out.logprobs else None,
+        )
+        out.emitted_tokens, out.emitted_chars = len(out.output_ids), end
+        listener = self.listeners.get(req.rid)
+        if listener is not None and not final and chunk.token_ids:
+            listener(chunk)
+        return chunk
+
+    def finish(self, req: Request, reason: str) -> StreamChunk:
+        """End ``req`` with ``reason``; returns (and sends its listener) the final chunk."""
+        self.release(req, reason)
+        self.update_text(req)
+        chunk = self.chunk(req, final=True)
+        chunk.output = req.to_output()
+        self.requests.pop(req.rid, None)
+        listener = self.listeners.pop(req.rid, None)
+        if listener is not None:
+            listener(chunk)
+        return chunk
