@@ -40,7 +40,7 @@ def run(args) -> int:
     for i in range(args.waiting):
         question = [rng.randrange(7, vocab) for _ in range(args.question)]
         engine.add_request(engine.make_request(prefixes[i % args.groups] + question, params))
-    engine._drain_inbox()
+    engine.drain_inbox()
     scheduler = engine.scheduler
     assert len(scheduler.waiting) == args.waiting
 
@@ -50,7 +50,7 @@ def run(args) -> int:
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            order = scheduler._admission_order()
+            order = scheduler.admission_order()
             times.append(time.perf_counter() - start)
         hits = sum(engine.cache.peek(r) for r in order[:64])
         results[policy] = {"median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,

@@ -276,6 +276,41 @@ def test_check_integrity_catches_corruption():
         tree.check_integrity()
 
 
+def test_leaf_paths_list_every_leaf_with_its_namespace():
+    tree, _, _ = make(page_size=2)
+    tree.insert([1, 2, 3, 4], [10, 11])
+    tree.insert([1, 2, 5, 6], [10, 12])  # shares the first page: splits, two leaves
+    tree.insert([1, 2], [20], namespace="t")
+    assert sorted(tree.leaf_paths(), key=repr) == sorted(
+        [(None, [1, 2, 3, 4]), (None, [1, 2, 5, 6]), ("t", [1, 2])], key=repr)
+
+
+def test_drop_subtree_removes_the_node_and_everything_below_it():
+    tree, pool, _ = make(page_size=2)
+    tree.insert([1, 2, 3, 4, 7, 8], [10, 11, 13])
+    tree.insert([1, 2, 5, 6], [10, 12])
+    assert tree.drop_subtree([1, 2, 3, 4, 7, 8], 2) == 2  # [3, 4] and the [7, 8] below it
+    assert sorted(pool.freed) == [11, 13]
+    assert tree.peek([1, 2, 3, 4]) == 2 and tree.peek([1, 2, 5, 6]) == 4
+    assert tree.evictable_pages == 2
+    tree.check_integrity()
+    assert tree.drop_subtree([9, 9], 0) == 0  # not cached: nothing happens
+    assert tree.drop_subtree([1, 2, 9, 9, 5, 6], 4) == 0  # the path above is not cached
+    tree.lock(tree.match([1, 2, 5, 6]).node)
+    with pytest.raises(RuntimeError, match="locked"):
+        tree.drop_subtree([1, 2, 5, 6], 0)
+    tree.check_integrity()
+
+
+def test_path_pages_follows_parents_and_is_none_once_evicted():
+    tree, _, _ = make()
+    tree.insert([1, 2, 3], [10, 11, 12])
+    node = tree.match([1, 2, 3]).node
+    assert tree.path_pages(node) == [10, 11, 12] and tree.path_pages(tree.root) == []
+    tree.evict(3)
+    assert tree.path_pages(node) is None
+
+
 # ---------------------------------------------------------------------------- stateful model
 PRIORITY = {"lru": lambda n: (n.last_access,), "lfu": lambda n: (n.hit_count, n.last_access)}
 assert set(PRIORITY) <= set(EVICTION_POLICIES)

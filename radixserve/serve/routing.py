@@ -59,26 +59,7 @@ class CacheIndex:
         start = len(tokens) - length
         if length <= 0 or start < 0:
             return
-        tree = self.tree
-        if start:
-            m = tree.match(tokens[:start], namespace)  # splits so a node ends at `start`
-            if m.length < start:
-                return  # the mirror never had the part above: nothing below it either
-            parent = m.node
-        else:
-            parent = tree.root
-        key = (namespace, (tokens[start],)) if parent is tree.root else (tokens[start],)
-        child = parent.children.pop(key, None)
-        if child is None:
-            return
-        removed = 0
-        stack = [child]
-        while stack:
-            node = stack.pop()
-            removed += len(node.pages)
-            stack.extend(node.children.values())
-            node.parent = None
-        tree._evictable -= removed  # the mirror never locks: every page is "evictable"
+        self.tree.drop_subtree(tokens, start, namespace)  # the mirror never locks: all of it can go
 
     def add_pending(self, work_id: str, namespace: Hashable, tokens: list[int]) -> None:
         self.pending[work_id] = (namespace, tokens)

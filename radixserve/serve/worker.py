@@ -90,13 +90,10 @@ class Worker:
 
     def _snapshot(self) -> None:  # engine thread, between steps
         """Replace the events not sent yet by the whole tree: its leaves' paths (a reset)."""
-        tree = self.engine.cache.tree
         leaves = []
-        if tree is not None:
-            for node in tree._nodes():
-                if node.is_leaf:
-                    ns = node.namespace if isinstance(node.namespace, str) or node.namespace is None else str(node.namespace)
-                    leaves.append(P.CacheEvent("insert", ns, tree._path_tokens(node)))
+        for namespace, tokens in self.engine.cache_leaves():
+            ns = namespace if isinstance(namespace, str) or namespace is None else str(namespace)
+            leaves.append(P.CacheEvent("insert", ns, tokens))
         with self._events_lock:
             self._events = [_RESET, *leaves]  # what was pending is in the snapshot already
             if self._flush_scheduled:
@@ -363,8 +360,7 @@ class Worker:
         self.sock.connect(self.router)
         self._outq: asyncio.Queue[bytes] = asyncio.Queue()
         self._done = asyncio.Event()
-        if self.engine.cache.tree is not None:
-            self.engine.cache.tree.on_event = self._on_cache_event
+        self.engine.on_cache_event(self._on_cache_event)
         self.engine.start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
