@@ -204,3 +204,23 @@ def test_static_batching_waits_for_the_whole_batch(llama_dir):
     # Continuous admits the third request as soon as the first (2 tokens) leaves; static waits for
     # the 9-token one, so the third request's first token comes ~7 decode steps later.
     assert static.stats()["steps"] > continuous.stats()["steps"]
+
+
+def test_info_cache_events_and_cache_leaves(llama_dir):
+    engine = Engine(llama_dir, kv_cache_tokens=64, debug_checks=True)
+    info = engine.info()
+    assert info["kv_capacity_tokens"] == 64 and info["page_size"] == 1 and info["prefix_cache"] is True
+    assert info["model"] == str(engine.loaded.path) and info["attention"] == type(engine.runner.attention).__name__
+    events = []
+    engine.on_cache_event(events.append)
+    a, b = random_prompts((40, 40), seed=21)
+    engine.generate([a], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), namespace="t")
+    assert events and all(e[:2] == ("insert", "t") for e in events) and events[-1][2][:40] == a
+    assert engine.cache_leaves() == [("t", events[-1][2])]
+    engine.generate([b], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # 64 tokens: evicts a
+    assert any(e[0] == "evict" and e[1] == "t" for e in events)
+    assert [ns for ns, _ in engine.cache_leaves()] == [None]
+    engine.on_cache_event(None)
+    n = len(events)
+    engine.generate([a], SamplingParams(max_tokens=1, temperature=0.0))
+    assert len(events) == n
