@@ -61,19 +61,19 @@ def explain(exc: msgspec.ValidationError, type_: Any = None, value: Any = _MISSI
     if not field:  # "Object missing required field `x`" / "Object contains unknown field `x`"
         named = re.search(r"field `([^`]+)`", what)
         field = named.group(1) if named else ""
-    rule = _in_words(what)
+    rule = "is required" if what.startswith("Object missing required field") else _in_words(what)
     leaf = field.rsplit(".", 1)[-1]
     owner = _owner(type_, field)
     if owner is not None and leaf:
         choices = literal_choices(owner, leaf)
-        if choices:
+        if choices and what.startswith("Invalid enum value"):
             rule = "must be one of " + ", ".join(map(str, choices))
     if value is not _MISSING and ", got" not in rule:
         rule += f", got {value!r}"
     if owner is not None and leaf:
         desc = description(owner, leaf)
         if desc:
-            rule += f" ({desc})"
+            rule += f"; {desc}"
     return field, rule
 
 
