@@ -111,8 +111,7 @@ def cmd_demo(args) -> int:
     from radixserve.model.default import default_model_name
 
     print(f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker) ...", flush=True)
-    threads = max(1, (os.cpu_count() or 2) // args.workers)
-    proc, address = fleet.start_server(args.workers, args.model, ["--worker-threads", str(threads)])
+    proc, address = fleet.start_server(args.workers, args.model)  # serve divides the cores among the workers
     try:
         how = {"choose": "choice scoring over the legal moves",
                "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)"}[args.mode]
