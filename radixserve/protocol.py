@@ -21,15 +21,16 @@ decode gets an :class:`Error` reply and the server keeps going.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Union
+from typing import Annotated, Any, NamedTuple, Union
 
 import msgspec
+from msgspec import Meta
 
 from radixserve.errors import (  # noqa: F401  (the error codes live in errors.py; re-exported here)
     BAD_REQUEST, ERROR_CODES, INTERNAL, OVERLOADED, SHUTTING_DOWN, TOO_LONG, WORKER_LOST, BadRequestError,
 )
 from radixserve.sampling_params import SamplingParams
-from radixserve.validation import explain
+from radixserve.validation import check, explain
 
 PROTOCOL_VERSION = 1
 MAX_CHOICES = 1024  # choices of one choose call
@@ -39,16 +40,20 @@ NORMALIZE = ("sum", "mean")  # how a choice's token logprobs are scored
 class Limits(msgspec.Struct, frozen=True):
     """Bounds on everything a client controls (checked by the router before any work)."""
 
-    max_frame_bytes: int = 4 * 2**20
-    max_prompt_tokens: int = 1 << 17
-    max_prompt_chars: int = 1 << 21
-    max_tokens: int = 1 << 15
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_id_chars: int = 128
-    max_namespace_chars: int = 256
-    max_probe_tokens: int = 1 << 17
+    max_frame_bytes: Annotated[int, Meta(ge=1, description="largest client frame (bytes)")] = 4 * 2**20
+    max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest prompt (tokens)")] = 1 << 17
+    max_prompt_chars: Annotated[int, Meta(ge=1, description="longest prompt (characters)")] = 1 << 21
+    max_tokens: Annotated[int, Meta(ge=1, description="largest max_tokens of one request")] = 1 << 15
+    max_stop: Annotated[int, Meta(ge=0, description="stop strings per request")] = 16
+    max_stop_chars: Annotated[int, Meta(ge=1, description="longest stop string (characters)")] = 256
+    max_stop_token_ids: Annotated[int, Meta(ge=0, description="stop token ids per request")] = 64
+    max_id_chars: Annotated[int, Meta(ge=1, description="longest request id (characters)")] = 128
+    max_namespace_chars: Annotated[int, Meta(ge=1, description="longest namespace (characters)")] = 256
+    max_probe_tokens: Annotated[int, Meta(ge=1, description="longest stats probe (tokens)")] = 1 << 17
+
+    def validate(self) -> None:
+        """Raise :class:`BadRequestError` naming the first bound out of its range."""
+        check(self)
 
 
 DEFAULT_LIMITS = Limits()

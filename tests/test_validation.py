@@ -45,6 +45,7 @@ pytestmark = pytest.mark.timeout(60)
     (ServeConfig, {"workers": 0}, "workers"),
     (ServeConfig, {"policy": "random"}, "policy"),
     (ServeConfig, {"heartbeat_timeout": 0.0}, "heartbeat_timeout"),
+    (P.Limits, {"max_frame_bytes": 0}, "max_frame_bytes"),
     (WorkerConfig, {}, "router"),
     (WorkerConfig, {"router": "tcp://127.0.0.1:1", "heartbeat": -1.0}, "heartbeat"),
     (WorkerConfig, {"router": "tcp://127.0.0.1:1", "engine": {"max_running": 0}}, "engine.max_running"),

@@ -81,11 +81,13 @@ def router_config(cfg: ServeConfig):
     from radixserve.serve import auth
     from radixserve.serve.router import RouterConfig
 
+    limits = Limits(max_frame_bytes=cfg.max_frame_bytes)
+    limits.validate()
     return RouterConfig(
         host=cfg.host, port=cfg.port, address=cfg.address, policy=cfg.policy, max_queue=cfg.max_queue,
         max_inflight_per_worker=cfg.max_inflight, heartbeat_timeout_s=cfg.heartbeat_timeout,
         drain_s=cfg.drain_timeout, metrics_log=cfg.metrics_log, metrics_interval_s=cfg.metrics_interval,
-        limits=Limits(max_frame_bytes=cfg.max_frame_bytes), balance_abs=cfg.balance_abs,
+        limits=limits, balance_abs=cfg.balance_abs,
         balance_rel=cfg.balance_rel, cache_threshold=cfg.cache_threshold, max_prompt_chars=cfg.max_prompt_chars,
         worker_port=cfg.worker_port, worker_address=cfg.worker_address,
         secret=auth.read_secret_file(cfg.worker_secret_file, create=True) if cfg.worker_secret_file else None,
