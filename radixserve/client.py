@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve import protocol as P
-from radixserve.errors import BadRequestError, RadixServeError, RequestTimeoutError, error_from_code
+from radixserve.errors import ROUTER_LOST, BadRequestError, RadixServeError, RequestTimeoutError, error_from_code
 from radixserve.protocol import ChoiceUsage, Chunk, RankedChoice, Timings, Usage
 from radixserve.sampling_params import SamplingParams
 
@@ -134,7 +134,7 @@ class AsyncClient:
                 continue
             quiet = time.monotonic() - self._last_rx
             if quiet > self.router_timeout:
-                lost = P.Error(id="", code="router_lost",
+                lost = P.Error(id="", code=ROUTER_LOST,
                                message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); "
                                        f"it is gone or unreachable")
                 for q in list(self._pending.values()):

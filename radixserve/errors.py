@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+# The error codes: stable strings, the one list (protocol.py re-exports it; error_from_code maps
+# each to its exception class below).
+BAD_REQUEST = "bad_request"
+TOO_LONG = "too_long"
+OVERLOADED = "overloaded"
+WORKER_LOST = "worker_lost"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+TIMEOUT = "timeout"  # the SDK's own: the caller's timeout ran out (never sent by a server)
+ROUTER_LOST = "router_lost"  # the SDK's own: nothing heard from the router
+ERROR_CODES = (BAD_REQUEST, TOO_LONG, OVERLOADED, WORKER_LOST, SHUTTING_DOWN, INTERNAL)  # what servers send
+
 
 class RadixServeError(Exception):
     """Base class. ``code`` is one of the protocol's error codes."""
 
-    code = "internal"
+    code = INTERNAL
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -16,7 +28,7 @@ class RadixServeError(Exception):
 class BadRequestError(RadixServeError, ValueError):
     """The request is malformed: a field is missing, of the wrong type or out of range."""
 
-    code = "bad_request"
+    code = BAD_REQUEST
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -26,51 +38,50 @@ class BadRequestError(RadixServeError, ValueError):
 class TooLongError(BadRequestError):
     """The prompt (plus what it asks to generate) does not fit the model's context."""
 
-    code = "too_long"
+    code = TOO_LONG
 
 
 class ModelLoadError(RadixServeError):
     """The model directory is missing, incomplete or of an unsupported architecture."""
 
-    code = "bad_request"
+    code = BAD_REQUEST
 
 
 class OverloadedError(RadixServeError):
-    code = "overloaded"
+    code = OVERLOADED
 
 
 class ShuttingDownError(RadixServeError):
-    code = "shutting_down"
+    code = SHUTTING_DOWN
 
 
 class WorkerLostError(RadixServeError):
     """The worker serving the request died after it had streamed tokens (or no worker is left);
     retry the call."""
 
-    code = "worker_lost"
+    code = WORKER_LOST
 
 
 class RouterLostError(RadixServeError, ConnectionError):
     """The SDK heard nothing from the router (not even heartbeat replies) for ``router_timeout``
     seconds: it is gone or unreachable. Pending calls fail with this; retry against a live one."""
 
-    code = "router_lost"
+    code = ROUTER_LOST
 
 
 class InternalError(RadixServeError):
-    code = "internal"
+    code = INTERNAL
 
 
 class RequestTimeoutError(RadixServeError, TimeoutError):
     """The client gave up waiting (its ``timeout``); the request was aborted on the server."""
 
-    code = "timeout"
+    code = TIMEOUT
 
 
 _BY_CODE: dict[str, type[RadixServeError]] = {
-    "bad_request": BadRequestError, "too_long": TooLongError, "overloaded": OverloadedError,
-    "worker_lost": WorkerLostError, "shutting_down": ShuttingDownError, "internal": InternalError,
-    "timeout": RequestTimeoutError, "router_lost": RouterLostError,
+    cls.code: cls for cls in (BadRequestError, TooLongError, OverloadedError, WorkerLostError, ShuttingDownError,
+                              InternalError, RequestTimeoutError, RouterLostError)
 }
 
 

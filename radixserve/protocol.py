@@ -21,39 +21,39 @@ decode gets an :class:`Error` reply and the server keeps going.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, NamedTuple, Union
 
 import msgspec
+from msgspec import Meta
 
-from radixserve.engine.choice import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice
-from radixserve.errors import BadRequestError
+from radixserve.errors import (  # noqa: F401  (the error codes live in errors.py; re-exported here)
+    BAD_REQUEST, ERROR_CODES, INTERNAL, OVERLOADED, SHUTTING_DOWN, TOO_LONG, WORKER_LOST, BadRequestError,
+)
 from radixserve.sampling_params import SamplingParams
+from radixserve.validation import check, explain
 
 PROTOCOL_VERSION = 1
-
-# Error codes (stable strings; the SDK maps each to an exception class in radixserve.errors).
-BAD_REQUEST = "bad_request"
-TOO_LONG = "too_long"
-OVERLOADED = "overloaded"
-WORKER_LOST = "worker_lost"
-SHUTTING_DOWN = "shutting_down"
-INTERNAL = "internal"
-ERROR_CODES = (BAD_REQUEST, TOO_LONG, OVERLOADED, WORKER_LOST, SHUTTING_DOWN, INTERNAL)
+MAX_CHOICES = 1024  # choices of one choose call
+NORMALIZE = ("sum", "mean")  # how a choice's token logprobs are scored
 
 
 class Limits(msgspec.Struct, frozen=True):
     """Bounds on everything a client controls (checked by the router before any work)."""
 
-    max_frame_bytes: int = 4 * 2**20
-    max_prompt_tokens: int = 1 << 17
-    max_prompt_chars: int = 1 << 21
-    max_tokens: int = 1 << 15
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_id_chars: int = 128
-    max_namespace_chars: int = 256
-    max_probe_tokens: int = 1 << 17
+    max_frame_bytes: Annotated[int, Meta(ge=1, description="largest client frame (bytes)")] = 4 * 2**20
+    max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest prompt (tokens)")] = 1 << 17
+    max_prompt_chars: Annotated[int, Meta(ge=1, description="longest prompt (characters)")] = 1 << 21
+    max_tokens: Annotated[int, Meta(ge=1, description="largest max_tokens of one request")] = 1 << 15
+    max_stop: Annotated[int, Meta(ge=0, description="stop strings per request")] = 16
+    max_stop_chars: Annotated[int, Meta(ge=1, description="longest stop string (characters)")] = 256
+    max_stop_token_ids: Annotated[int, Meta(ge=0, description="stop token ids per request")] = 64
+    max_id_chars: Annotated[int, Meta(ge=1, description="longest request id (characters)")] = 128
+    max_namespace_chars: Annotated[int, Meta(ge=1, description="longest namespace (characters)")] = 256
+    max_probe_tokens: Annotated[int, Meta(ge=1, description="longest stats probe (tokens)")] = 1 << 17
+
+    def validate(self) -> None:
+        """Raise :class:`BadRequestError` naming the first bound out of its range."""
+        check(self)
 
 
 DEFAULT_LIMITS = Limits()
@@ -126,6 +126,29 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+class ChoiceUsage(msgspec.Struct, kw_only=True):
+    """Token accounting of one choose call. ``query_tokens``/``cached_tokens`` sum over its
+    sub-requests (the prompt prefill, then one per choice); ``prompt_cached_tokens`` is the
+    prompt's own hit from earlier calls."""
+
+    prompt_tokens: int
+    choice_tokens: int
+    query_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_cached_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.query_tokens - self.cached_tokens
+
+
+class RankedChoice(NamedTuple):
+    choice: str
+    logprob_sum: float
+    logprob_mean: float
+    n_tokens: int
 
 
 class Chunk(_Msg, tag="chunk"):
@@ -280,10 +303,11 @@ def encode(msg: _Msg) -> bytes:
 
 
 class DecodeError(BadRequestError):
-    """A frame that is not a valid message; ``request_id`` is recovered when possible."""
+    """A frame that is not a valid message; ``request_id`` is recovered when possible. ``field``
+    is ``frame``, or the sampling parameter whose constraint the frame broke."""
 
-    def __init__(self, message: str, request_id: str = ""):
-        super().__init__("frame", message)
+    def __init__(self, message: str, request_id: str = "", field: str = "frame"):
+        super().__init__(field, message)
         self.request_id = request_id
 
 
@@ -293,7 +317,14 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
         raise DecodeError(f"is {len(frame)} bytes; the limit is {max_frame_bytes} bytes")
     try:
         msg = _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except msgspec.ValidationError as exc:
+        field, rule = explain(exc)
+        if field.startswith("params.") and "." not in field[7:]:  # a SamplingParams range: name the parameter
+            field = field[7:]
+            raise DecodeError(explain(exc, SamplingParams)[1] if field in SamplingParams.__struct_fields__ else rule,
+                              _guess_id(frame), field=field) from None
+        raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
+    except msgspec.DecodeError as exc:
         raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
     except RecursionError:
         raise DecodeError("nests too deeply to be a protocol message", _guess_id(frame)) from None

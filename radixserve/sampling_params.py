@@ -1,11 +1,104 @@
-"""Per-request sampling parameters (the names match vLLM's, which users already know)."""
+"""Per-request sampling parameters (the names match vLLM's, which users already know).
+
+Every range lives in the field's annotation (``msgspec.Meta``), so the same constraints hold when
+a wire message or an HTTP body is decoded into these Structs and when :meth:`SamplingParams.validate`
+checks one built with keyword arguments (:mod:`radixserve.validation`).
+"""
 
 from __future__ import annotations
 
-import msgspec
+import json
+from typing import Annotated, Any
 
-from radixserve.engine.structured import StructuredOutput, as_structured
+import msgspec
+from msgspec import Meta
+
 from radixserve.errors import BadRequestError
+from radixserve.validation import check
+
+MAX_SCHEMA_CHARS = 64 * 1024
+MAX_REGEX_CHARS = 4096
+MAX_GRAMMAR_CHOICES = 4096
+MAX_GRAMMAR_CHOICE_CHARS = 256
+MAX_GRAMMAR_CHOICES_CHARS = 256 * 1024
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Constrain a request's output to one grammar; give exactly one field.
+
+    * ``json_schema``: a JSON schema (object or its JSON text); the output is compact JSON that
+      validates against it.
+    * ``json_object=True``: any JSON object.
+    * ``regex``: the whole output matches this regular expression.
+    * ``choice``: the output is exactly one of these strings.
+
+    This is the request's spec only; :mod:`radixserve.engine.structured` compiles it.
+    """
+
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    @property
+    def kind(self) -> str:
+        for name in ("json_schema", "regex", "choice"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def validate(self) -> None:
+        """Shape and size checks (the grammar itself is checked when it is compiled)."""
+        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise BadRequestError("structured", "give exactly one of json_schema, json_object=True, regex or choice"
+                                  + (f", got {', '.join(given)}" if given else ""))
+        if self.json_schema is not None:
+            if len(self.schema_text) > MAX_SCHEMA_CHARS:
+                raise BadRequestError("structured.json_schema", f"must be at most {MAX_SCHEMA_CHARS} characters of JSON")
+        if self.regex is not None and not 0 < len(self.regex) <= MAX_REGEX_CHARS:
+            raise BadRequestError("structured.regex", f"must be 1..{MAX_REGEX_CHARS} characters")
+        if self.choice is not None:
+            c = self.choice
+            if not 0 < len(c) <= MAX_GRAMMAR_CHOICES or any(not isinstance(s, str) or not 0 < len(s) <= MAX_GRAMMAR_CHOICE_CHARS for s in c):
+                raise BadRequestError("structured.choice", f"must hold 1..{MAX_GRAMMAR_CHOICES} strings of 1..{MAX_GRAMMAR_CHOICE_CHARS} characters")
+            if sum(map(len, c)) > MAX_GRAMMAR_CHOICES_CHARS:
+                raise BadRequestError("structured.choice", f"must be at most {MAX_GRAMMAR_CHOICES_CHARS} characters in all")
+
+    @property
+    def schema_text(self) -> str:
+        s = self.json_schema
+        return s if isinstance(s, str) else json.dumps(s, separators=(",", ":"))  # key order matters: kept
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (for the cache)."""
+        kind = self.kind
+        if kind == "json_schema":
+            return kind, self.schema_text
+        if kind == "regex":
+            return kind, self.regex
+        if kind == "choice":
+            return kind, "\x00".join(self.choice)
+        return kind, ""
+
+
+def as_structured(value) -> StructuredOutput | None:
+    """Accept a :class:`StructuredOutput`, or a plain dict of its fields (SDK convenience)."""
+    if value is None or isinstance(value, StructuredOutput):
+        return value
+    if isinstance(value, dict):
+        try:
+            return msgspec.convert(value, StructuredOutput)
+        except msgspec.ValidationError as exc:
+            raise BadRequestError("structured", f"{exc}") from None
+    raise BadRequestError("structured", f"must be a StructuredOutput or a dict, got {type(value).__name__}")
+
+
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -16,27 +109,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     the top ``n`` alternatives at every step (``0``: only the chosen token's).
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
+    max_tokens: Annotated[int, Meta(ge=1, description="most tokens to generate")] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, description="-1 (disabled) or >= 1")] = -1
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0, description="nucleus sampling mass, in (0, 1]")] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0, description="in [0, 1]")] = 0.0
     seed: int | None = None
-    stop: list[str] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1)]],
+                    Meta(max_length=16, description="at most 16 non-empty strings")] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="top alternatives per token")] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                              description="1 is off")] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0, description="in [-2, 2]")] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0, description="in [-2, 2]")] = 0.0
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
     """Constrain the output to a grammar (JSON schema, any JSON object, regex or a list of choices);
     a plain dict of :class:`StructuredOutput` fields is accepted too."""
 
-    MAX_LOGPROBS = 20
-    MAX_TEMPERATURE = 100.0
-    REPETITION_PENALTY_RANGE = (0.01, 100.0)
+    MAX_LOGPROBS = MAX_LOGPROBS
+    MAX_TEMPERATURE = MAX_TEMPERATURE
+    REPETITION_PENALTY_RANGE = REPETITION_PENALTY_RANGE
 
     def __post_init__(self) -> None:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -55,37 +150,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
     def validate(self, vocab_size: int) -> None:
-        """Raise :class:`BadRequestError` naming the first bad field and its limit."""
-
-        def bad(field: str, msg: str) -> None:
-            raise BadRequestError(field, msg)
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= self.MAX_TEMPERATURE:
-            bad("temperature", f"must be in [0, {self.MAX_TEMPERATURE:g}] (0 is greedy), got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.top_k == 0 or self.top_k < -1:
-            bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        lo, hi = self.REPETITION_PENALTY_RANGE
-        if not lo <= self.repetition_penalty <= hi:
-            bad("repetition_penalty", f"must be in [{lo:g}, {hi:g}] (1 is off), got {self.repetition_penalty!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
-            bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                bad(name, f"must be in [-2, 2], got {value!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.stop is not None:
-            if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-                bad("stop", "must be at most 16 non-empty strings")
+        """Raise :class:`BadRequestError` naming the first bad field and its limit: the annotated
+        constraints (types, ranges, lengths), then what an annotation cannot say."""
+        check(self)
+        if self.top_k == 0:
+            raise BadRequestError("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # msgspec cannot bound past int64
+            raise BadRequestError("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for tid in self.stop_token_ids or ():
             if not 0 <= tid < vocab_size:
-                bad("stop_token_ids", f"token id {tid} is outside the vocabulary [0, {vocab_size})")
+                raise BadRequestError("stop_token_ids", f"token id {tid} is outside the vocabulary [0, {vocab_size})")
         if self.structured is not None:
             self.structured.validate()

@@ -99,8 +99,14 @@ def test_engine_end_to_end_with_int8_kv(llama_dir):
 
 
 def test_cli_has_kv_dtype():
-    from radixserve.cli import _engine_argv, build_parser
+    import json
+
+    from radixserve.cli import _engine_config, build_parser
+    from radixserve.config import WorkerConfig
+    from radixserve.serve.launch import worker_command
 
     args = build_parser().parse_args(["generate", "--kv-dtype", "int8", "hi"])
     assert args.kv_dtype == "int8"
-    assert _engine_argv(args, "cpu")[-2:] == ["--kv-dtype", "int8"]
+    # ...and it reaches the workers serve starts (their config travels as JSON)
+    assert json.loads(worker_command(WorkerConfig(engine=_engine_config(args), router="tcp://127.0.0.1:1"))[-1])[
+        "engine"]["kv_dtype"] == "int8"

@@ -318,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     address = args.server
     t0 = time.monotonic()
     if address is None:
-        extra = ["--worker-threads", str(max(1, (os.cpu_count() or 2) // args.workers))]
-        proc, address = start_server(args.workers, args.model, extra)
+        proc, address = start_server(args.workers, args.model)  # serve divides the cores among the workers
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
         tokenizer = _tokenizer_for(args.model)

@@ -15,37 +15,12 @@ import math
 import random
 import threading
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import msgspec
 
 from radixserve.errors import BadRequestError
-
-MAX_CHOICES = 1024
-NORMALIZE = ("sum", "mean")
-
-
-class ChoiceUsage(msgspec.Struct, kw_only=True):
-    """Token accounting of one choose call. ``query_tokens``/``cached_tokens`` sum over its
-    sub-requests (the prompt prefill, then one per choice); ``prompt_cached_tokens`` is the
-    prompt's own hit from earlier calls."""
-
-    prompt_tokens: int
-    choice_tokens: int
-    query_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_cached_tokens: int = 0
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.query_tokens - self.cached_tokens
-
-
-class RankedChoice(NamedTuple):
-    choice: str
-    logprob_sum: float
-    logprob_mean: float
-    n_tokens: int
+from radixserve.protocol import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
 
 
 class ChoiceResult(msgspec.Struct, kw_only=True):

@@ -10,7 +10,9 @@ is complete only the tokenizer's stop (EOS) tokens stay allowed; the matcher ter
 the request finishes with ``stop``.
 
 xgrammar is an optional dependency (``pip install 'radixserve[structured]'``); without it a
-structured request is refused with a :class:`BadRequestError` that says so.
+structured request is refused with a :class:`BadRequestError` that says so. The spec a request
+carries (:class:`~radixserve.sampling_params.StructuredOutput`) lives with the sampling parameters;
+this module only compiles it.
 """
 
 from __future__ import annotations
@@ -20,86 +22,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-import msgspec
-
 from radixserve.errors import BadRequestError
-
-MAX_SCHEMA_CHARS = 64 * 1024
-MAX_REGEX_CHARS = 4096
-MAX_CHOICES = 4096
-MAX_CHOICE_CHARS = 256
-MAX_CHOICES_CHARS = 256 * 1024
-
-
-class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
-    """Constrain a request's output to one grammar; give exactly one field.
-
-    * ``json_schema``: a JSON schema (object or its JSON text); the output is compact JSON that
-      validates against it.
-    * ``json_object=True``: any JSON object.
-    * ``regex``: the whole output matches this regular expression.
-    * ``choice``: the output is exactly one of these strings.
-    """
-
-    json_schema: dict[str, Any] | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-
-    @property
-    def kind(self) -> str:
-        for name in ("json_schema", "regex", "choice"):
-            if getattr(self, name) is not None:
-                return name
-        return "json_object"
-
-    def validate(self) -> None:
-        """Shape and size checks (the grammar itself is checked when it is compiled)."""
-        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise BadRequestError("structured", "give exactly one of json_schema, json_object=True, regex or choice"
-                                  + (f", got {', '.join(given)}" if given else ""))
-        if self.json_schema is not None:
-            if len(self.schema_text) > MAX_SCHEMA_CHARS:
-                raise BadRequestError("structured.json_schema", f"must be at most {MAX_SCHEMA_CHARS} characters of JSON")
-        if self.regex is not None and not 0 < len(self.regex) <= MAX_REGEX_CHARS:
-            raise BadRequestError("structured.regex", f"must be 1..{MAX_REGEX_CHARS} characters")
-        if self.choice is not None:
-            c = self.choice
-            if not 0 < len(c) <= MAX_CHOICES or any(not isinstance(s, str) or not 0 < len(s) <= MAX_CHOICE_CHARS for s in c):
-                raise BadRequestError("structured.choice", f"must hold 1..{MAX_CHOICES} strings of 1..{MAX_CHOICE_CHARS} characters")
-            if sum(map(len, c)) > MAX_CHOICES_CHARS:
-                raise BadRequestError("structured.choice", f"must be at most {MAX_CHOICES_CHARS} characters in all")
-
-    @property
-    def schema_text(self) -> str:
-        s = self.json_schema
-        return s if isinstance(s, str) else json.dumps(s, separators=(",", ":"))  # key order matters: kept
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar (for the cache)."""
-        kind = self.kind
-        if kind == "json_schema":
-            return kind, self.schema_text
-        if kind == "regex":
-            return kind, self.regex
-        if kind == "choice":
-            return kind, "\x00".join(self.choice)
-        return kind, ""
-
-
-def as_structured(value) -> StructuredOutput | None:
-    """Accept a :class:`StructuredOutput`, or a plain dict of its fields (SDK convenience)."""
-    if value is None or isinstance(value, StructuredOutput):
-        return value
-    if isinstance(value, dict):
-        try:
-            return msgspec.convert(value, StructuredOutput)
-        except msgspec.ValidationError as exc:
-            raise BadRequestError("structured", f"{exc}") from None
-    raise BadRequestError("structured", f"must be a StructuredOutput or a dict, got {type(value).__name__}")
+from radixserve.sampling_params import StructuredOutput, as_structured  # noqa: F401  (the spec; re-exported)
 
 
 def choice_ebnf(choices: list[str]) -> str:
