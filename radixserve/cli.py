@@ -167,8 +167,8 @@ def cmd_serve(args) -> int:
           f"{args.workers} workers on {', '.join(devices)}; max queue {args.max_queue}, {args.max_inflight} in flight "
           f"per worker)", flush=True)
     gateway = None
-    if args.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/http.py)
-        from radixserve.serve.http import start_gateway
+    if args.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
+        from radixserve.serve.openai import start_gateway
 
         gateway = start_gateway(args, loopback(address), config.limits)
     from radixserve.serve.supervisor import Supervisor, default_threads, env_with_threads

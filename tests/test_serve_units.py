@@ -208,13 +208,9 @@ def test_histogram_and_prometheus_text():
     assert 'radixserve_worker_kv_used_tokens{worker="w0"} 10.0' in text
 
 
-def test_prometheus_text_without_prometheus_client(monkeypatch):
+def test_prometheus_text_types_buckets_and_worker_labels():
     import radixserve.serve.metrics as M
 
-    def missing(_):
-        raise ImportError("prometheus_client")
-
-    monkeypatch.setattr(M, "_with_prometheus_client", missing)
     h = Histogram()
     h.observe(0.1)
     text = M.prometheus_text({"router": {"counters": {"requests": 2}, "gauges": {}, "histograms": {"ttft_s": h.to_dict()}},
