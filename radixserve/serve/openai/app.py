@@ -23,6 +23,7 @@ from radixserve.errors import RadixServeError
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
+from radixserve.serve.openai.plumbing import read_json, with_disconnect
 from radixserve.serve.openai.prompts import chat_prompt, completion_prompts
 from radixserve.serve.openai.schema import known_fields, parse_request, refuse_unsupported, sampling_params
 from radixserve.serve.openai.tenants import Tenants
@@ -141,37 +142,6 @@ class Gateway:
         return self._json(err.body(), err.status, {**(headers or {}), **err.headers}, route)
 
     # -- request plumbing ---------------------------------------------------------------------------
-    async def _read_body(self, request) -> bytes:
-        limit = self.config.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise bad(None, "invalid Content-Length")
-            if int(length) > limit:
-                raise APIError(413, f"request body is {length} bytes; the limit is {limit}",
-                               code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def _read_json(self, request) -> dict:
-        raw = await self._read_body(request)
-        if not raw:
-            raise bad(None, "the request body is empty; send a JSON object")
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise bad(None, f"the request body is not valid JSON ({exc})") from None
-        except RecursionError:
-            raise bad(None, "the request body nests too deeply") from None
-        if not isinstance(body, dict):
-            raise bad(None, "the request body must be a JSON object")
-        return body
-
     def _check_model(self, model: str | None) -> str:
         names = self.config.model_names
         if model is None:
@@ -190,30 +160,6 @@ class Gateway:
                 log.warning("ignoring unknown request field %r", k)
         return extra
 
-    async def _with_disconnect(self, request, coro):
-        """Run ``coro``; cancel it (aborting its router requests) if the client goes away."""
-        task = asyncio.ensure_future(coro)
-
-        async def gone():
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        watcher = asyncio.ensure_future(gone())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                # Wait for the cancellation to land: reading the result of a task that is still
-                # cancelling raised InvalidStateError (a logged 500 for a client that left).
-                await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
-            raise APIError(499, "client closed the request", code="client_closed")
-        return task.result()
-
     async def _ensure_client(self):
         if self.client is None:
             from radixserve.client import AsyncClient
@@ -228,7 +174,7 @@ class Gateway:
     # -- completions -------------------------------------------------------------------------------
     async def _prepare(self, request, chat: bool) -> Prepared:
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        body = await self._read_json(request)
+        body = await read_json(request, self.config.max_body_bytes)
         req = parse_request(body, chat)
         model = self._check_model(req.model)
         ignored = self._ignored(body, chat)
@@ -269,7 +215,7 @@ class Gateway:
                     response = await self._stream(request, prep)
                     streaming = True  # the stream's generator ends the in-flight count
                     return response
-                outs = await self._with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
+                outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
             except Exception as exc:
                 return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
             choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), chat), chat)
@@ -287,7 +233,7 @@ class Gateway:
 
         queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
         try:  # an error before the first token gets a real HTTP status
-            first = await self._with_disconnect(request, queue.get())
+            first = await with_disconnect(request, queue.get())
             if first[2] is not None:
                 raise first[2]
         except BaseException:
