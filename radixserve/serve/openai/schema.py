@@ -22,7 +22,7 @@ from msgspec import Meta
 
 from radixserve import protocol as P
 from radixserve.errors import BadRequestError
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutput  # the type of SamplingParams.structured
 from radixserve.serve.openai.errors import bad
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -153,8 +153,6 @@ def refuse_unsupported(req: Request) -> None:
 
 
 def _response_format(rf: Any):
-    from radixserve.engine.structured import StructuredOutput
-
     kind = rf.get("type") if isinstance(rf, dict) else None
     if kind == "json_object":
         return StructuredOutput(json_object=True)
@@ -172,8 +170,6 @@ def _response_format(rf: Any):
 def structured_output(req: Request):
     """Structured output from OpenAI's ``response_format`` (chat: ``json_object``, ``json_schema``)
     or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` (both endpoints)."""
-    from radixserve.engine.structured import StructuredOutput
-
     found = []
     if isinstance(req, ChatRequest) and req.response_format is not None:
         spec = _response_format(req.response_format)
