@@ -219,3 +219,19 @@ def test_prometheus_text_types_buckets_and_worker_labels():
     assert 'radixserve_router_ttft_s_bucket{le="0.1"} 1' in text
     assert 'radixserve_worker_running{worker="w0"} 1.0' in text
     assert 'radixserve_worker_e2e_s_count{worker="w0"} 1' in text
+
+
+def test_gateway_metrics_count_and_text():
+    from radixserve.serve.metrics import GatewayMetrics
+
+    inflight = [2]
+    m = GatewayMetrics(lambda: inflight[0])
+    live = m.by_route()  # a live view: later answers show up in it
+    m.count("chat", 200)
+    m.count("chat", 200)
+    m.count("completions", 400)
+    assert live.get(("chat", 200)) == 2 and live[("completions", 400)] == 1 and live.get(("chat", 499), 0) == 0
+    inflight[0] = 5
+    text = m.text()
+    assert 'radixserve_http_requests_total{route="chat",status="200"} 2.0' in text
+    assert "# TYPE radixserve_http_inflight gauge" in text and "radixserve_http_inflight 5.0" in text

@@ -178,6 +178,10 @@ class GatewayMetrics:
         """A live read-only view of :meth:`snapshot` (each lookup reads the counter)."""
         return _LiveCounts(self)
 
+    def text(self) -> str:
+        """Prometheus text of the gateway's own metrics."""
+        return generate_latest(self.registry).decode()
+
 
 class _LiveCounts(Mapping):
     def __init__(self, metrics: GatewayMetrics):
@@ -194,9 +198,6 @@ class _LiveCounts(Mapping):
 
     def __repr__(self) -> str:
         return repr(self._metrics.snapshot())
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
 
 
 class MetricsLog:
