@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from radixserve import protocol as P
-from radixserve.serve.http import Gateway, GatewayConfig, GatewayServer
+from radixserve.serve.openai import Gateway, GatewayConfig, GatewayServer
 from radixserve.serve.router import RouterConfig
 from serve_cluster import running_router
 

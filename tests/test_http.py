@@ -18,7 +18,7 @@ from conftest import random_prompts  # noqa: E402
 from serve_cluster import Cluster  # noqa: E402
 
 from radixserve import protocol as P  # noqa: E402
-from radixserve.serve.http import (DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants,  # noqa: E402
+from radixserve.serve.openai import (DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants,  # noqa: E402
                                    load_keys_file)
 
 pytestmark = pytest.mark.timeout(120)

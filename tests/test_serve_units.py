@@ -208,13 +208,9 @@ def test_histogram_and_prometheus_text():
     assert 'radixserve_worker_kv_used_tokens{worker="w0"} 10.0' in text
 
 
-def test_prometheus_text_without_prometheus_client(monkeypatch):
+def test_prometheus_text_types_buckets_and_worker_labels():
     import radixserve.serve.metrics as M
 
-    def missing(_):
-        raise ImportError("prometheus_client")
-
-    monkeypatch.setattr(M, "_with_prometheus_client", missing)
     h = Histogram()
     h.observe(0.1)
     text = M.prometheus_text({"router": {"counters": {"requests": 2}, "gauges": {}, "histograms": {"ttft_s": h.to_dict()}},
@@ -223,3 +219,19 @@ def test_prometheus_text_without_prometheus_client(monkeypatch):
     assert 'radixserve_router_ttft_s_bucket{le="0.1"} 1' in text
     assert 'radixserve_worker_running{worker="w0"} 1.0' in text
     assert 'radixserve_worker_e2e_s_count{worker="w0"} 1' in text
+
+
+def test_gateway_metrics_count_and_text():
+    from radixserve.serve.metrics import GatewayMetrics
+
+    inflight = [2]
+    m = GatewayMetrics(lambda: inflight[0])
+    live = m.by_route()  # a live view: later answers show up in it
+    m.count("chat", 200)
+    m.count("chat", 200)
+    m.count("completions", 400)
+    assert live.get(("chat", 200)) == 2 and live[("completions", 400)] == 1 and live.get(("chat", 499), 0) == 0
+    inflight[0] = 5
+    text = m.text()
+    assert 'radixserve_http_requests_total{route="chat",status="200"} 2.0' in text
+    assert "# TYPE radixserve_http_inflight gauge" in text and "radixserve_http_inflight 5.0" in text

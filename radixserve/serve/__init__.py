@@ -1,7 +1,7 @@
-"""Serving: the router (``router.py``), worker processes (``worker.py``), routing policies and the
+"""Serving: the router (``router/``), worker processes (``worker.py``), routing policies and the
 router's mirror of each worker's prefix cache (``routing.py``), worker authentication
-(``auth.py``), the supervisor of local workers (``supervisor.py``), the HTTP gateway
-(``http.py``), metrics (``metrics.py``).
+(``auth.py``), the supervisor of local workers (``supervisor.py``), the OpenAI HTTP gateway
+(``openai/``), metrics through prometheus-client (``metrics.py``).
 
 Processes: ``radixserve serve`` runs the router (asyncio on uvloop) and starts N supervised
 workers, each one Engine; ``radixserve worker --router WORKER_ADDR --secret-file F`` joins one

@@ -153,8 +153,8 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
           f"{cfg.workers} workers on {', '.join(cfg.devices)}; max queue {cfg.max_queue}, {cfg.max_inflight} in flight "
           f"per worker)", flush=True)
     gateway = None
-    if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/http.py)
-        from radixserve.serve.http import start_gateway
+    if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
+        from radixserve.serve.openai import start_gateway
 
         gateway = start_gateway(cfg, _loopback(address), config.limits)
     supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)

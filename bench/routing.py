@@ -1,6 +1,6 @@
 """Routing policies side by side on a generated shared-prefix workload.
 
-``python -m radixserve.serve.bench_routing [--model PATH] [--workers 2] [--groups 8 ...]``
+``python -m bench routing [--model PATH] [--workers 2] [--groups 8 ...]``
 
 Starts ``radixserve serve`` once per policy, sends ``groups x per_group`` requests (each group
 shares a ``prefix_tokens`` system prompt, then ``question_tokens`` of its own), shuffled, with
@@ -13,7 +13,6 @@ show routing effects, not model speed).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -23,6 +22,8 @@ import sys
 import tempfile
 import threading
 import time
+
+HELP = "routing policies side by side on live workers (hit rate, throughput, TTFT)"
 
 
 def _start(model: str, policy: str, workers: int, kv_tokens: int, threads: int) -> tuple[subprocess.Popen, str]:
@@ -72,8 +73,7 @@ async def _run(address: str, workers: int, prompts: list[list[int]], max_tokens:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
     ap.add_argument("--model", default=None, help="model directory (default: a tiny random Llama)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--groups", type=int, default=8)
@@ -87,21 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="single,round_robin,least_load,cache_aware",
                     help="'single' is the baseline: one worker holding the pooled KV of all workers")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
 
-    tmp = None
-    model = args.model
-    if model is None:
-        from radixserve.model.builtin import make_tiny_model_dir
 
-        tmp = tempfile.TemporaryDirectory()
-        model = str(make_tiny_model_dir(os.path.join(tmp.name, "tiny"), "llama", max_position_embeddings=2048))
-        vocab = 512
-    else:
+def _model(args) -> tuple[str, int, tempfile.TemporaryDirectory | None]:
+    """The model directory, its vocabulary size, and the temporary directory holding it (or None)."""
+    if args.model is not None:
         import json
 
-        with open(os.path.join(model, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
+        with open(os.path.join(args.model, "config.json")) as f:
+            return args.model, json.load(f)["vocab_size"], None
+    from radixserve.model.builtin import make_tiny_model_dir
+
+    tmp = tempfile.TemporaryDirectory()
+    return str(make_tiny_model_dir(os.path.join(tmp.name, "tiny"), "llama", max_position_embeddings=2048)), 512, tmp
+
+
+def _workload(args, vocab: int) -> tuple[list[list[int]], int]:
+    """The shuffled prompts and the KV tokens per worker."""
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.groups)]
     prompts = [prefixes[g] + [rng.randrange(10, vocab) for _ in range(args.question_tokens)]
@@ -114,20 +116,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {args.groups} groups x {args.per_group} requests, {args.prefix_tokens}-token shared prefix + "
           f"{args.question_tokens}-token question, {args.max_tokens} tokens out; {args.workers} workers, "
           f"KV {kv} tokens each; ideal hit rate {ideal:.1%}", flush=True)
-    rows = []
-    for policy in args.policies.split(","):
-        single = policy == "single"
-        workers = 1 if single else args.workers
-        proc, address = _start(model, "round_robin" if single else policy, workers,
-                               kv * args.workers if single else kv, args.threads)
+    return prompts, kv
+
+
+def _policy_run(args, model: str, policy: str, prompts: list[list[int]], kv: int) -> dict:
+    single = policy == "single"
+    workers = 1 if single else args.workers
+    proc, address = _start(model, "round_robin" if single else policy, workers,
+                           kv * args.workers if single else kv, args.threads)
+    try:
+        return asyncio.run(_run(address, workers, prompts, args.max_tokens, args.concurrency))
+    finally:
+        proc.send_signal(signal.SIGTERM)
         try:
-            rows.append((policy, asyncio.run(_run(address, workers, prompts, args.max_tokens, args.concurrency))))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _print_table(rows: list[tuple[str, dict]]) -> None:
     base = dict(rows).get("single", {}).get("hit_rate")
     print(f"{'policy':<12} {'hit rate':>9} {'of single':>10} {'req/s':>8} {'tok/s':>9} {'TTFT p50 ms':>12} "
           f"{'TTFT p99 ms':>12}  routed per worker")
@@ -135,10 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         share = f"{r['hit_rate'] / base:>10.1%}" if base else f"{'-':>10}"
         print(f"{policy:<12} {r['hit_rate']:>9.1%} {share} {r['req_per_s']:>8.1f} {r['tok_per_s']:>9.0f} "
               f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p99_ms']:>12.1f}  {r['per_worker']}")
-    if tmp is not None:
-        tmp.cleanup()
+
+
+def run(args) -> int:
+    model, vocab, tmp = _model(args)
+    try:
+        prompts, kv = _workload(args, vocab)
+        rows = [(policy, _policy_run(args, model, policy, prompts, kv)) for policy in args.policies.split(",")]
+        _print_table(rows)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

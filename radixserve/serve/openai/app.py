@@ -1,0 +1,320 @@
+"""The Starlette app of the OpenAI gateway: routes, request handling, streaming.
+
+Every request goes to the router over the same ZMQ protocol as the SDK (one shared
+:class:`~radixserve.client.AsyncClient`). ``n > 1`` runs n requests; with a ``seed``, choice i uses
+``seed + i`` (reproducible, yet the choices differ). Usage counts each prompt once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from radixserve import protocol as P
+from radixserve.errors import RadixServeError
+from radixserve.serve.metrics import GatewayMetrics, prometheus_text
+from radixserve.serve.openai import responses as R
+from radixserve.serve.openai.errors import APIError, api_error_from, bad
+from radixserve.serve.openai.plumbing import read_json, with_disconnect
+from radixserve.serve.openai.prompts import chat_prompt, completion_prompts
+from radixserve.serve.openai.schema import known_fields, parse_request, refuse_unsupported, sampling_params
+from radixserve.serve.openai.tenants import Tenants
+
+log = logging.getLogger("radixserve.http")
+
+MAX_CHOICES = 64  # prompts x n per request
+
+
+@dataclass
+class GatewayConfig:
+    router: str  # the router's ZMQ address
+    model_names: list[str] = field(default_factory=lambda: ["radixserve"])
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 2**20
+    max_n: int = 16
+    limits: P.Limits = field(default_factory=P.Limits)
+
+
+@dataclass
+class Prepared:
+    """A checked completion request, ready to run: one job (index, prompt, sampling kwargs) per choice."""
+
+    chat: bool
+    model: str
+    jobs: list[tuple[int, Any, dict]]
+    n: int
+    stream: bool
+    include_usage: bool
+    namespace: str | None
+    headers: dict[str, str]
+
+    @property
+    def route(self) -> str:
+        return "chat" if self.chat else "completions"
+
+    def response(self, choices: list, usage: R.Usage | None = None, chunk: bool = False,
+                 rid: str | None = None, created: int | None = None) -> R.Response:
+        obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return R.Response(id=rid or self.new_id(), object=obj, created=created or int(time.time()),
+                          model=self.model, choices=choices, usage=R.UNSET if usage is None else usage)
+
+    def new_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _jobs(prompts: list, params, n: int) -> list[tuple[int, Any, dict]]:
+    """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``."""
+    base = msgspec.structs.asdict(params)
+    jobs = []
+    for pi, prompt in enumerate(prompts):
+        for i in range(n):
+            sp = dict(base)
+            if n > 1 and sp["seed"] is not None:
+                sp["seed"] += i
+            jobs.append((pi * n + i, prompt, sp))
+    return jobs
+
+
+class Gateway:
+    """The Starlette app and its state (router client, tokenizer, tenants, metrics)."""
+
+    def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.tenants = tenants or Tenants()
+        self.client = client  # AsyncClient, created on the serving loop when None
+        self.created = int(time.time())
+        self.meters = GatewayMetrics(lambda: self.inflight)
+        self.inflight = 0
+        self._warned: set[str] = set()
+        self._max_model_len: int | None = None
+        self._tok_lock = threading.Lock()
+        self.app = self._build_app()
+
+    @property
+    def counters(self) -> Mapping[tuple[str, int], float]:
+        """HTTP answers so far by (route, status): a live view of the Prometheus counter."""
+        return self.meters.by_route()
+
+    # -- app ---------------------------------------------------------------------------------------
+    def _build_app(self):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+        async def on_http(request, exc: HTTPException):
+            msg = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+            return self._error(APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}
+                                        .get(exc.status_code)), route="other")
+
+        async def on_any(request, exc: Exception):
+            return self._error(api_error_from(exc), route="other")
+
+        return Starlette(routes=routes, exception_handlers={HTTPException: on_http, Exception: on_any})
+
+    def _json(self, data, status: int = 200, headers: dict | None = None, route: str = "other"):
+        from starlette.responses import Response
+
+        self.meters.count(route, status)
+        return Response(msgspec.json.encode(data), status_code=status, headers=headers,
+                        media_type="application/json")
+
+    def _error(self, err: APIError, route: str = "other", headers: dict | None = None):
+        return self._json(err.body(), err.status, {**(headers or {}), **err.headers}, route)
+
+    # -- request plumbing ---------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> str:
+        names = self.config.model_names
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves {names[0]!r}",
+                           param="model", code="model_not_found")
+        return model
+
+    def _ignored(self, body: dict, chat: bool) -> list[str]:
+        known = known_fields(chat)
+        extra = sorted(k for k in body if k not in known)
+        for k in extra:
+            if k not in self._warned and len(self._warned) < 1000:
+                self._warned.add(k)
+                log.warning("ignoring unknown request field %r", k)
+        return extra
+
+    async def _ensure_client(self):
+        if self.client is None:
+            from radixserve.client import AsyncClient
+
+            self.client = AsyncClient(self.config.router, timeout=None,
+                                      max_frame_bytes=self.config.limits.max_frame_bytes)
+        return self.client
+
+    def _logprobs(self, lps, chat: bool):
+        return R.logprobs(self.tokenizer, lps, chat)
+
+    # -- completions -------------------------------------------------------------------------------
+    async def _prepare(self, request, chat: bool) -> Prepared:
+        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        body = await read_json(request, self.config.max_body_bytes)
+        req = parse_request(body, chat)
+        model = self._check_model(req.model)
+        ignored = self._ignored(body, chat)
+        refuse_unsupported(req)
+        params, n = sampling_params(req, self.config.limits)
+        if n > self.config.max_n:
+            raise bad("n", f"must be at most {self.config.max_n}, got {n}")
+        if chat:
+            prompts = [await asyncio.to_thread(chat_prompt, req, self.tokenizer, self._tok_lock, self.config.limits)]
+        else:
+            prompts = completion_prompts(req)
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad("n", f"prompts x n must be at most {MAX_CHOICES}")
+        headers = {"X-Radixserve-Ignored-Fields": ",".join(ignored)[:1000]} if ignored else {}
+        return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
+                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                        namespace=self.tenants.namespace(tenant), headers=headers)
+
+    async def _run_all(self, jobs, namespace) -> list:
+        client = await self._ensure_client()
+        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, **sp))
+                 for _, p, sp in jobs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+
+    async def _handle(self, request, chat: bool):
+        route = "chat" if chat else "completions"
+        self.inflight += 1
+        streaming = False
+        try:
+            try:
+                prep = await self._prepare(request, chat)
+                if prep.stream:
+                    response = await self._stream(request, prep)
+                    streaming = True  # the stream's generator ends the in-flight count
+                    return response
+                outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
+            except Exception as exc:
+                return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
+            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), chat), chat)
+                       for (index, _, _), out in zip(prep.jobs, outs)]
+            data = prep.response(choices, R.usage(outs, prep.n))
+            return self._json(data, headers=prep.headers, route=route)
+        finally:
+            if not streaming:
+                self.inflight -= 1
+
+    async def _stream(self, request, prep: Prepared):
+        from starlette.responses import StreamingResponse
+
+        from radixserve.serve.openai.streaming import open_streams, sse_events
+
+        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
+        try:  # an error before the first token gets a real HTTP status
+            first = await with_disconnect(request, queue.get())
+            if first[2] is not None:
+                raise first[2]
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+        async def gen():
+            try:
+                async for event in sse_events(prep, first, queue, self._logprobs):
+                    yield event
+            finally:
+                self.inflight -= 1
+                for t in tasks:
+                    if not t.done():
+                        t.cancel()
+
+        self.meters.count(prep.route, 200)
+        return StreamingResponse(gen(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers})
+
+    # -- endpoints ---------------------------------------------------------------------------------
+    async def completions(self, request):
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request):
+        return await self._handle(request, chat=True)
+
+    async def _model_len(self) -> int | None:
+        if self._max_model_len is None:
+            try:
+                client = await self._ensure_client()
+                stats = await client.stats(timeout=2.0)
+                lens = [w.get("max_model_len", 0) for w in stats.get("workers", {}).values() if w.get("alive")]
+                lens = [x for x in lens if x]
+                self._max_model_len = min(lens) if lens else None
+            except RadixServeError:
+                return None
+        return self._max_model_len
+
+    def _model_card(self, name: str, max_len: int | None) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "radixserve",
+                "max_model_len": max_len}
+
+    async def models(self, request):
+        try:
+            self.tenants.authenticate(request.headers.get("authorization"))
+        except APIError as err:
+            return self._error(err, "models")
+        max_len = await self._model_len()
+        return self._json({"object": "list", "data": [self._model_card(self.config.model_names[0], max_len)]},
+                          route="models")
+
+    async def model(self, request):
+        try:
+            self.tenants.authenticate(request.headers.get("authorization"))
+            name = request.path_params["model"]
+            if name not in self.config.model_names:
+                raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        except APIError as err:
+            return self._error(err, "models")
+        return self._json(self._model_card(name, await self._model_len()), route="models")
+
+    async def health(self, request):
+        try:
+            client = await self._ensure_client()
+            h = await client.health(timeout=2.0)
+        except RadixServeError as exc:
+            return self._json({"status": "unavailable", "error": exc.message}, 503, {"Retry-After": "5"}, "health")
+        ok = h["status"] == "ok"
+        return self._json(h, 200 if ok else 503, None if ok else {"Retry-After": "5"}, "health")
+
+    async def metrics(self, request):
+        """Prometheus text of the router's stats, then the gateway's own request metrics."""
+        from starlette.responses import Response
+
+        try:
+            client = await self._ensure_client()
+            stats = await client.stats(timeout=5.0)
+        except RadixServeError as exc:
+            return self._error(api_error_from(exc), "metrics")
+        text = prometheus_text(stats) + self.meters.text()
+        self.meters.count("metrics", 200)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,69 @@
+"""Request plumbing of the gateway: reading a bounded JSON body, and running a call that is
+cancelled (aborting its router requests) when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from radixserve.serve.openai.errors import APIError, bad
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The request body; 413 past ``limit`` bytes (declared or read so far)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad(None, "invalid Content-Length")
+        if int(length) > limit:
+            raise APIError(413, f"request body is {length} bytes; the limit is {limit}",
+                           code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request, limit: int) -> dict:
+    """The request body as a JSON object (400 when it is not one)."""
+    raw = await _read_body(request, limit)
+    if not raw:
+        raise bad(None, "the request body is empty; send a JSON object")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad(None, f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise bad(None, "the request body nests too deeply") from None
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    return body
+
+
+async def with_disconnect(request, coro):
+    """Run ``coro``; cancel it (aborting its router requests) if the client goes away."""
+    task = asyncio.ensure_future(coro)
+
+    async def gone():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            # Wait for the cancellation to land: reading the result of a task that is still
+            # cancelling raised InvalidStateError (a logged 500 for a client that left).
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "client closed the request", code="client_closed")
+    return task.result()

@@ -1,0 +1,239 @@
+"""The OpenAI request bodies as msgspec Structs, and their conversion into SamplingParams.
+
+Types and static ranges are constraints on the Structs (``Meta(ge=..., le=...)``, ``Literal``),
+checked by ``msgspec.convert``; a failure becomes a 400 whose ``param`` names the field (the first
+path component, or ``messages[i].role`` / ``messages[i].content`` inside ``messages``). What depends
+on the server's limits (``max_tokens`` against the context, the number of stop strings) and what
+spans fields (``best_of`` against ``n``, ``top_logprobs`` needing ``logprobs``) is checked after, in
+:func:`sampling_params`; the result is validated once more by :meth:`SamplingParams.validate`.
+
+Unknown top-level fields are ignored (like vLLM; each is listed in a response header by the app).
+Known OpenAI fields this server cannot honour (``logit_bias``, ``tools``, ``suffix``, ``echo``,
+``best_of != n``, ...) are refused with 400 naming the field rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from radixserve import protocol as P
+from radixserve.errors import BadRequestError
+from radixserve.sampling_params import SamplingParams, StructuredOutput  # the type of SamplingParams.structured
+from radixserve.serve.openai.errors import bad
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share (OpenAI's, plus vLLM's extras)."""
+
+    model: Union[str, None] = None
+    max_tokens: Union[PositiveInt, None] = None
+    temperature: Union[Annotated[float, Meta(ge=0.0)], None] = None
+    top_p: Union[Annotated[float, Meta(gt=0.0, le=1.0)], None] = None
+    top_k: Union[Annotated[int, Meta(ge=-1)], None] = None  # -1 or 0: disabled
+    min_p: Union[Unit, None] = None
+    seed: Union[int, None] = None
+    stop: Union[str, list[str], None] = None
+    n: Union[PositiveInt, None] = None
+    best_of: Union[PositiveInt, None] = None
+    stream: bool = False
+    stream_options: Union[StreamOptions, None] = None
+    presence_penalty: Union[Penalty, None] = None
+    frequency_penalty: Union[Penalty, None] = None
+    repetition_penalty: Union[Annotated[float, Meta(gt=0.0)], None] = None
+    user: Union[str, None] = None  # accepted and ignored: a client cannot choose its namespace
+    ignore_eos: Union[bool, None] = None
+    stop_token_ids: Union[list[Annotated[int, Meta(ge=0)]], None] = None
+    logit_bias: Any = None  # refused when given
+    guided_json: Union[dict, str, None] = None
+    guided_regex: Union[str, None] = None
+    guided_choice: Union[list[str], None] = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either."""
+
+    prompt: Union[str, list[Any], None] = None
+    logprobs: Union[Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)], None] = None
+    suffix: Any = None  # refused when given
+    echo: Any = None  # refused when true
+
+
+class TextPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class Message(msgspec.Struct):
+    role: Role
+    content: Union[str, list[TextPart], None] = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Union[Annotated[list[Message], Meta(min_length=1)], None] = None
+    max_completion_tokens: Union[PositiveInt, None] = None
+    logprobs: Union[bool, None] = None
+    top_logprobs: Union[Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)], None] = None
+    response_format: Any = None  # checked by structured_output
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    parallel_tool_calls: Any = None  # the rest: accepted, nothing to do
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+
+
+Request = Union[CompletionRequest, ChatRequest]
+_AT = re.compile(r"(.*) - at `\$(.*)`$", re.S)
+_MESSAGE_PARAM = re.compile(r"messages\[\d+\](?:\.(?:role|content))?")
+
+
+def _param(path: str) -> str | None:
+    """The ``param`` of an error at msgspec's path (``.top_p``, ``.messages[0].content[1].type``)."""
+    path = path.lstrip(".")
+    m = _MESSAGE_PARAM.match(path)
+    if m:
+        return m.group(0)
+    return re.split(r"[.\[]", path, maxsplit=1)[0] or None
+
+
+def parse_request(body: dict, chat: bool) -> Request:
+    """The request Struct of a decoded JSON body; 400 naming the first bad field."""
+    try:
+        return msgspec.convert(body, ChatRequest if chat else CompletionRequest)
+    except msgspec.ValidationError as exc:
+        m = _AT.match(str(exc))
+        if m is None:
+            raise bad(None, str(exc)) from None
+        raise bad(_param(m.group(2)), m.group(1)) from None
+
+
+def known_fields(chat: bool) -> frozenset[str]:
+    return frozenset((ChatRequest if chat else CompletionRequest).__struct_fields__)
+
+
+def refuse_unsupported(req: Request) -> None:
+    """Known OpenAI features this server cannot honour: refuse rather than ignore."""
+    if req.logit_bias:
+        raise bad("logit_bias", "is not supported by this server")
+    if isinstance(req, ChatRequest):
+        for name, what in (("tools", "tool"), ("functions", "function")):
+            if getattr(req, name):
+                raise bad(name, f"{what} calling is not supported by this server")
+        for name, what in (("tool_choice", "tool"), ("function_call", "function")):
+            if getattr(req, name) not in (None, "none", "auto"):
+                raise bad(name, f"{what} calling is not supported by this server")
+        if req.modalities is not None and req.modalities != ["text"]:
+            raise bad("modalities", "only [\"text\"] is supported")
+        return
+    for name in ("suffix", "echo"):
+        if getattr(req, name):
+            raise bad(name, "is not supported by this server")
+
+
+def _response_format(rf: Any):
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format", "json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return StructuredOutput(json_schema=schema)
+    if kind != "text":
+        raise bad("response_format", "type must be text, json_object or json_schema")
+    return None
+
+
+def structured_output(req: Request):
+    """Structured output from OpenAI's ``response_format`` (chat: ``json_object``, ``json_schema``)
+    or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` (both endpoints)."""
+    found = []
+    if isinstance(req, ChatRequest) and req.response_format is not None:
+        spec = _response_format(req.response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if req.guided_json is not None:
+        found.append(("guided_json", StructuredOutput(json_schema=req.guided_json)))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", StructuredOutput(regex=req.guided_regex)))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", StructuredOutput(choice=req.guided_choice)))
+    if len(found) > 1:
+        raise bad(found[1][0], "give only one of response_format, guided_json, guided_regex, guided_choice")
+    return found[0][1] if found else None
+
+
+def _max_tokens(req: Request, limits: P.Limits) -> int:
+    chat = isinstance(req, ChatRequest)
+    for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
+        value = getattr(req, name)
+        if value is not None:
+            if value > limits.max_tokens:
+                raise bad(name, f"must be in [1, {limits.max_tokens}], got {value}")
+            return value
+    # OpenAI: completions default to 16 tokens; chat to "as many as fit" (the engine stops at the context).
+    return limits.max_tokens if chat else 16
+
+
+def _stop(stop: str | list[str] | None, limits: P.Limits) -> list[str] | None:
+    if stop is None:
+        return None
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in stop):
+        raise bad("stop", f"at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters")
+    return [s for s in stop if s] or None
+
+
+def _logprobs(req: Request) -> int | None:
+    """Chat: ``logprobs: bool`` + ``top_logprobs: 0..20``; completions: ``logprobs: 0..20``."""
+    if not isinstance(req, ChatRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs", "requires logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+_COPIED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "seed", "stop_token_ids", "ignore_eos")
+
+
+def sampling_params(req: Request, limits: P.Limits) -> tuple[SamplingParams, int]:
+    """The validated SamplingParams of a request and its ``n`` (400 naming a bad field)."""
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise bad("best_of", "is not supported (only best_of == n)")
+    kw: dict[str, Any] = {name: getattr(req, name) for name in _COPIED if getattr(req, name) is not None}
+    kw["max_tokens"] = _max_tokens(req, limits)
+    if req.top_k is not None:
+        kw["top_k"] = -1 if req.top_k == 0 else req.top_k
+    optional = {"stop": _stop(req.stop, limits), "logprobs": _logprobs(req), "structured": structured_output(req)}
+    kw.update({k: v for k, v in optional.items() if v is not None})
+    try:
+        params = msgspec.convert(kw, SamplingParams, from_attributes=True)
+        params.validate(vocab_size=1 << 31)
+    except BadRequestError as exc:
+        raise bad(exc.field, exc.message.split(": ", 1)[-1]) from None
+    return params, n

@@ -1,0 +1,235 @@
+"""Client-facing requests: admission of generate and choose calls (validated, tokenized off the
+loop when long, then dispatched or queued, or refused ``overloaded``), aborts, health and stats."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+from radixserve import protocol as P
+from radixserve.errors import RadixServeError
+from radixserve.serve.router.state import Job
+
+log = logging.getLogger("radixserve.router")
+
+
+class ClientFront:
+    """The handlers of client requests (the client socket)."""
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._token_chars = longest_token_chars(tokenizer)
+
+    def prompt_char_limit(self) -> int:
+        """Prompts longer than this (characters) cannot fit the context: refused untokenized."""
+        cfg = self.config
+        limit = cfg.limits.max_prompt_chars
+        if cfg.max_prompt_chars is not None:
+            return min(limit, cfg.max_prompt_chars)
+        context = cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
+        if context:
+            limit = min(limit, context * self._token_chars)
+        return limit
+
+    def _accepting(self, identity: bytes, msg) -> tuple | None:
+        """The job key for a new client call, or None after replying why it can't be taken."""
+        if self.shutting_down:
+            self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
+            return None
+        key = (identity, msg.id)
+        if key in self.jobs or key in self._tokenizing:
+            self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
+            return None
+        return key
+
+    def _on_generate(self, identity: bytes, worker, msg: P.Generate) -> None:
+        key = self._accepting(identity, msg)
+        if key is None:
+            return
+        try:
+            P.validate_generate(msg, self.config.limits)
+            if msg.token_ids is None:
+                if self.tokenizer is None:
+                    raise P.DecodeError("this router has no tokenizer; send token_ids", msg.id)
+                self._check_prompt_chars(len(msg.prompt))
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        if msg.token_ids is not None:
+            self._admit_generate(key, identity, msg, msg.token_ids)
+        else:
+            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(msg.prompt),),
+                           lambda ids: self._admit_generate(key, identity, msg, ids))
+
+    def _check_prompt_chars(self, n: int) -> None:
+        limit = self.prompt_char_limit()
+        if n > limit:
+            from radixserve.errors import TooLongError
+
+            raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit "
+                                         f"the model's context")
+
+    def _tokenize(self, key, identity: bytes, msg, compute, then) -> None:
+        """Run ``compute()`` (tokenizer calls) off the loop when the prompt is long, then
+        ``then(*result)`` on the loop; answers overloaded when too many prompts are in the pool."""
+        if len(msg.prompt) <= self.config.inline_tokenize_chars:
+            then(*compute())
+            return
+        if len(self._tokenizing) >= self.config.max_tokenizing:
+            self.counters["overloaded"] += 1
+            self._reply_error(identity, msg.id, P.OVERLOADED,
+                              f"{len(self._tokenizing)} long prompts are being tokenized; retry later")
+            return
+        if self._tok_pool is None:
+            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
+                                                                   thread_name_prefix="tokenize")
+        self._tokenizing[key] = False
+        future = asyncio.get_running_loop().run_in_executor(self._tok_pool, compute)
+
+        def done(fut) -> None:
+            aborted = self._tokenizing.pop(key, False)
+            try:
+                if fut.cancelled():
+                    raise RuntimeError("tokenizing was cancelled")
+                result = fut.result()
+            except Exception as exc:
+                self._reply_error(identity, msg.id, P.INTERNAL, f"tokenizing failed: {type(exc).__name__}: {exc}")
+                return
+            if aborted:
+                self._reply_error(identity, msg.id, P.BAD_REQUEST, "aborted by the client")
+            elif self.shutting_down:
+                self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
+            else:
+                try:
+                    then(*result)
+                except Exception:  # a bug must not leave the call without a reply
+                    log.exception("router failed admitting a tokenized request")
+                    self._reply_error(identity, msg.id, P.INTERNAL, "router error admitting the request")
+
+        future.add_done_callback(done)
+
+    def _admit_generate(self, key, identity: bytes, msg: P.Generate, ids) -> None:
+        try:
+            if len(ids) > self.config.limits.max_prompt_tokens:
+                raise P._too_long(len(ids), self.config.limits)
+            if not ids:
+                raise P.DecodeError("prompt tokenizes to nothing", msg.id)
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        self.counters["requests"] += 1
+        now = time.monotonic()
+        job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=msg.params,
+                  namespace=msg.namespace, stream=msg.stream, arrival=now)
+        self._admit(key, job)
+
+    def _on_choose(self, identity: bytes, worker, msg: P.Choose) -> None:
+        key = self._accepting(identity, msg)
+        if key is None:
+            return
+        try:
+            P.validate_choose(msg, self.config.limits)
+            if self.tokenizer is None:
+                raise P.DecodeError("this router has no tokenizer; choose needs one", msg.id)
+            if msg.prompt is not None:
+                self._check_prompt_chars(len(msg.prompt))
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        tok = self.tokenizer
+
+        def compute():
+            ids = msg.token_ids if msg.token_ids is not None else tok.encode(msg.prompt)
+            return ids, [tok.encode(c, add_special_tokens=False) for c in msg.choices]
+
+        if msg.prompt is None:
+            self._admit_choose(key, identity, msg, *compute())
+        else:
+            self._tokenize(key, identity, msg, compute, lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids))
+
+    def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids) -> None:
+        try:
+            if len(ids) > self.config.limits.max_prompt_tokens:
+                raise P._too_long(len(ids), self.config.limits)
+            if not ids or not all(choice_ids):
+                raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
+        self.counters["requests"] += 1
+        self.counters["choose_requests"] += 1
+        now = time.monotonic()
+        job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=None,
+                  namespace=msg.namespace, stream=False, arrival=now,
+                  choose=dict(choices=msg.choices, choice_ids=choice_ids, normalize=msg.normalize,
+                              temperature=msg.temperature, seed=msg.seed))
+        self._admit(key, job)
+
+    def _admit(self, key, job: Job) -> None:
+        identity = job.client
+        self.hist["queue_depth_at_arrival"].observe(len(self.queue))
+        candidates = self._candidates()
+        if candidates:
+            self.jobs[key] = job
+            self._dispatch(job, candidates)
+        elif len(self.queue) < self.config.max_queue:
+            self.jobs[key] = job
+            job.queued_at = job.arrival
+            self.queue.append(job)
+        else:
+            self.counters["overloaded"] += 1
+            self._reply_error(identity, job.cid, P.OVERLOADED,
+                              f"all {len(self._alive())} workers are at their in-flight cap and the router queue "
+                              f"is full ({self.config.max_queue}); retry later or add workers")
+
+    def _on_abort(self, identity: bytes, worker, msg: P.Abort) -> None:
+        if (identity, msg.id) in self._tokenizing:
+            self._tokenizing[(identity, msg.id)] = True  # answered when tokenizing ends
+            return
+        job = self.jobs.get((identity, msg.id))
+        if job is None:
+            return
+        if job.worker is None:  # still queued here
+            try:
+                self.queue.remove(job)
+            except ValueError:
+                pass
+            self._finish(job, None)
+            if job.choose is not None:
+                self._reply_error(job.client, job.cid, P.BAD_REQUEST, "aborted by the client")
+                return
+            self._send(job.client, P.Final(id=job.cid, token_ids=[], text="", finish_reason="abort",
+                                           usage=P.Usage(prompt_tokens=len(job.token_ids), cached_tokens=0, completion_tokens=0),
+                                           timings=P.Timings(queue_s=time.monotonic() - job.arrival, ttft_s=0.0,
+                                                             e2e_s=time.monotonic() - job.arrival)))
+            self.counters["aborted"] += 1
+        else:
+            self._wsend(job.worker.identity, P.Abort(id=job.work_id))
+
+    def _on_health(self, identity: bytes, worker, msg: P.Health) -> None:
+        alive = len(self._alive())
+        status = "shutting_down" if self.shutting_down else ("ok" if alive else "degraded")
+        self._send(identity, P.HealthReply(id=msg.id, status=status, workers=len(self.workers), workers_alive=alive))
+
+    def _on_stats(self, identity: bytes, worker, msg: P.Stats) -> None:
+        probe = None
+        if msg.probe is not None:
+            # a text probe is tokenized on the loop: only its first 65536 characters (milliseconds)
+            text = msg.probe[: min(self.prompt_char_limit(), 65536)] if isinstance(msg.probe, str) else ""
+            ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(text) if self.tokenizer else [])
+            ids = ids[: self.config.limits.max_probe_tokens]
+            probe = {w.name: w.index.tree.peek(ids, msg.namespace) for w in self.workers.values()}
+        self._send(identity, P.StatsReply(id=msg.id, stats=self.stats(probe)))
+
+
+def longest_token_chars(tokenizer, cap: int = 64) -> int:
+    """Characters in the vocabulary's longest token (at least 4, at most ``cap``): a prompt of
+    more than ``context x this`` characters cannot fit the context."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max(len(t) for t in vocab) if vocab else cap
+    except Exception:
+        longest = cap
+    return max(4, min(cap, longest))

@@ -1,0 +1,176 @@
+"""The router's two ROUTER sockets: binding them, sending, and receiving frames into the
+message handlers (client requests on one socket, worker messages on the other)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from radixserve import protocol as P
+from radixserve.errors import RadixServeError
+
+log = logging.getLogger("radixserve.router")
+
+
+# Message type -> the name of its handler method, ``handler(identity, worker, msg)``.
+_HANDLERS = {  # the client socket
+    P.Generate: "_on_generate", P.Abort: "_on_abort", P.Health: "_on_health",
+    P.Stats: "_on_stats", P.Choose: "_on_choose",
+}
+_WORKER_HANDLERS = {  # the worker socket
+    P.Register: "_on_register", P.Heartbeat: "_on_heartbeat",
+    P.CacheEvents: "_on_cache_events", P.Goodbye: "_on_goodbye",
+    P.Chunk: "_on_chunk", P.Final: "_on_final", P.Error: "_on_worker_error",
+    P.ChoiceFinal: "_on_choice_final", P.Leave: "_on_leave",
+}
+
+
+class Sockets:
+    """Binding, sending and receiving on the client and worker sockets."""
+
+    def bind(self) -> str:
+        """Bind the client and worker sockets; returns the client address (with the real port
+        when port is 0); the worker socket's is :attr:`worker_address`. A busy address raises
+        :class:`~radixserve.errors.RadixServeError` naming it."""
+        from radixserve.serve import auth
+
+        self.ctx = zmq.asyncio.Context()
+        cfg = self.config
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
+        # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
+        # still gets an error reply naming the limit.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
+        self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
+        self.sock = sock
+        wsock = self.ctx.socket(zmq.ROUTER)
+        wsock.setsockopt(zmq.LINGER, 500)
+        wsock.setsockopt(zmq.SNDHWM, 0)
+        wsock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)
+        # A worker reconnecting after a link cut keeps its identity: the new connection takes
+        # over from the old one (which TCP may not have noticed is dead yet).
+        wsock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # ZMTP pings clean up connections that died without a FIN. Their timeout must be set: it
+        # defaults to the interval, and one slow round trip would then drop a live connection.
+        # Longer than heartbeat_timeout_s, so the router declares a worker dead before libzmq
+        # drops its connection (messages still queued on it would be lost).
+        wsock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_s * 1000))
+        wsock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((cfg.heartbeat_timeout_s + 2.0) * 1000))
+        auth.make_server(wsock, self.secret)
+        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters)
+        worker_address = cfg.worker_address
+        if worker_address is None and cfg.address and cfg.address.startswith("ipc://"):
+            worker_address = cfg.address + "-workers"
+        port = cfg.worker_port if cfg.worker_port is not None else (cfg.port + 1 if cfg.port and not cfg.address else 0)
+        host = cfg.host
+        if cfg.address and cfg.address.startswith("tcp://"):
+            host = cfg.address[len("tcp://"):].rsplit(":", 1)[0]
+        self.worker_address = _bind(wsock, worker_address, host, port, "worker")
+        self.wsock = wsock
+        return self.address
+
+    def _send(self, identity: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # unreachable peer: ROUTER drops; never let it kill the loop
+            log.debug("send to %r failed: %s", identity, exc)
+
+    def _wsend(self, identity: bytes, msg) -> None:
+        """Send to a worker (on the worker socket)."""
+        try:
+            self.wsock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("send to worker %r failed: %s", identity, exc)
+
+    def _reply_error(self, identity: bytes, rid: str, code: str, message: str) -> None:
+        self.counters[f"errors_{code}"] = self.counters.get(f"errors_{code}", 0) + 1
+        self._send(identity, P.Error(id=rid, code=code, message=message))
+
+    async def _worker_receiver(self) -> None:
+        while True:
+            parts = await self.wsock.recv_multipart(copy=True)
+            try:
+                self._on_worker_frames(parts)
+            except Exception:
+                log.exception("router failed handling a worker message")
+
+    def _on_worker_frames(self, parts: list[bytes]) -> None:
+        """A message on the worker socket: the peer holds the secret (CURVE let it in)."""
+        identity = parts[0]
+        worker = self.by_identity.get(identity)
+        if len(parts) != 2:
+            self.counters["bad_frames"] += 1
+            return
+        try:
+            msg = P.decode(parts[1], max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
+        except P.DecodeError as exc:
+            self.counters["bad_frames"] += 1
+            log.warning("bad frame from worker %r: %s", identity, exc)
+            return
+        handler = _WORKER_HANDLERS.get(type(msg))
+        if handler is None:
+            log.warning("worker %r sent a %s, which is not a worker message", identity, type(msg).__name__)
+            return
+        if worker is None and not isinstance(msg, P.Register):
+            # Not (or no longer) registered, e.g. declared dead during a link cut: ask it to
+            # register again (at most once per heartbeat timeout per connection).
+            if not isinstance(msg, (P.Leave, P.Goodbye)) and not self.shutting_down:
+                now = time.monotonic()
+                if now - self._rejoin_asked.get(identity, 0.0) > self.config.heartbeat_timeout_s:
+                    if len(self._rejoin_asked) > 4096:
+                        self._rejoin_asked.clear()
+                    self._rejoin_asked[identity] = now
+                    self.counters["rejoins_asked"] += 1
+                    self._wsend(identity, P.Rejoin(reason="this connection is not registered"))
+            return
+        if worker is not None:
+            worker.last_seen = time.monotonic()
+        getattr(self, handler)(identity, worker, msg)
+
+    async def _receiver(self) -> None:
+        while True:
+            parts = await self.sock.recv_multipart(copy=True)
+            try:
+                self._on_frames(parts)
+            except Exception:  # a bug handling one message must not take the router down
+                log.exception("router failed handling a message")
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        """A message on the client socket: only client requests are accepted here."""
+        identity = parts[0]
+        if len(parts) != 2:
+            self.counters["bad_frames"] += 1
+            self._reply_error(identity, "", P.BAD_REQUEST, f"frame: expected one frame per message, got {len(parts) - 1}")
+            return
+        try:
+            msg = P.decode(parts[1], max_frame_bytes=self.config.limits.max_frame_bytes)
+        except P.DecodeError as exc:
+            self.counters["bad_frames"] += 1
+            self._reply_error(identity, exc.request_id, P.BAD_REQUEST, str(exc))
+            return
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:
+            hint = " (workers connect to the worker socket, with the secret)" if type(msg) in _WORKER_HANDLERS else ""
+            self._reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST,
+                              f"type: {type(msg).__name__} is not a request a router accepts{hint}")
+            return
+        getattr(self, handler)(identity, None, msg)
+
+
+def _bind(sock, address: str | None, host: str, port: int, what: str) -> str:
+    try:
+        if address:
+            sock.bind(address)
+            return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        if port == 0:
+            return f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+        sock.bind(f"tcp://{host}:{port}")
+        return f"tcp://{host}:{port}"
+    except zmq.ZMQError as exc:
+        where = address or f"tcp://{host}:{port}"
+        hint = " (is another radixserve running? pick another --port, or 0 for a free one)" if exc.errno == zmq.EADDRINUSE else ""
+        raise RadixServeError(f"cannot bind the {what} socket to {where}: {exc}{hint}") from None

@@ -1,0 +1,102 @@
+"""The router's configuration and the state it keeps per request (:class:`Job`) and per worker (:class:`WorkerState`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve import protocol as P
+from radixserve.serve.metrics import Histogram
+from radixserve.serve.routing import CacheIndex
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 7700
+    address: str | None = None  # full ZMQ address to bind (overrides host/port), e.g. ipc:///tmp/rs
+    worker_port: int | None = None  # the worker socket's port (default: port + 1; random when port is 0)
+    worker_address: str | None = None  # full ZMQ address of the worker socket (overrides worker_port)
+    secret: str | None = None  # the shared worker secret (64 hex); None: a fresh one (Router.secret)
+    model_fingerprint: str | None = None  # refuse workers of another model (None: accept any)
+    forget_dead_s: float = 60.0  # a dead worker that is not ours to restart is dropped after this
+    policy: str = "cache_aware"
+    max_queue: int = 256
+    max_inflight_per_worker: int = 64
+    # Pings to workers every heartbeat_s; a worker silent for heartbeat_timeout_s is dead. 3 s is
+    # 6 missed heartbeats: on a LAN, a false alarm needs one segment lost 4 times in a row (TCP
+    # retransmits after 0.2, 0.4, 0.8, 1.6 s); raise it for a lossy or long-haul link (README).
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    max_attempts: int = 3
+    no_worker_wait_s: float = 30.0  # a request queued with no live worker fails after this long
+    drain_s: float = 5.0  # on shutdown, how long requests in flight may take to finish
+    limits: P.Limits = field(default_factory=P.Limits)
+    metrics_log: str | None = None
+    metrics_interval_s: float = 10.0
+    balance_abs: int = 16
+    balance_rel: float = 1.5
+    cache_threshold: float = 0.3
+    # Tokenizing a long prompt takes seconds: it runs in a bounded thread pool, never on the loop
+    # (a stalled loop sends no pings, and workers would take the router for dead).
+    tokenize_threads: int = 2
+    max_tokenizing: int = 32  # prompts being tokenized at once; beyond: overloaded
+    inline_tokenize_chars: int = 8192  # shorter prompts are tokenized on the loop (microseconds)
+    # The longest prompt (characters) worth tokenizing: the context in tokens times the longest
+    # token in characters. None: derived from max_model_len and the tokenizer's vocabulary.
+    max_prompt_chars: int | None = None
+    max_model_len: int | None = None  # the model's context (tokens); None: from registered workers
+
+
+@dataclass(eq=False)
+class Job:
+    n: int
+    client: bytes
+    cid: str
+    token_ids: list[int]
+    params: Any
+    namespace: str | None
+    stream: bool
+    arrival: float
+    attempt: int = 0
+    work_id: str = ""
+    worker: "WorkerState | None" = None
+    streamed: int = 0
+    first_chunk_at: float | None = None
+    dispatched_at: float = 0.0
+    queued_at: float = 0.0
+    choose: Any = None  # a choose call: the ChooseWork fields other than id/token_ids/namespace
+
+
+@dataclass(eq=False)
+class WorkerState:
+    name: str
+    identity: bytes
+    pid: int = 0
+    session: str = ""
+    synced: bool = False  # the index holds the worker's snapshot and every event after it
+    next_seq: int = 0  # the CacheEvents seq expected next
+    seen_seq: int = 0  # the highest CacheEvents seq received
+    resync_from: int = 0  # unsynced: a snapshot with a higher seq is the one we wait for
+    rejoin_asked: float = 0.0
+    host: str = ""
+    proc: Any = None  # subprocess.Popen for workers this process started
+    alive: bool = True
+    draining: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    inflight: dict[str, Job] = field(default_factory=dict)
+    index: CacheIndex = field(default_factory=CacheIndex)
+    engine: dict[str, Any] = field(default_factory=dict)
+    routed: int = 0
+    completed: int = 0
+    ttft: Histogram = field(default_factory=Histogram)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+COUNTERS = (
+    "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
+    "refused_workers", "workers_left", "index_resyncs", "rejoins_asked",
+    "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
+    "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
+) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
