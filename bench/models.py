@@ -1,4 +1,4 @@
-"""Models for benchmarks: a bench-sized random Llama, and tiny models of each architecture.
+"""Models for benchmarks: a bench-sized random Llama (tiny models: :mod:`radixserve.testing`).
 
 Nothing is downloaded. :func:`bench_model_path` builds (once, cached like the built-in
 stand-in model) a ~40M-parameter Llama with random weights and a 32000-id byte-level BPE
@@ -13,25 +13,16 @@ import os
 import time
 from pathlib import Path
 
-from radixserve.model.builtin import (
-    TINY_ARCHS,
-    build_builtin_model_dir,
-    builtin_config,
-    default_cache_dir,
-    make_tiny_model_dir,
-    tiny_config,
-)
+from radixserve.model.builtin import build_builtin_model_dir, builtin_config, default_cache_dir
+from radixserve.testing import make_tiny_model_dir
 
 __all__ = [
     "BENCH_VERSION",
     "BENCH_VOCAB_SIZE",
     "BENCH_SEED",
-    "TINY_ARCHS",
     "bench_config",
     "bench_model_path",
     "make_tiny_model_dir",
-    "tiny_config",
-    "tiny_model_dir",
 ]
 
 logger = logging.getLogger("radixserve")
@@ -71,7 +62,3 @@ def bench_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     logger.info("bench model ready in %.1fs", time.perf_counter() - t0)
     return path
 
-
-def tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, **overrides) -> Path:
-    """Alias of :func:`radixserve.model.builtin.make_tiny_model_dir`."""
-    return make_tiny_model_dir(path, arch, seed=seed, **overrides)
