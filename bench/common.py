@@ -153,16 +153,6 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
-
-
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 

@@ -238,15 +238,13 @@ def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
 
 
 def summary(res: dict) -> dict:
+    from radixserve.ops.stats import percentile  # here: the vLLM child may run where radixserve is not installed
+
     reqs = res["requests"].values()
-    ttft = sorted(r["ttft_s"] * 1e3 for r in reqs)
-
-    def pct(q: float) -> float:
-        return ttft[min(len(ttft) - 1, int(round(q / 100 * (len(ttft) - 1))))]
-
+    ttft = [r["ttft_s"] * 1e3 for r in reqs]
     out_tokens = sum(len(r["tokens"]) for r in reqs)
     return {"backend": res["backend"], "wall_s": res["wall_s"], "out_tok_per_s": out_tokens / res["wall_s"],
-            "ttft_p50_ms": pct(50), "ttft_p99_ms": pct(99), "prompt_tokens": sum(r["prompt"] for r in reqs),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "prompt_tokens": sum(r["prompt"] for r in reqs),
             "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"])}
 
 
