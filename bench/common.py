@@ -59,7 +59,7 @@ def setup(args: argparse.Namespace) -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    _START["load"] = load_average()
+    mark_start()
     torch.set_num_threads(choose_threads(args.threads, torch.get_num_threads()))
     if args.model:  # a .gguf file: its converted directory (radixserve.model.gguf)
         from radixserve.model.default import resolve_model
@@ -68,6 +68,11 @@ def setup(args: argparse.Namespace) -> str:
     from bench.models import bench_model_path
 
     return str(bench_model_path())
+
+
+def mark_start() -> None:
+    """Record the load average now, for :func:`machine_summary`'s ``load_average_at_start``."""
+    _START["load"] = load_average()
 
 
 def load_average() -> float | None:

@@ -32,23 +32,16 @@ BENCH_VOCAB_SIZE = 32000
 BENCH_SEED = 1234
 
 
-def bench_config(vocab_size: int = BENCH_VOCAB_SIZE, *, bos_token_id: int = 0, eos_token_id: int = 1,
-                 pad_token_id: int | None = 2):
+#: The bench model's shape, over :func:`~radixserve.model.builtin.builtin_config`'s defaults.
+BENCH_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                   intermediate_size=1408, max_position_embeddings=8192)
+
+
+def bench_config(vocab_size: int = BENCH_VOCAB_SIZE, **overrides):
     """LlamaConfig of the bench model: hidden 512, 8 layers, 8 heads / 4 KV heads
-    (head_dim 64), intermediate 1408, 8192 positions, tied embeddings, fp32."""
-    return builtin_config(
-        vocab_size,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1408,
-        max_position_embeddings=8192,
-    )
+    (head_dim 64), intermediate 1408, 8192 positions, tied embeddings, fp32; the special ids
+    and everything else as the built-in model's. ``overrides`` replace any field."""
+    return builtin_config(vocab_size, **{**BENCH_SHAPE, **overrides})
 
 
 def bench_model_path(cache_dir: str | os.PathLike | None = None) -> Path:

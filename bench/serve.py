@@ -459,9 +459,9 @@ def run(args) -> int:
             from bench.models import bench_model_path
 
             args.model_dir = str(bench_model_path())
-    from bench import common
+    from bench.common import mark_start
 
-    common._START["load"] = common.load_average()
+    mark_start()
     vocab = _vocab(args)
     items = trace_items(args, vocab) if args.trace else gsp_items(args, vocab)
     if not items:

@@ -238,10 +238,6 @@ class JanggiGame(Game):
                 "result": self.result(), "termination": self.termination()}
 
 
-def make_game(kind: str) -> Game:
-    return ChessGame() if kind == "chess" else JanggiGame()
-
-
 def perft(game: Game, depth: int) -> int:
     """Leaf count at ``depth`` plies (janggi counts passes; a finished game is a leaf-less node)."""
     if depth == 0:

@@ -5,7 +5,6 @@ A ``.gguf`` file is converted once into such a directory first (:mod:`radixserve
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +15,6 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from radixserve.errors import ModelLoadError
 from radixserve.model.default import resolve_model
 from radixserve.model.llama import ARCHITECTURES, CausalLM
-
-log = logging.getLogger("radixserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
