@@ -11,7 +11,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 # Ids below this are the built-in tokenizers' special tokens (bos, eos, pad, roles, end):
 # random workloads never use them, so no prompt contains an EOS.

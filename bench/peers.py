@@ -231,7 +231,7 @@ def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
     cmd = [python, "-m", "bench.peers", "--child", engine, "--spec", json.dumps(spec)]
     print(f"{engine} {spec['workload']} ({spec['dtype']}, {spec['threads']} threads): starting", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{engine} {spec['workload']} failed (exit {proc.returncode}); see its stderr above")
     return json.loads(lines[-1][len(RESULT):])

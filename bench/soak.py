@@ -59,6 +59,11 @@ def start(args, model: str) -> ServerProcess:
                         env={"OMP_NUM_THREADS": "1"}, ready_timeout=300)
 
 
+def _fetch(req: urllib.request.Request) -> bytes:
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return resp.read()
+
+
 async def agent(i: int, address: str, http: str | None, deadline: float, counts: dict, vocab: int, seed: int):
     from radixserve.client import AsyncClient
     from radixserve.errors import BadRequestError, RequestTimeoutError
@@ -98,7 +103,7 @@ async def agent(i: int, address: str, http: str | None, deadline: float, counts:
                 elif kind == "http" and http:
                     body = json.dumps({"prompt": prompt[:64], "max_tokens": 4}).encode()
                     req = urllib.request.Request(http + "/completions", body, {"Content-Type": "application/json"})
-                    await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=120).read())
+                    await asyncio.to_thread(_fetch, req)
                 counts[kind] = counts.get(kind, 0) + 1
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 counts["failed"] += 1

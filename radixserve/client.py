@@ -33,7 +33,7 @@ import itertools
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import msgspec
 import zmq
@@ -316,7 +316,7 @@ class AsyncClient:
             self._sock.close(linger=0)
             self._ctx.term()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -387,7 +387,7 @@ class Client:
         self._thread.join(timeout=5)
         self._loop.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,7 +25,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from examples.chess_janggi.rules import JANGGI_LEGEND, Game, IllegalMove
 

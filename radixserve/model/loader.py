@@ -37,7 +37,8 @@ class LoadedModel:
 def load_config(path: str | Path):
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory or .gguf file, or no model for the default one")
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory "
+                             "or .gguf file, or no model for the default one")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
     config = AutoConfig.from_pretrained(path, local_files_only=True)

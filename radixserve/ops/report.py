@@ -22,7 +22,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from radixserve.errors import BadRequestError
 from radixserve.ops.signals import Window, window_of

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Window:
     preemptions: int = 0
     workers_alive: int = 0
     inflight_cap: int = 0  # the router's --max-inflight x live workers (0: unknown)
-    workers: dict[str, "Window"] = field(default_factory=dict)
+    workers: dict[str, Window] = field(default_factory=dict)
 
     @property
     def kv_pressure(self) -> float | None:
