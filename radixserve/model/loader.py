@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,8 +23,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadedModel:
     model: CausalLM
-    config: object
-    tokenizer: object
+    config: Any  # a transformers PretrainedConfig
+    tokenizer: Any
     path: Path
     dtype: torch.dtype
     max_model_len: int
