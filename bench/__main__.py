@@ -26,13 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import statistics
 import sys
 import time
 
+from radixserve.ops.stats import percentile
+
 HELP = "static vs continuous batching: throughput and TTFT on one workload"
 
 
@@ -24,11 +26,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--min-output", type=int, default=4, help="shortest output (tokens)")
     parser.add_argument("--max-output", type=int, default=64, help="longest output (tokens)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(args) -> int:
@@ -56,7 +53,7 @@ def run(args) -> int:
             "output_tok_s": tokens / wall,
             "requests_s": len(outs) / wall,
             "ttft_p50_s": statistics.median(ttft),
-            "ttft_p99_s": _pct(ttft, 0.99),
+            "ttft_p99_s": percentile(ttft, 99),
             "e2e_p50_s": statistics.median(o.e2e_s for o in outs),
             "steps": engine.stats()["steps"],
         }

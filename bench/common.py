@@ -11,7 +11,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 # Ids below this are the built-in tokenizers' special tokens (bos, eos, pad, roles, end):
 # random workloads never use them, so no prompt contains an EOS.
@@ -59,7 +60,7 @@ def setup(args: argparse.Namespace) -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    _START["load"] = load_average()
+    mark_start()
     torch.set_num_threads(choose_threads(args.threads, torch.get_num_threads()))
     if args.model:  # a .gguf file: its converted directory (radixserve.model.gguf)
         from radixserve.model.default import resolve_model
@@ -68,6 +69,11 @@ def setup(args: argparse.Namespace) -> str:
     from bench.models import bench_model_path
 
     return str(bench_model_path())
+
+
+def mark_start() -> None:
+    """Record the load average now, for :func:`machine_summary`'s ``load_average_at_start``."""
+    _START["load"] = load_average()
 
 
 def load_average() -> float | None:
@@ -151,16 +157,6 @@ def rng(*seed: int):
 # -- statistics --------------------------------------------------------------------------------
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
 
 
 def ratio(a: float, b: float) -> float:

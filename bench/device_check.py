@@ -75,7 +75,7 @@ def greedy_vs_transformers() -> None:
     from transformers import AutoModelForCausalLM
 
     from radixserve import Engine, SamplingParams
-    from radixserve.model.builtin import make_tiny_model_dir
+    from radixserve.testing import make_tiny_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model_dir(tmp + "/m", "qwen3", hidden_size=256, head_dim=64,

@@ -23,9 +23,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from bench.common import (
-    Progress, add_common_args, machine_line, emit, fmt, ideal_hit_tokens, log, machine_summary, percentile, random_ids, ratio,
+    Progress, add_common_args, machine_line, emit, fmt, ideal_hit_tokens, log, machine_summary, random_ids, ratio,
     rng, setup, table,
 )
+from radixserve.ops.stats import percentile
 
 HELP = "prefix-cache workloads: agent fleet (cache on/off) and shared-prefix groups (lpm/fcfs)"
 

@@ -1,4 +1,4 @@
-"""Models for benchmarks: a bench-sized random Llama, and tiny models of each architecture.
+"""Models for benchmarks: a bench-sized random Llama (tiny models: :mod:`radixserve.testing`).
 
 Nothing is downloaded. :func:`bench_model_path` builds (once, cached like the built-in
 stand-in model) a ~40M-parameter Llama with random weights and a 32000-id byte-level BPE
@@ -13,25 +13,16 @@ import os
 import time
 from pathlib import Path
 
-from radixserve.model.builtin import (
-    TINY_ARCHS,
-    build_builtin_model_dir,
-    builtin_config,
-    default_cache_dir,
-    make_tiny_model_dir,
-    tiny_config,
-)
+from radixserve.model.builtin import build_builtin_model_dir, builtin_config, default_cache_dir
+from radixserve.testing import make_tiny_model_dir
 
 __all__ = [
     "BENCH_VERSION",
     "BENCH_VOCAB_SIZE",
     "BENCH_SEED",
-    "TINY_ARCHS",
     "bench_config",
     "bench_model_path",
     "make_tiny_model_dir",
-    "tiny_config",
-    "tiny_model_dir",
 ]
 
 logger = logging.getLogger("radixserve")
@@ -41,23 +32,16 @@ BENCH_VOCAB_SIZE = 32000
 BENCH_SEED = 1234
 
 
-def bench_config(vocab_size: int = BENCH_VOCAB_SIZE, *, bos_token_id: int = 0, eos_token_id: int = 1,
-                 pad_token_id: int | None = 2):
+#: The bench model's shape, over :func:`~radixserve.model.builtin.builtin_config`'s defaults.
+BENCH_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                   intermediate_size=1408, max_position_embeddings=8192)
+
+
+def bench_config(vocab_size: int = BENCH_VOCAB_SIZE, **overrides):
     """LlamaConfig of the bench model: hidden 512, 8 layers, 8 heads / 4 KV heads
-    (head_dim 64), intermediate 1408, 8192 positions, tied embeddings, fp32."""
-    return builtin_config(
-        vocab_size,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1408,
-        max_position_embeddings=8192,
-    )
+    (head_dim 64), intermediate 1408, 8192 positions, tied embeddings, fp32; the special ids
+    and everything else as the built-in model's. ``overrides`` replace any field."""
+    return builtin_config(vocab_size, **{**BENCH_SHAPE, **overrides})
 
 
 def bench_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -71,7 +55,3 @@ def bench_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     logger.info("bench model ready in %.1fs", time.perf_counter() - t0)
     return path
 
-
-def tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, **overrides) -> Path:
-    """Alias of :func:`radixserve.model.builtin.make_tiny_model_dir`."""
-    return make_tiny_model_dir(path, arch, seed=seed, **overrides)

@@ -231,22 +231,20 @@ def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
     cmd = [python, "-m", "bench.peers", "--child", engine, "--spec", json.dumps(spec)]
     print(f"{engine} {spec['workload']} ({spec['dtype']}, {spec['threads']} threads): starting", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{engine} {spec['workload']} failed (exit {proc.returncode}); see its stderr above")
     return json.loads(lines[-1][len(RESULT):])
 
 
 def summary(res: dict) -> dict:
+    from radixserve.ops.stats import percentile  # here: the vLLM child may run where radixserve is not installed
+
     reqs = res["requests"].values()
-    ttft = sorted(r["ttft_s"] * 1e3 for r in reqs)
-
-    def pct(q: float) -> float:
-        return ttft[min(len(ttft) - 1, int(round(q / 100 * (len(ttft) - 1))))]
-
+    ttft = [r["ttft_s"] * 1e3 for r in reqs]
     out_tokens = sum(len(r["tokens"]) for r in reqs)
     return {"backend": res["backend"], "wall_s": res["wall_s"], "out_tok_per_s": out_tokens / res["wall_s"],
-            "ttft_p50_ms": pct(50), "ttft_p99_ms": pct(99), "prompt_tokens": sum(r["prompt"] for r in reqs),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "prompt_tokens": sum(r["prompt"] for r in reqs),
             "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"])}
 
 

@@ -50,6 +50,13 @@ def _load_json(path: str) -> dict:
         raise
 
 
+def _save(plt, fig, dest: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(dest)
+    plt.close(fig)
+    return dest
+
+
 def plot_timeline(path: str, out: Path, title: str = "") -> Path:
     plt = _plt()
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -70,11 +77,7 @@ def plot_timeline(path: str, out: Path, title: str = "") -> Path:
     ax2.set_xlabel("time since start (s)")
     ax2.legend(loc="upper left", fontsize=8)
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    dest = out / "serve_timeline.png"
-    fig.savefig(dest)
-    plt.close(fig)
-    return dest
+    return _save(plt, fig, out / "serve_timeline.png")
 
 
 def plot_simulate(path: str, out: Path, title: str = "") -> Path:
@@ -105,11 +108,7 @@ def plot_simulate(path: str, out: Path, title: str = "") -> Path:
     ax.set_title("prefix-cache hit rate per policy" + (f" -- {title}" if title else ""), fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    dest = out / "simulate_hit_rate.png"
-    fig.savefig(dest)
-    plt.close(fig)
-    return dest
+    return _save(plt, fig, out / "simulate_hit_rate.png")
 
 
 def plot_throughput(path: str, out: Path, title: str = "") -> Path:
@@ -135,11 +134,7 @@ def plot_throughput(path: str, out: Path, title: str = "") -> Path:
                  + (f" -- {title}" if title else ""), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    dest = out / "throughput.png"
-    fig.savefig(dest)
-    plt.close(fig)
-    return dest
+    return _save(plt, fig, out / "throughput.png")
 
 
 def run(args) -> int:

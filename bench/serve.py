@@ -26,14 +26,13 @@ import json
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
-from bench.common import fmt, log, machine_summary, percentile, table
+from bench.common import fmt, log, machine_summary, table
+from radixserve.ops.stats import percentile
+from radixserve.testing import ServerProcess, spawn_server
 
 HELP = "load-test a running server (SDK or OpenAI HTTP): TTFT/TPOT/ITL/E2E, hit rate, queue depth"
 
@@ -92,7 +91,7 @@ def _vocab(args) -> int:
         return args.vocab_size
     if args.model or args.start:
         try:
-            with open(os.path.join(args._model_dir, "config.json")) as f:
+            with open(os.path.join(args.model_dir, "config.json")) as f:
                 return int(json.load(f)["vocab_size"])
         except (OSError, KeyError, ValueError, AttributeError):
             pass
@@ -229,48 +228,14 @@ class HttpTarget:
 
 
 # -- server ------------------------------------------------------------------------------------
-def start_server(args) -> tuple[subprocess.Popen, str, str | None]:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.worker_threads))
-    cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", args._model_dir,
-           "--workers", str(args.workers), "--port", "0", "--policy", args.policy, "--max-queue", "100000",
-           "--worker-threads", str(args.worker_threads)]
+def start_server(args) -> ServerProcess:
+    extra = ["--policy", args.policy, "--max-queue", "100000", "--worker-threads", str(args.worker_threads)]
     if args.kv_cache_tokens:
-        cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+        extra += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.max_running:
-        cmd += ["--max-running", str(args.max_running)]
-    if args.target == "http":
-        cmd += ["--http-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    box: dict[str, str] = {}
-    done = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            if "listening on " in line:
-                box["zmq"] = line.split("listening on ", 1)[1].split()[0]
-            if "HTTP API on " in line:
-                box["http"] = line.split("HTTP API on ", 1)[1].split()[0]
-            if "zmq" in box and (args.target != "http" or "http" in box):
-                done.set()
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    done.wait(180)
-    if "zmq" not in box or (args.target == "http" and "http" not in box):
-        stop_server(proc)
-        raise RuntimeError(f"radixserve serve did not start: {box}")
-    zmq_addr = box["zmq"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-    return proc, zmq_addr, box.get("http")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        extra += ["--max-running", str(args.max_running)]
+    return spawn_server(args.model_dir, *extra, workers=args.workers, http=args.target == "http",
+                        env={"OMP_NUM_THREADS": str(args.worker_threads)}, ready_timeout=180)
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -487,16 +452,16 @@ def run(args) -> int:
     from bench.common import emit
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    proc = None
-    args._model_dir = args.model
+    server = None
+    args.model_dir = args.model
     if args.start:
-        if not args._model_dir:
+        if not args.model_dir:
             from bench.models import bench_model_path
 
-            args._model_dir = str(bench_model_path())
-    from bench import common
+            args.model_dir = str(bench_model_path())
+    from bench.common import mark_start
 
-    common._START["load"] = common.load_average()
+    mark_start()
     vocab = _vocab(args)
     items = trace_items(args, vocab) if args.trace else gsp_items(args, vocab)
     if not items:
@@ -504,17 +469,18 @@ def run(args) -> int:
         return 2
     try:
         if args.start:
-            log(f"starting radixserve serve on {args._model_dir} ({args.workers} workers) ...")
-            proc, args.address, http = start_server(args)
-            if http:
-                args.base_url = http.rstrip("/")
+            log(f"starting radixserve serve on {args.model_dir} ({args.workers} workers) ...")
+            server = start_server(args)  # returns once its workers are up
+            args.address = server.address
+            if server.http_url:
+                args.base_url = server.http_url.rstrip("/")
                 if not args.base_url.endswith("/v1"):
                     args.base_url += "/v1"
-            log(f"server at {args.address}" + (f", HTTP {args.base_url}" if http else ""))
+            log(f"server at {args.address}" + (f", HTTP {args.base_url}" if server.http_url else ""))
         result = asyncio.run(_main(args, items))
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if server is not None:
+            server.stop(30)
     emit(args, result, render)
     return 0 if result["succeeded"] else 1
 
@@ -523,11 +489,6 @@ async def _main(args, items) -> dict:
     target = HttpTarget(args) if args.target == "http" else SdkTarget(args)
     try:
         await target.ready(args.workers if args.start else None)
-        if args.target == "http" and args.start:  # the gateway answers before the workers register
-            from radixserve.client import AsyncClient
-
-            async with AsyncClient(args.address, timeout=30) as c:
-                await c.wait_ready(args.workers, timeout=180)
         return await drive(args, target, items)
     finally:
         await target.close()

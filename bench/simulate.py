@@ -204,8 +204,8 @@ def simulate(args) -> dict:
                                     balance_abs=args.balance_abs, balance_rel=args.balance_rel)
                 add(f"{rt} x{N}", cap, h, workers=N, bound=bound, secs=s, requests_per_worker=per)
             h, s = timed(P.radix, w, pooled)
-            add(f"pooled radix-lru (N*C)", pooled, h, bound=bound, secs=s)
-            add(f"pooled belady (N*C)", pooled, hb, bound=bound, secs=sb, note="bound for the routers")
+            add("pooled radix-lru (N*C)", pooled, h, bound=bound, secs=s)
+            add("pooled belady (N*C)", pooled, hb, bound=bound, secs=sb, note="bound for the routers")
     return {"workload": w.name, "description": w.description, "requests": len(w.requests),
             "prompt_tokens": total, "unit_tokens": U, "distinct_units": w.distinct_units,
             "ideal": ideal, "ideal_hit_tokens": ideal_hit, "rows": rows,

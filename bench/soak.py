@@ -16,14 +16,13 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 from bench.common import fmt, load_average, log, machine_summary, table
+from radixserve.ops.stats import linear_fit
+from radixserve.testing import ServerProcess, spawn_server
 
 HELP = "soak a live server for N minutes; router and worker RSS sampled (flat after warm-up?)"
 
@@ -53,51 +52,16 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def slope(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (minutes, MiB)."""
-    if len(points) < 2:
-        return 0.0
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+def start(args, model: str) -> ServerProcess:
+    """The soaked server: loopback, HTTP gateway on, no worker restarts; up once its workers are."""
+    return spawn_server(model, "--host", "127.0.0.1", "--worker-threads", "1", "--kv-cache-tokens",
+                        str(args.kv_cache_tokens), "--no-restart", workers=args.workers, http=True,
+                        env={"OMP_NUM_THREADS": "1"}, ready_timeout=300)
 
 
-def start(args, model: str):
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-P", "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", model,
-           "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--workers", str(args.workers),
-           "--worker-threads", "1", "--kv-cache-tokens", str(args.kv_cache_tokens), "--no-restart"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    box: dict[str, str] = {}
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            if "listening on " in line:
-                box["zmq"] = line.split("listening on ", 1)[1].split()[0]
-            if "HTTP API on " in line:
-                box["http"] = line.split("HTTP API on ", 1)[1].split()[0]
-            if "ready:" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300) or "zmq" not in box or proc.poll() is not None:
-        stop(proc)
-        raise RuntimeError(f"radixserve serve did not start: {box}")
-    return proc, box["zmq"], box.get("http")
-
-
-def stop(proc) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def _fetch(req: urllib.request.Request) -> bytes:
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return resp.read()
 
 
 async def agent(i: int, address: str, http: str | None, deadline: float, counts: dict, vocab: int, seed: int):
@@ -139,7 +103,7 @@ async def agent(i: int, address: str, http: str | None, deadline: float, counts:
                 elif kind == "http" and http:
                     body = json.dumps({"prompt": prompt[:64], "max_tokens": 4}).encode()
                     req = urllib.request.Request(http + "/completions", body, {"Content-Type": "application/json"})
-                    await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=120).read())
+                    await asyncio.to_thread(_fetch, req)
                 counts[kind] = counts.get(kind, 0) + 1
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 counts["failed"] += 1
@@ -154,11 +118,12 @@ def run(args) -> int:
     model = args.model or str(bench_model_path())
     vocab = json.load(open(os.path.join(model, "config.json"))).get("vocab_size", 512)
     t_start = time.monotonic()
-    proc, address, http = start(args, model)
+    server = start(args, model)
+    address, http = server.address, server.http_url
     log(f"soak: server up in {time.monotonic() - t_start:.0f} s at {address} (HTTP {http}); "
         f"{args.minutes:g} min with {args.agents} agents")
     with Client(address, timeout=30) as c:
-        pids = {"router": proc.pid, **{name: w["pid"] for name, w in c.stats()["workers"].items()}}
+        pids = {"router": server.pid, **{name: w["pid"] for name, w in c.stats()["workers"].items()}}
     counts: dict = {"failed": 0, "unexpected": 0}
     samples: list[dict] = []
     t0 = time.monotonic()
@@ -194,7 +159,7 @@ def run(args) -> int:
     finally:
         stop_sampling.set()
         th.join(10)
-        stop(proc)
+        server.stop(60)
     after = [s for s in samples if s["t_min"] >= args.warmup_minutes]
     rows, result = [], {"machine": {**machine_summary(), "load_average_at_start": load_at_start}, "minutes": args.minutes, "agents": args.agents,
                         "calls": {k: v for k, v in counts.items() if k != "errors"},
@@ -204,7 +169,8 @@ def run(args) -> int:
         warm = next((s[name] for s in after if s[name] is not None), None)
         end = next((s[name] for s in reversed(samples) if s[name] is not None), None)
         first = next((s[name] for s in samples if s[name] is not None), None)
-        k = slope([(s["t_min"], s[name]) for s in after if s[name] is not None])
+        points = [(s["t_min"], s[name]) for s in after if s[name] is not None]
+        k = linear_fit([x for x, _ in points], [y for _, y in points]).slope  # MiB/min
         worst = max(worst, k)
         result["processes"][name] = {"rss_start_mib": first, "rss_warm_mib": warm, "rss_end_mib": end,
                                      "slope_mib_per_min": k}

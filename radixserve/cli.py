@@ -90,9 +90,10 @@ def cmd_stats(args) -> int:
 
 def cmd_demo(args) -> int:
     """Start a server on the built-in (or given) model, play a small chess + janggi fleet over
-    the SDK, print the fleet report."""
-    import asyncio
+    the SDK, print the fleet report: the example's own runner (``python -m
+    examples.chess_janggi.fleet``) in a process of its own, so the package never imports examples/."""
     import os
+    import subprocess
     import time
     from pathlib import Path
 
@@ -100,32 +101,34 @@ def cmd_demo(args) -> int:
     if not (root / "examples" / "chess_janggi" / "fleet.py").exists():
         print("radixserve demo: needs the examples/ folder of a source checkout (pip install -e .)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(root))
-    try:
-        from examples.chess_janggi import fleet
-    except ImportError as exc:
-        print(f"radixserve demo: {exc}; install the games extra: pip install 'radixserve[games]'", file=sys.stderr)
+    import importlib.util
+
+    if importlib.util.find_spec("chess") is None:
+        print("radixserve demo: No module named 'chess'; install the games extra: pip install 'radixserve[games]'",
+              file=sys.stderr)
         return 2
 
     t0 = time.monotonic()
     from radixserve.model.default import default_model_name
 
-    print(f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker) ...", flush=True)
-    proc, address = fleet.start_server(args.workers, args.model)  # serve divides the cores among the workers
+    how = {"choose": "choice scoring over the legal moves",
+           "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)"}[args.mode]
+    print(f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker); "
+          f"playing {args.chess} chess + {args.janggi} janggi games, {args.moves} plies each, LLM moves by {how} ...",
+          flush=True)
+    cmd = [sys.executable, "-m", "examples.chess_janggi.fleet", "--workers", str(args.workers),
+           "--chess", str(args.chess), "--janggi", str(args.janggi), "--moves", str(args.moves),
+           "--mode", args.mode, "--seed", str(args.seed), *(["--model", args.model] if args.model else []),
+           *(["--out", args.out] if args.out else [])]
+    # The example is a script of the source checkout: its folder's parent goes on the child's path.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen(cmd, env=env)
     try:
-        how = {"choose": "choice scoring over the legal moves",
-               "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)"}[args.mode]
-        print(f"radixserve demo: server at {address}; playing {args.chess} chess + {args.janggi} janggi games, "
-              f"{args.moves} plies each, LLM moves by {how}", flush=True)
-        tokenizer = fleet._tokenizer_for(args.model)
-        report = asyncio.run(fleet.run_fleet(address, args.chess, args.janggi, args.moves, mode=args.mode,
-                                             seed=args.seed, out=args.out, show_progress=True,
-                                             ideal_tokenizer=tokenizer, chat_tokenizer=tokenizer))
-    finally:
-        fleet.stop_server(proc)
-    print(fleet.format_report(report))
+        code = proc.wait()
+    except KeyboardInterrupt:  # the runner got it too: let it stop its server and games
+        code = proc.wait()
     print(f"radixserve demo: done in {time.monotonic() - t0:.1f} s (server start included)")
-    return 0 if not report["errors"] and report["illegal_moves_applied"] == 0 else 1
+    return code
 
 
 def cmd_plan(args) -> int:

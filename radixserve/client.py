@@ -33,7 +33,8 @@ import itertools
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from types import EllipsisType
 
 import msgspec
 import zmq
@@ -46,6 +47,8 @@ from radixserve.sampling_params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 Prompt = str | Sequence[int]
+#: A call's ``timeout``: seconds, None (wait for ever) or ``...`` (the client's own ``timeout``).
+Timeout = float | None | EllipsisType
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -102,38 +105,40 @@ class AsyncClient:
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Queue] = {}
-        self._sock = None
+        self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._closed = False
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _ensure(self) -> None:
+    def _ensure(self) -> zmq.asyncio.Socket:
+        """The socket, connected (and its reader and watchdog started) on first use."""
         if self._closed:
             raise RuntimeError("client is closed")
         if self._sock is None:
             self._ctx = zmq.asyncio.Context()
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RCVHWM, 0)
-            self._sock.connect(self.address)
-            self._reader = asyncio.ensure_future(self._read())
+            sock = self._sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.address)
+            self._reader = asyncio.ensure_future(self._read(sock))
             if self.router_timeout is not None:
-                self._watchdog = asyncio.ensure_future(self._watch())
+                self._watchdog = asyncio.ensure_future(self._watch(sock, self.router_timeout))
+        return self._sock
 
     def _register(self, rid: str, q: asyncio.Queue) -> None:
         if not self._pending:
             self._last_rx = time.monotonic()  # the quiet time before this call does not count
         self._pending[rid] = q
 
-    async def _watch(self) -> None:
+    async def _watch(self, sock: zmq.asyncio.Socket, router_timeout: float) -> None:
         """Probe a quiet router while calls are pending; fail them all when it stays silent."""
         n = itertools.count()
         while True:
-            await asyncio.sleep(min(self.heartbeat, self.router_timeout / 4))
+            await asyncio.sleep(min(self.heartbeat, router_timeout / 4))
             if not self._pending:
                 continue
             quiet = time.monotonic() - self._last_rx
-            if quiet > self.router_timeout:
+            if quiet > router_timeout:
                 lost = P.Error(id="", code=ROUTER_LOST,
                                message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); "
                                        f"it is gone or unreachable")
@@ -142,23 +147,26 @@ class AsyncClient:
                 self._pending.clear()
             elif quiet > self.heartbeat:
                 try:
-                    await self._sock.send(P.encode(P.Health(id=f"{self._prefix}-hb-{next(n)}")), flags=zmq.NOBLOCK)
+                    await sock.send(P.encode(P.Health(id=f"{self._prefix}-hb-{next(n)}")), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
 
-    async def _read(self) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frame = await self._sock.recv()
+            frame = await sock.recv()
             self._last_rx = time.monotonic()
             try:
                 msg = P.decode(frame, max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
             except P.DecodeError:
                 continue
-            q = self._pending.get(getattr(msg, "id", None))
+            q = self._pending.get(getattr(msg, "id", ""))
             if q is not None:
                 q.put_nowait(msg)
             elif isinstance(msg, P.Error) and not msg.id and len(self._pending) == 1:
                 next(iter(self._pending.values())).put_nowait(msg)  # unattributable: only one waiter
+
+    def _timeout(self, timeout: Timeout) -> float | None:
+        return self.timeout if isinstance(timeout, EllipsisType) else timeout
 
     def _new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -167,7 +175,7 @@ class AsyncClient:
         frame = P.encode(msg)
         if len(frame) > self.max_frame_bytes:
             raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
-        await self._sock.send(frame)
+        await self._ensure().send(frame)
 
     async def _call(self, msg, timeout: float | None):
         """One request, one reply (health, stats)."""
@@ -193,7 +201,7 @@ class AsyncClient:
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return P.Generate(id=self._new_id(), token_ids=list(prompt), params=params, namespace=namespace, stream=stream)
 
-    async def _events(self, msg: P.Generate, timeout: float | None) -> AsyncIterator:
+    async def _events(self, msg: P.Generate | P.Choose, timeout: float | None) -> AsyncIterator:
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
         self._register(msg.id, q)
@@ -224,26 +232,28 @@ class AsyncClient:
                     pass
 
     # -- API -----------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+    async def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
                        **sampling) -> Completion:
         """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields."""
-        timeout = self.timeout if timeout is ... else timeout
+        timeout = self._timeout(timeout)
         msg = self._generate_msg(prompt, sampling, namespace, stream=False)
-        final = None
+        final: P.Final | None = None
         async for reply in self._events(msg, timeout):
             final = reply if isinstance(reply, P.Final) else final
+        if final is None:  # _events ends with a final message or raises
+            raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")
         return Completion(request_id=msg.id, text=final.text, token_ids=final.token_ids,
                           finish_reason=final.finish_reason, usage=final.usage, timings=final.timings,
                           worker=final.worker, logprobs=final.logprobs)
 
     async def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum",
                      temperature: float = 0.0, seed: int | None = None, namespace: str | None = None,
-                     timeout: float | None = ...) -> Choice:
+                     timeout: Timeout = ...) -> Choice:
         """Rank ``choices`` as continuations of ``prompt`` by token log-probabilities (SGLang's
         ``select``): the prompt is prefilled once, every ``prompt + choice`` is scored on top of
         its cached KV. ``normalize``: ``sum`` or ``mean`` (per token); ``temperature > 0`` samples
         ``best`` from softmax(score / temperature), reproducibly with ``seed``."""
-        timeout = self.timeout if timeout is ... else timeout
+        timeout = self._timeout(timeout)
         if isinstance(prompt, str):
             msg = P.Choose(id=self._new_id(), prompt=prompt, choices=list(choices), normalize=normalize,
                            temperature=temperature, seed=seed, namespace=namespace)
@@ -252,17 +262,19 @@ class AsyncClient:
                            temperature=temperature, seed=seed, namespace=namespace)
         else:
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-        final = None
+        final: P.ChoiceFinal | None = None
         async for reply in self._events(msg, timeout):
             final = reply
+        if final is None:  # _events ends with a final message or raises
+            raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")
         return Choice(request_id=msg.id, best=final.best, index=final.index, ranked=final.ranked, usage=final.usage,
                       timings=final.timings, worker=final.worker)
 
-    async def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+    async def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
                      **sampling) -> AsyncIterator[Chunk | Completion]:
         """Yield :class:`~radixserve.protocol.Chunk` (new token_ids, text) as they come, then one
         :class:`Completion`. Leaving early aborts the request."""
-        timeout = self.timeout if timeout is ... else timeout
+        timeout = self._timeout(timeout)
         msg = self._generate_msg(prompt, sampling, namespace, stream=True)
         async for reply in self._events(msg, timeout):
             if isinstance(reply, P.Final):
@@ -273,7 +285,7 @@ class AsyncClient:
                 yield reply
 
     async def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None,
-                    return_exceptions: bool = False, timeout: float | None = ..., **sampling) -> list:
+                    return_exceptions: bool = False, timeout: Timeout = ..., **sampling) -> list:
         """Complete many prompts concurrently; results in prompt order."""
         return await asyncio.gather(
             *(self.generate(p, namespace=namespace, timeout=timeout, **dict(sampling)) for p in prompts),
@@ -316,7 +328,7 @@ class AsyncClient:
             self._sock.close(linger=0)
             self._ctx.term()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -342,16 +354,16 @@ class Client:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+    def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
                  **sampling) -> Completion:
         return self._run(self._async.generate(prompt, namespace=namespace, timeout=timeout, **sampling))
 
     def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum", temperature: float = 0.0,
-               seed: int | None = None, namespace: str | None = None, timeout: float | None = ...) -> Choice:
+               seed: int | None = None, namespace: str | None = None, timeout: Timeout = ...) -> Choice:
         return self._run(self._async.choose(prompt, choices, normalize=normalize, temperature=temperature, seed=seed,
                                             namespace=namespace, timeout=timeout))
 
-    def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: float | None = ...,
+    def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
                **sampling) -> Iterator[Chunk | Completion]:
         agen = self._async.stream(prompt, namespace=namespace, timeout=timeout, **sampling)
         try:
@@ -365,7 +377,7 @@ class Client:
                 self._run(agen.aclose())
 
     def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None,
-              return_exceptions: bool = False, timeout: float | None = ..., **sampling) -> list:
+              return_exceptions: bool = False, timeout: Timeout = ..., **sampling) -> list:
         return self._run(self._async.batch(prompts, namespace=namespace, return_exceptions=return_exceptions,
                                            timeout=timeout, **sampling))
 
@@ -387,7 +399,7 @@ class Client:
         self._thread.join(timeout=5)
         self._loop.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from radixserve.model.builtin import TINY_ARCHS, make_tiny_model_dir
+from radixserve.testing import TINY_ARCHS, make_tiny_model_dir
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -12,43 +12,29 @@ import threading
 import time
 
 from radixserve.client import Client
+from radixserve.testing import spawn_server
 
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
 class Cluster:
-    """`radixserve serve --port 0 ...`; ``address`` is read from its first stdout line."""
+    """`radixserve serve --port 0 ...` (:func:`radixserve.testing.spawn_server`) and its workers."""
 
     def __init__(self, model_dir: str, workers: int = 2, *extra: str, kv_cache_tokens: int = 8192,
                  ready_timeout: float = 90.0, restart: bool = False):
         self.secret_file = os.path.join(tempfile.mkdtemp(prefix="radixserve-test-"), "worker.secret")
         # restart=False: a killed worker stays dead, as the failure tests expect (serve's default
         # restarts it; tests of the supervisor ask for that).
-        cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", model_dir,
-               "--workers", str(workers), "--port", "0", "--kv-cache-tokens", str(kv_cache_tokens),
-               "--worker-threads", "1", *([] if restart else ["--no-restart"]),
-               "--worker-secret-file", self.secret_file, *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
+        self.server = spawn_server(model_dir, "--kv-cache-tokens", str(kv_cache_tokens), "--worker-threads", "1",
+                                   *([] if restart else ["--no-restart"]), "--worker-secret-file", self.secret_file,
+                                   *extra, workers=workers, env=ENV, ready_timeout=ready_timeout)
+        self.proc = self.server.proc
+        self.address, self.worker_address = self.server.address, self.server.worker_address
         self.workers = workers
         self.extra_procs: list[subprocess.Popen] = []
-        self.worker_pids: list[int] = []
-        self.address = self._read_address(ready_timeout)
         with Client(self.address, timeout=10) as c:
-            c.wait_ready(workers, timeout=ready_timeout)
             self.pids = {name: w["pid"] for name, w in c.stats()["workers"].items()}
             self.worker_pids = [self.pids[name] for name in sorted(self.pids)]
-
-    def _read_address(self, timeout: float) -> str:
-        box: list[str] = []
-        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
-        line = box[0] if box else ""
-        if "tcp://" not in line:
-            self.stop()
-            raise RuntimeError(f"serve did not start: {line!r}")
-        self.worker_address = line.split("workers connect to ", 1)[1].split(";")[0]
-        return line.split("listening on ", 1)[1].split()[0]
 
     def start_worker(self, model_dir: str, name: str, *extra: str) -> subprocess.Popen:
         proc = subprocess.Popen(
@@ -61,13 +47,7 @@ class Cluster:
 
     def stop(self, timeout: float = 20.0) -> int | None:
         pids = list(self.worker_pids)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop(timeout)
         for p in self.extra_procs:
             if p.poll() is None:
                 p.terminate()
@@ -84,7 +64,7 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-        return self.proc.returncode
+        return self.server.proc.returncode
 
 
 def _alive(pid: int) -> bool:

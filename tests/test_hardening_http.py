@@ -84,7 +84,7 @@ def _closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
     sock.settimeout(wait_s)
     try:
         return sock.recv(1) == b""
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except OSError:
         return True

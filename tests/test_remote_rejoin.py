@@ -11,22 +11,16 @@ import time
 import pytest
 
 from radixserve.client import Client
+from radixserve.testing import spawn_server
 from serve_cluster import ENV
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _serve(model: str, secret: str, port: int = 0, worker_port: int | None = None):
-    cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", model,
-           "--workers", "0", "--port", str(port), "--worker-secret-file", secret]
-    if worker_port is not None:
-        cmd += ["--worker-port", str(worker_port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    address = line.split("listening on ", 1)[1].split()[0]
-    worker_address = line.split("workers connect to ", 1)[1].split(";")[0]
-    return proc, address, worker_address
+    extra = ["--worker-secret-file", secret, *(["--worker-port", str(worker_port)] if worker_port is not None else [])]
+    server = spawn_server(model, *extra, workers=0, port=port, env=ENV)
+    return server.proc, server.address, server.worker_address
 
 
 def test_worker_rejoins_a_restarted_router_with_its_cache(llama_dir, tmp_path):

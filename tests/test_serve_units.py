@@ -115,7 +115,7 @@ def test_index_mirrors_a_radix_cache_through_its_events(seed):
     events = []
     real.on_event = events.append  # set after construction, as the worker does
     bases = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
-    for step in range(300):
+    for _ in range(300):
         op = rng.random()
         if op < 0.6:
             seq = list(rng.choice(bases)) + [rng.randrange(50) for _ in range(rng.randrange(0, 20))]

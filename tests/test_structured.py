@@ -11,7 +11,6 @@ import random
 import re
 import threading
 
-import msgspec
 import pytest
 
 xgr = pytest.importorskip("xgrammar")

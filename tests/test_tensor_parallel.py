@@ -106,7 +106,7 @@ def test_a_dead_follower_fails_the_step_instead_of_hanging(llama_dir):
         os.kill(engine.runner.pids[0], signal.SIGKILL)
         time.sleep(0.5)
         t0 = time.monotonic()
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - whichever error the dead collective raises; the bound is the point
             engine.generate([random_prompts((12,), seed=8)[0]], GREEDY)
         assert time.monotonic() - t0 < 60, "the step should fail at once, not wait for the collective timeout"
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from radixserve.kv.radix import EVICTION_POLICIES, RadixCache
+from radixserve.kv.radix import RadixCache
 
 from bench.sim.workloads import Request, Workload
 
@@ -90,11 +90,6 @@ def belady(w: Workload, capacity: int) -> int:
             heap = [e for e in heap if cached.get(e[2]) == -e[0]]
             heapq.heapify(heap)
     return hit
-
-
-# -- no cache ----------------------------------------------------------------------------------
-def no_cache(w: Workload) -> int:
-    return 0
 
 
 # -- radix tree (the engine's RadixCache) ------------------------------------------------------
@@ -333,5 +328,3 @@ def route(w: Workload, workers: int, capacity: int, policy: str, *, cache_thresh
         ws[i].serve(r)
     return sum(x.hit for x in ws), [x.served for x in ws]
 
-
-EVICTIONS = tuple(EVICTION_POLICIES)  # every eviction policy the engine offers

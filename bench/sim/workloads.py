@@ -176,10 +176,10 @@ def load_weka(paths: list[str], limit: int | None = None) -> Workload:
         if B != 64:
             raise ValueError(f"{path}: block_size {B}, expected 64")
 
-        def add(entries, t0, chain):
+        def add(entries, t0, chain, sid=sid, B=B):  # this session's sid and B, bound now
             for e in entries:
                 if e.get("type") == "subagent" and "requests" in e:
-                    add(e["requests"], t0 + float(e.get("t", 0.0)), (sid, e.get("agent_id", id(e))))
+                    add(e["requests"], t0 + float(e.get("t", 0.0)), (sid, e.get("agent_id", id(e))), sid, B)
                     continue
                 if "hash_ids" not in e or "in" not in e:
                     continue

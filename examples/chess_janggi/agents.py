@@ -25,7 +25,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from examples.chess_janggi.rules import JANGGI_LEGEND, Game, IllegalMove
 
@@ -143,6 +143,8 @@ class MoveStats:
 
 
 class RandomAgent:
+    """A uniformly random legal move (seeded)."""
+
     name = "random"
 
     def __init__(self, seed: int = 0):
@@ -153,14 +155,10 @@ class RandomAgent:
         return self.rng.choice(game.legal_moves())
 
 
-class GreedyAgent:
+class GreedyAgent(RandomAgent):
     """One ply, material only: the move after which the opponent is worst off; ties at random."""
 
     name = "greedy"
-
-    def __init__(self, seed: int = 0):
-        self.rng = random.Random(seed)
-        self.stats = MoveStats()
 
     async def select(self, game: Game) -> str:
         best, best_moves = None, []

@@ -20,45 +20,15 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from examples.chess_janggi.agents import GreedyAgent, LLMAgent, RandomAgent, chat_renderer
 from examples.chess_janggi.rules import ChessGame, IllegalMove, JanggiGame
+from radixserve.ops.stats import percentile
 
 OPPONENTS = ("llm", "random", "greedy")
-
-
-# ----------------------------------------------------------------------------- server
-def start_server(workers: int = 1, model: str | None = None, extra: list[str] | None = None,
-                 timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """``radixserve serve --port 0`` in a subprocess; returns it and the address it printed."""
-    cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--port", "0",
-           "--workers", str(workers), *(["--model", model] if model else []), *(extra or [])]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    line = box[0] if box else ""
-    if "listening on " not in line:
-        stop_server(proc)
-        raise RuntimeError(f"radixserve serve did not start: {line!r}")
-    return proc, line.split("listening on ", 1)[1].split()[0]
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ----------------------------------------------------------------------------- games
@@ -135,13 +105,6 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
     return matches
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
 async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *, mode: str = "choose",
                     seed: int = 0, out: str | None = None, show_progress: bool = True,
                     ideal_tokenizer=None, timeout: float = 600.0, temperature: float = 0.5,
@@ -205,10 +168,10 @@ def build_report(matches: list[Match], wall: float, server: dict | None, tokeniz
         "wall_s": round(wall, 2),
         "plies_per_s": round(plies / wall, 2),
         "llm_moves_per_s": round(llm_moves / wall, 2),
-        "move_latency_p50_ms": round(_pct(lat, 50) * 1e3, 1),
-        "move_latency_p99_ms": round(_pct(lat, 99) * 1e3, 1),
-        "ttft_p50_ms": round(_pct(ttft, 50) * 1e3, 1),
-        "ttft_p99_ms": round(_pct(ttft, 99) * 1e3, 1),
+        "move_latency_p50_ms": round(percentile(lat, 50) * 1e3, 1),
+        "move_latency_p99_ms": round(percentile(lat, 99) * 1e3, 1),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1),
         "sdk_calls": sum(a.stats.calls for a in llms),
         "query_tokens": query,
         "cached_tokens": cached,
@@ -314,11 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="plain-text prompts instead of the model's chat template")
     args = ap.parse_args(argv)
 
-    proc = None
+    server = None
     address = args.server
     t0 = time.monotonic()
     if address is None:
-        proc, address = start_server(args.workers, args.model)  # serve divides the cores among the workers
+        from radixserve.testing import spawn_server
+
+        # serve divides the cores among the workers
+        server = spawn_server(args.model, workers=args.workers, wait_workers=False)
+        address = server.address
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
         tokenizer = _tokenizer_for(args.model)
@@ -327,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                                        ideal_tokenizer=None if args.no_ideal else tokenizer,
                                        temperature=args.temperature, chat_tokenizer=None if args.plain else tokenizer))
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if server is not None:
+            server.stop(20)
     print(format_report(report))
     return 0 if not report["errors"] and report["illegal_moves_applied"] == 0 else 1
 

@@ -46,7 +46,7 @@ class Game:
     def result(self) -> str: ...
     def ascii(self) -> str: ...
     def material(self) -> float: ...  # side to move's material minus the opponent's
-    def after(self, uci: str) -> "Game": ...
+    def after(self, uci: str) -> Game: ...
 
     @property
     def side_to_move(self) -> str: ...
@@ -126,7 +126,7 @@ class ChessGame(Game):
             score += v if piece.color == self.board.turn else -v
         return score
 
-    def after(self, uci: str) -> "ChessGame":
+    def after(self, uci: str) -> ChessGame:
         g = ChessGame.__new__(ChessGame)
         g.start_fen, g.moves, g.board = self.start_fen, self.moves + [uci], self.board.copy(stack=False)
         g.board.push_uci(uci)
@@ -230,16 +230,12 @@ class JanggiGame(Game):
         han += 1.5
         return cho - han if self.side_to_move == "cho" else han - cho
 
-    def after(self, uci: str) -> "JanggiGame":
+    def after(self, uci: str) -> JanggiGame:
         return JanggiGame(self.start_fen, self.moves + [uci], self.variant)
 
     def record(self) -> dict:
         return {"variant": self.variant, "start_fen": self.start_fen, "moves": list(self.moves),
                 "result": self.result(), "termination": self.termination()}
-
-
-def make_game(kind: str) -> Game:
-    return ChessGame() if kind == "chess" else JanggiGame()
 
 
 def perft(game: Game, depth: int) -> int:

@@ -15,8 +15,8 @@ and tested anywhere, offline.
 Nothing here touches the network: tokenizers are built from in-memory objects and
 models from configs.
 
-:func:`make_tiny_model_dir` builds tiny random checkpoints of each supported
-architecture ("llama", "qwen2", "qwen3", "mistral") for tests.
+:func:`radixserve.testing.make_tiny_model_dir` builds tiny random checkpoints of each
+supported architecture for tests (also importable from here).
 """
 
 from __future__ import annotations
@@ -39,14 +39,11 @@ __all__ = [
     "BUILTIN_SEED",
     "SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
-    "TINY_ARCHS",
     "build_tokenizer",
     "builtin_config",
-    "BUILTIN_CONFIG",
     "save_model_dir",
     "default_cache_dir",
     "default_model_path",
-    "make_tiny_model_dir",
 ]
 
 #: Bump when anything that changes the produced files changes (corpus, config, init).
@@ -269,11 +266,6 @@ def builtin_config(vocab_size: int = BUILTIN_VOCAB_SIZE, *, bos_token_id: int = 
     return LlamaConfig(**kw)
 
 
-def BUILTIN_CONFIG(vocab_size: int = BUILTIN_VOCAB_SIZE):  # noqa: N802 - name from the design doc
-    """Alias of :func:`builtin_config`."""
-    return builtin_config(vocab_size)
-
-
 # --------------------------------------------------------------------------------------
 # saving
 # --------------------------------------------------------------------------------------
@@ -487,74 +479,10 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------
-# tiny models for tests
-# --------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    """The tiny test checkpoints moved to :mod:`radixserve.testing`; still importable from here."""
+    if name in ("TINY_ARCHS", "tiny_config", "make_tiny_model_dir"):
+        from radixserve import testing
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-
-_TINY_BASE: dict[str, Any] = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-
-_ARCH_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-}
-
-
-def tiny_config(arch: str, **overrides):
-    """Config of a tiny model of ``arch`` (see :data:`TINY_ARCHS`).
-
-    Defaults: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128,
-    vocab 512, 1024 positions, fp32. qwen2 keeps HF's q/k/v bias, qwen3 its q/k norm;
-    mistral gets ``sliding_window=None`` unless overridden. ``overrides`` go straight
-    to the config (``tie_word_embeddings``, ``rope_scaling``, ``rope_theta``, ``dtype``
-    / ``torch_dtype`` ...).
-    """
-    import transformers
-
-    arch = arch.lower()
-    if arch not in _ARCH_CLASSES:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {TINY_ARCHS}")
-    cfg_name, model_name = _ARCH_CLASSES[arch]
-    kw: dict[str, Any] = dict(_TINY_BASE)
-    kw.update(bos_token_id=0, eos_token_id=1, pad_token_id=2, architectures=[model_name])
-    if arch == "mistral":
-        kw["sliding_window"] = None
-    dtype = overrides.pop("dtype", None)
-    dtype = overrides.pop("torch_dtype", dtype)
-    if dtype is not None and not isinstance(dtype, str):
-        dtype = str(dtype).removeprefix("torch.")
-    kw.update(_dtype_kw(dtype or "float32"))
-    kw.update(overrides)
-    return getattr(transformers, cfg_name)(**kw)
-
-
-def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0,
-                        tokenizer: bool = True, **overrides) -> Path:
-    """Create a tiny random checkpoint of ``arch`` at ``path`` and return it.
-
-    Weights are drawn in fp32 from ``seed``; a non-fp32 ``dtype`` override is applied
-    when saving (tensors cast to it, config records it). With ``tokenizer=True`` a
-    :func:`build_tokenizer` of the config's vocab size is saved alongside.
-    """
-    config = tiny_config(arch, **overrides)
-    path = Path(path)
-    tok = None
-    if tokenizer:
-        tok = build_tokenizer(config.vocab_size, model_max_length=config.max_position_embeddings)
-        config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-            tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    return save_model_dir(path, config, seed=seed, tokenizer=tok)
+        return getattr(testing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

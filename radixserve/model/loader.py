@@ -5,9 +5,9 @@ A ``.gguf`` file is converted once into such a directory first (:mod:`radixserve
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,16 +17,14 @@ from radixserve.errors import ModelLoadError
 from radixserve.model.default import resolve_model
 from radixserve.model.llama import ARCHITECTURES, CausalLM
 
-log = logging.getLogger("radixserve")
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
     model: CausalLM
-    config: object
-    tokenizer: object
+    config: Any  # a transformers PretrainedConfig
+    tokenizer: Any
     path: Path
     dtype: torch.dtype
     max_model_len: int
@@ -40,7 +38,8 @@ class LoadedModel:
 def load_config(path: str | Path):
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory or .gguf file, or no model for the default one")
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory "
+                             "or .gguf file, or no model for the default one")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
     config = AutoConfig.from_pretrained(path, local_files_only=True)

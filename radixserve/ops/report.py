@@ -22,10 +22,12 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from radixserve.errors import BadRequestError
 from radixserve.ops.signals import Window, window_of
+from radixserve.ops.stats import linear_fit
 
 # The seed's figures: a 24 GB-class GPU rents for about $0.50-2 an hour and costs a few hundred
 # dollars used; break-even is around 300-1,000 hours of real generation.
@@ -81,18 +83,6 @@ class VerdictRules:
     min_busy_share: float = 0.3  # a queue that stays up this share of the active period is not a burst
 
 
-def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares line: slope, intercept, R^2."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    syy = sum((y - my) ** 2 for y in ys)
-    slope = sxy / sxx if sxx else 0.0
-    r2 = (sxy * sxy / (sxx * syy)) if sxx and syy else 0.0
-    return slope, my - slope * mx, r2
-
-
 def drain_cycles(queued: Sequence[int]) -> int:
     """Times the queue went from above 0 back to 0."""
     return sum(1 for a, b in zip(queued, queued[1:]) if a > 0 and b == 0)
@@ -120,7 +110,7 @@ def verdict(windows: Sequence[Window], rules: VerdictRules = VerdictRules()) -> 
     ts = [t for t, _ in points]
     rolled = [statistics.median(y for _, y in points[max(0, i - k + 1):i + 1]) for i in range(len(points))]
     hours = [(t - ts[0]) / 3600 for t in ts]
-    slope, icpt, r2 = _fit(hours, rolled)
+    slope, icpt, r2 = linear_fit(hours, rolled)
     start, end = icpt, icpt + slope * hours[-1]
     ev.update({"rolling_windows": k, "fit_t0": ts[0], "fit_t1": ts[-1], "ttft_p50_slope_s_per_hour": slope, "ttft_fit_r2": r2,
                "ttft_fit_start_s": start, "ttft_fit_end_s": end,

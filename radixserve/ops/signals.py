@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Window:
     preemptions: int = 0
     workers_alive: int = 0
     inflight_cap: int = 0  # the router's --max-inflight x live workers (0: unknown)
-    workers: dict[str, "Window"] = field(default_factory=dict)
+    workers: dict[str, Window] = field(default_factory=dict)
 
     @property
     def kv_pressure(self) -> float | None:
@@ -201,14 +202,14 @@ def saturation_signals(windows: Sequence[Window], th: Thresholds = Thresholds())
                       f"requests queued (router + engines) above 0 in {above} of the last {len(tail)} windows; "
                       f"now {tail[-1].queued if tail else 0}"))
 
-    streams = [(w.per_stream_tok_s, w.running) for w in windows if w.per_stream_tok_s is not None]
-    now = [w for w in recent if w.per_stream_tok_s is not None]
+    streams = [(s, w.running) for w in windows if (s := w.per_stream_tok_s) is not None]
+    now = [(s, w.running) for w in recent if (s := w.per_stream_tok_s) is not None]
     on, evidence = False, "not enough windows with decoding to compare"
     if streams and now:
         peak, peak_running = max(streams)
-        cur = now[-1]
-        on = cur.per_stream_tok_s <= th.sag_fraction * peak and cur.running > peak_running
-        evidence = (f"{cur.per_stream_tok_s:.1f} tok/s per stream at {cur.running} running, best "
+        rate, running = now[-1]
+        on = rate <= th.sag_fraction * peak and running > peak_running
+        evidence = (f"{rate:.1f} tok/s per stream at {running} running, best "
                     f"{peak:.1f} tok/s at {peak_running} running (on at <= {th.sag_fraction:.0%} of best with a fuller batch)")
     out.append(Signal("per_stream_sagging", on, "per-stream tok/s sagging as the batch fills", evidence))
 

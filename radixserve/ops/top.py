@@ -12,7 +12,8 @@ import collections
 import json
 import time
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from radixserve.ops.signals import Signal, Thresholds, Window, remedies, saturation_signals, window_of
 
@@ -49,7 +50,8 @@ def render(window: Window, signals: list[Signal], address: str):
     from rich import box
 
     load = Table(title=f"radixserve top  {address}  (window {window.dt_s:.1f} s)", title_justify="left",
-                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, caption=(f"{window.workers_alive} worker(s) alive; queued = router queue ({window.queue_depth}) "
+                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                 caption=(f"{window.workers_alive} worker(s) alive; queued = router queue ({window.queue_depth}) "
                           "+ engines' waiting"),
                  caption_justify="left")
     for col in ("", "TTFT p50", "TTFT p99", "done", "queued", "run", "tok/s", "per stream", "preempt"):
