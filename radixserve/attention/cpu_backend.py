@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.cpu_dense import attend_dense, plan_dense
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.kv.pool import KVPool
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DENSE_MIN_TOKENS = 16  # bench kernels: see CpuAttention.dense_min_tokens
 
 
 def supports(pool: KVPool, num_qo_heads: int) -> str | None:
@@ -42,6 +44,9 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
+    dense_min_tokens = DENSE_MIN_TOKENS
+    """Ungrouped sequences with at least this many new tokens go to torch's flash kernel
+    (:mod:`~radixserve.attention.cpu_dense`); fewer (decodes, short extends) to the csrc/ kernel."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
@@ -54,40 +59,36 @@ class CpuAttention(AttentionBackend):
         cascade = metadata.cascade
         self._flat = None
         self._grouped = None
-        if cascade is None:
+        members: set[int] = set()
+        if cascade is not None:
+            grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
+            members = set(grouped)
+            qo = metadata.qo_indptr.tolist()
+            self._grouped = (
+                torch.tensor([qo[i] for i in grouped], dtype=torch.long),
+                torch.arange(len(grouped) + 1, dtype=torch.int32),
+            )
+        dense = [i for i, n in enumerate(metadata.qo_lens) if n >= self.dense_min_tokens and i not in members]
+        self._dense = plan_dense(metadata, dense)
+        if cascade is None and not dense:
             self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
                           metadata.kv_last_page_len)
             return
-        grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
-        members = set(grouped)
-        qo = metadata.qo_indptr.tolist()
-        self._grouped = (
-            torch.tensor([qo[i] for i in grouped], dtype=torch.long),
-            torch.arange(len(grouped) + 1, dtype=torch.int32),
-        )
-        flat = [i for i in range(metadata.num_seqs) if i not in members]
+        skip = members.union(dense)
+        flat = [i for i in range(metadata.num_seqs) if i not in skip]
         if flat:
-            kv = metadata.kv_indptr.tolist()
-            rows = torch.tensor([r for i in flat for r in range(qo[i], qo[i + 1])], dtype=torch.long)
-            qo_indptr, kv_indptr, parts = [0], [0], []
-            for i in flat:
-                qo_indptr.append(qo_indptr[-1] + qo[i + 1] - qo[i])
-                kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
-                parts.append(metadata.kv_indices[kv[i] : kv[i + 1]])
-            self._flat = (
-                rows, torch.tensor(qo_indptr, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
-                torch.cat(parts), metadata.kv_last_page_len[torch.tensor(flat)].contiguous(),
-            )
+            self._flat = _subset(metadata, flat)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
-        self.pool.k_slots(layer).index_copy_(0, meta.out_slots, k)
-        self.pool.v_slots(layer).index_copy_(0, meta.out_slots, v)
+        k_slots, v_slots = self.pool.k_slots(layer), self.pool.v_slots(layer)
+        k_slots.index_copy_(0, meta.out_slots, k)
+        v_slots.index_copy_(0, meta.out_slots, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         q = q.contiguous()
         attend = self.ext.paged_attention
-        if self._grouped is None:
+        if self._grouped is None and not self._dense:
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
             return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
         out = torch.empty_like(q)
@@ -96,6 +97,11 @@ class CpuAttention(AttentionBackend):
             flat_out = attend(q.index_select(0, rows), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last,
                               self.scale, True)[0]
             out.index_copy_(0, rows, flat_out)
+        for seq in self._dense:
+            first, end = seq.rows
+            out[first:end] = attend_dense(seq, q, k, v, k_slots, v_slots, self.scale, self.ext.merge_state)
+        if self._grouped is None:
+            return out
         rows, one_each = self._grouped
         c = meta.cascade
         qg = q.index_select(0, rows)
@@ -105,3 +111,16 @@ class CpuAttention(AttentionBackend):
                               c.suffix_kv_last_page_len, self.scale, True)
         out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
+
+
+def _subset(metadata: AttentionMetadata, seqs: list[int]) -> tuple:
+    """(rows, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of some of a batch's sequences."""
+    qo, kv = metadata.qo_indptr.tolist(), metadata.kv_indptr.tolist()
+    rows = torch.tensor([r for i in seqs for r in range(qo[i], qo[i + 1])], dtype=torch.long)
+    qo_indptr, kv_indptr, parts = [0], [0], []
+    for i in seqs:
+        qo_indptr.append(qo_indptr[-1] + qo[i + 1] - qo[i])
+        kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
+        parts.append(metadata.kv_indices[kv[i] : kv[i + 1]])
+    return (rows, torch.tensor(qo_indptr, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
+            torch.cat(parts), metadata.kv_last_page_len[torch.tensor(seqs)].contiguous())

@@ -1,0 +1,81 @@
+"""Prefill and extend chunks on the CPU through torch's flash-attention kernel (the many-row path).
+
+A chunk of many new tokens is GEMM-shaped work. torch's CPU flash attention
+(``aten::_scaled_dot_product_flash_attention_for_cpu``: blocked, vectorised, returns the
+log-sum-exp) runs it several times faster than the csrc/ kernel's sgemm-tiled path
+(``python -m bench kernels``), so :class:`~radixserve.attention.cpu_backend.CpuAttention`
+sends every ungrouped sequence with at least ``dense_min_tokens`` new tokens here, one call
+per part:
+
+* the chunk against its own new tokens: causal (on a square the top-left and bottom-right
+  masks agree), straight from the layer's q/k/v, each KV head repeated for its query heads;
+* the chunk against its cached prefix (an extend): the prefix K/V gathered from the pool once
+  per layer, not causal (every new token sees the whole prefix), GQA folded into the query
+  rows (the G query heads of a KV head become G x T rows of one head, so K/V are not
+  repeated); the two states are merged by LSE.
+
+bf16/fp16 run in fp32 (the gathers widen anyway; torch's bf16 CPU flash path is no faster on
+these shapes, and fp32 math keeps the oracle tolerances); the result is cast back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.attention.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass(frozen=True)
+class DenseSeq:
+    rows: tuple[int, int]  # [first, end) rows of the batch's q/k/v
+    prefix_slots: torch.Tensor | None  # int64 pool slots of the cached prefix; None: fresh prefill
+
+
+def plan_dense(meta: AttentionMetadata, seqs: list[int]) -> list[DenseSeq]:
+    qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+    page = meta.page_size
+    offsets = torch.arange(page, dtype=torch.long)
+    out = []
+    for i in seqs:
+        prefix = meta.kv_lens[i] - meta.qo_lens[i]
+        slots = None
+        if prefix > 0:
+            pages = meta.kv_indices[kv[i] : kv[i] + -(-prefix // page)].long()
+            slots = (pages[:, None] * page + offsets).reshape(-1)[:prefix]
+        out.append(DenseSeq((qo[i], qo[i + 1]), slots))
+    return out
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
+
+
+def attend_dense(seq: DenseSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
+                 v_slots: torch.Tensor, scale: float, merge_state) -> torch.Tensor:
+    """Output rows ``[T, Hq, D]`` (q's dtype) of one sequence; ``merge_state`` is the kernels' merge."""
+    first, end = seq.rows
+    qs = q[first:end].float()
+    ks, vs = k[first:end].float(), v[first:end].float()
+    t, heads, dim = qs.shape
+    kv_heads = ks.shape[1]
+    group = heads // kv_heads
+    if group > 1:
+        ks = ks[:, :, None].expand(t, kv_heads, group, dim).reshape(t, heads, dim)
+        vs = vs[:, :, None].expand(t, kv_heads, group, dim).reshape(t, heads, dim)
+    own, own_lse = _flash(_heads_first(qs), _heads_first(ks), _heads_first(vs), 0.0, True, scale=scale)
+    own = own[0].transpose(0, 1)  # [T, H, D]
+    if seq.prefix_slots is None:
+        return own.to(q.dtype)
+    kp = k_slots.index_select(0, seq.prefix_slots).float()  # [P, Hkv, D]
+    vp = v_slots.index_select(0, seq.prefix_slots).float()
+    folded = qs.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)
+    pre, pre_lse = _flash(folded, _heads_first(kp), _heads_first(vp), 0.0, False, scale=scale)
+    pre = pre[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
+    pre_lse = pre_lse[0].view(kv_heads, t, group).permute(1, 0, 2).reshape(t, heads)
+    merged = merge_state(pre, pre_lse.mul(LOG2E), own.contiguous(), own_lse[0].transpose(0, 1).mul(LOG2E))
+    return merged.to(q.dtype)
