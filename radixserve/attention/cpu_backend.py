@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.attention.base import AttentionBackend
-from radixserve.attention.cpu_dense import attend_dense, plan_dense
+from radixserve.attention.cpu_dense import attend_dense, attend_prefix, plan_dense, plan_prefixes
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.kv.pool import KVPool
 
@@ -67,6 +67,7 @@ class CpuAttention(AttentionBackend):
             self._grouped = (
                 torch.tensor([qo[i] for i in grouped], dtype=torch.long),
                 torch.arange(len(grouped) + 1, dtype=torch.int32),
+                plan_prefixes(metadata),
             )
         dense = [i for i, n in enumerate(metadata.qo_lens) if n >= self.dense_min_tokens and i not in members]
         self._dense = plan_dense(metadata, dense)
@@ -102,14 +103,19 @@ class CpuAttention(AttentionBackend):
             out[first:end] = attend_dense(seq, q, k, v, k_slots, v_slots, self.scale, self.ext.merge_state)
         if self._grouped is None:
             return out
-        rows, one_each = self._grouped
+        rows, one_each, prefixes = self._grouped
         c = meta.cascade
         qg = q.index_select(0, rows)
-        out_p, lse_p = attend(qg, k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices,
-                              c.prefix_kv_last_page_len, self.scale, False)
         out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
                               c.suffix_kv_last_page_len, self.scale, True)
-        out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
+        # Level 0: each group's queries against its shared prefix, one GEMM-shaped flash call.
+        out_p = torch.zeros(qg.shape, dtype=torch.float32)
+        lse_p = torch.full(qg.shape[:2], float("-inf"))
+        qf = qg.float()
+        for first, end, slots in prefixes:
+            if slots is not None:
+                out_p[first:end], lse_p[first:end] = attend_prefix(qf[first:end], k_slots, v_slots, slots, self.scale)
+        out.index_copy_(0, rows, self.ext.merge_state(out_p.to(q.dtype), lse_p, out_s, lse_s))
         return out
 
 

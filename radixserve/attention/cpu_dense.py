@@ -55,6 +55,21 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
 
 
+def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 queries ``[T, Hq, D]`` against the K/V at pool ``slots``, every query seeing every key:
+    (output ``[T, Hq, D]`` fp32, base-2 LSE ``[T, Hq]``). GQA is folded into the query rows."""
+    t, heads, dim = qs.shape
+    kv_heads = k_slots.shape[1]
+    group = heads // kv_heads
+    kp = k_slots.index_select(0, slots).float()  # [P, Hkv, D]
+    vp = v_slots.index_select(0, slots).float()
+    folded = qs.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)
+    out, lse = _flash(folded, _heads_first(kp), _heads_first(vp), 0.0, False, scale=scale)
+    out = out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
+    return out, lse[0].view(kv_heads, t, group).permute(1, 0, 2).reshape(t, heads).mul_(LOG2E)
+
+
 def attend_dense(seq: DenseSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
                  v_slots: torch.Tensor, scale: float, merge_state) -> torch.Tensor:
     """Output rows ``[T, Hq, D]`` (q's dtype) of one sequence; ``merge_state`` is the kernels' merge."""
@@ -71,11 +86,22 @@ def attend_dense(seq: DenseSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     own = own[0].transpose(0, 1)  # [T, H, D]
     if seq.prefix_slots is None:
         return own.to(q.dtype)
-    kp = k_slots.index_select(0, seq.prefix_slots).float()  # [P, Hkv, D]
-    vp = v_slots.index_select(0, seq.prefix_slots).float()
-    folded = qs.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)
-    pre, pre_lse = _flash(folded, _heads_first(kp), _heads_first(vp), 0.0, False, scale=scale)
-    pre = pre[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
-    pre_lse = pre_lse[0].view(kv_heads, t, group).permute(1, 0, 2).reshape(t, heads)
-    merged = merge_state(pre, pre_lse.mul(LOG2E), own.contiguous(), own_lse[0].transpose(0, 1).mul(LOG2E))
+    pre, pre_lse = attend_prefix(qs, k_slots, v_slots, seq.prefix_slots, scale)
+    merged = merge_state(pre, pre_lse, own.contiguous(), own_lse[0].transpose(0, 1).mul(LOG2E))
     return merged.to(q.dtype)
+
+
+def plan_prefixes(meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor | None]]:
+    """Cascade level 0 per group: (first, end) of its rows among the grouped queries, and the int64
+    pool slots of its shared prefix (None when empty)."""
+    c = meta.cascade
+    page = meta.page_size
+    offsets = torch.arange(page, dtype=torch.long)
+    qo, kv, last = c.prefix_qo_indptr.tolist(), c.prefix_kv_indptr.tolist(), c.prefix_kv_last_page_len.tolist()
+    out = []
+    for j in range(len(qo) - 1):
+        pages = c.prefix_kv_indices[kv[j] : kv[j + 1]].long()
+        n = 0 if len(pages) == 0 else (len(pages) - 1) * page + last[j]
+        slots = (pages[:, None] * page + offsets).reshape(-1)[:n] if n else None
+        out.append((qo[j], qo[j + 1], slots))
+    return out
