@@ -109,13 +109,12 @@ class CpuAttention(AttentionBackend):
         out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
                               c.suffix_kv_last_page_len, self.scale, True)
         # Level 0: each group's queries against its shared prefix, one GEMM-shaped flash call.
-        out_p = torch.zeros(qg.shape, dtype=torch.float32)
+        out_p = torch.zeros_like(qg)
         lse_p = torch.full(qg.shape[:2], float("-inf"))
-        qf = qg.float()
         for first, end, slots in prefixes:
             if slots is not None:
-                out_p[first:end], lse_p[first:end] = attend_prefix(qf[first:end], k_slots, v_slots, slots, self.scale)
-        out.index_copy_(0, rows, self.ext.merge_state(out_p.to(q.dtype), lse_p, out_s, lse_s))
+                out_p[first:end], lse_p[first:end] = attend_prefix(qg[first:end], k_slots, v_slots, slots, self.scale)
+        out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
 
 
