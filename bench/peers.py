@@ -127,9 +127,9 @@ def drive(adapter, spec: dict) -> dict:
 
 class RadixAdapter:
     def __init__(self, spec: dict):
-        import torch
+        from radixserve import Engine, SamplingParams  # before torch: it sets the OpenMP wait policy
 
-        from radixserve import Engine, SamplingParams
+        import torch
 
         torch.set_num_threads(spec["threads"])
         self.params = SamplingParams
