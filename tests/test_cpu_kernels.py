@@ -132,11 +132,13 @@ def test_flash_path_big_chunks_equal_torch(dtype, page_size, layout):
     # Chunks big enough that a bf16 pool's flash calls run in bf16 (>= BF16_MIN_ROWS rows) for
     # the own (causal) part and the folded prefix part, next to small ones that stay in fp32,
     # a chunk exactly at the flash threshold, one just below it, and decodes.
+    from radixserve.attention.cpu_backend import dense_min_tokens_for
     from radixserve.attention.cpu_dense import BF16_MIN_ROWS
 
     heads, kv_heads = HEADS[layout]
+    least = dense_min_tokens_for(dtype)
     qo_kv = [(BF16_MIN_ROWS + 44, BF16_MIN_ROWS + 44), (1, 500), (BF16_MIN_ROWS + 5, 1200),
-             (CpuAttention.dense_min_tokens, 900), (CpuAttention.dense_min_tokens - 1, 300), (1, 1)]
+             (least, 900), (least - 1, 300), (1, 1)]
     pool, meta, q, k, v = make_case(page_size * 5 + heads + 300, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
     got, want = both(pool, meta, q, k, v)
     assert got.dtype == dtype

@@ -24,7 +24,14 @@ from radixserve.attention.metadata import AttentionMetadata
 from radixserve.kv.pool import KVPool
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DENSE_MIN_TOKENS = 16  # bench kernels: see CpuAttention.dense_min_tokens
+# Fewest new tokens of a chunk that goes to torch's flash kernel, by KV dtype (python -m bench
+# kernels, one thread, 16 chunks over 2200 keys: fp32 ties at 17-32 tokens, flash wins above;
+# bf16 the kernel wins at 17 tokens, 42 vs 63 ms, flash from 32, 51 vs 69 ms).
+DENSE_MIN_TOKENS = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 32}
+
+
+def dense_min_tokens_for(dtype: torch.dtype) -> int:
+    return DENSE_MIN_TOKENS.get(dtype, 16)
 
 
 def supports(pool: KVPool, num_qo_heads: int) -> str | None:
@@ -44,9 +51,10 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
-    dense_min_tokens = DENSE_MIN_TOKENS
+    dense_min_tokens: int | None = None
     """Ungrouped sequences with at least this many new tokens go to torch's flash kernel
-    (:mod:`~radixserve.attention.cpu_dense`); fewer (decodes, short extends) to the csrc/ kernel."""
+    (:mod:`~radixserve.attention.cpu_dense`); fewer (decodes, short extends) to the csrc/ kernel.
+    None: :func:`dense_min_tokens_for` the pool's dtype."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
@@ -69,7 +77,8 @@ class CpuAttention(AttentionBackend):
                 torch.arange(len(grouped) + 1, dtype=torch.int32),
                 plan_prefixes(metadata),
             )
-        dense = [i for i, n in enumerate(metadata.qo_lens) if n >= self.dense_min_tokens and i not in members]
+        least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype)
+        dense = [i for i, n in enumerate(metadata.qo_lens) if n >= least and i not in members]
         self._dense = plan_dense(metadata, dense)
         if cascade is None and not dense:
             self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
