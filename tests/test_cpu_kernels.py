@@ -32,9 +32,10 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (6, 1)}
 
 
-def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head_dim=64, layers=2):
-    """A pool with random contents and a batch of (qo_len, kv_len) sequences on shuffled pages; the
-    first ``share`` tokens' pages of sequences in a group are the group leader's."""
+def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head_dim=64, layers=2, order="shuffled"):
+    """A pool with random contents and a batch of (qo_len, kv_len) sequences on shuffled pages
+    (``order`` "ascending"/"descending": each sequence on consecutive pages, the way a fresh pool
+    allocates); the first ``share`` tokens' pages of sequences in a group are the group leader's."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     need = sum(-(-kv // page_size) for _, kv in qo_kv) + 4
@@ -44,7 +45,10 @@ def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g))
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g))
     free = list(range(need))
-    rng.shuffle(free)
+    if order == "shuffled":
+        rng.shuffle(free)
+    elif order == "ascending":
+        free.reverse()  # pop() hands out 0, 1, 2, ...
     tables = [[free.pop() for _ in range(-(-kv // page_size))] for _, kv in qo_kv]
     for first, count, prefix in groups:
         for i in range(first + 1, first + count):
@@ -242,3 +246,21 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog
     assert type(engine.runner.attention).__name__ == "TorchAttention"
     warnings = [r for r in caplog.records if "CPU attention kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_contiguous_prefixes_read_in_place_equal_torch(order, dtype, page_size):
+    # Prefixes on one contiguous range of slots are read in place (a slice, not a gather), in
+    # either order of the slots; a group's shared prefix likewise.
+    from radixserve.attention.cpu_dense import plan_dense
+
+    qo_kv = [(40, 700), (300, 1000), (1, 333), (1, 343), (1, 353), (17, 17)]
+    groups = ((2, 3, 320),)
+    pool, meta, q, k, v = make_case(5 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups, order=order)
+    # (descending pages of 16 with a partial last page leave a hole: that prefix is gathered)
+    if order == "ascending" or page_size == 1:
+        assert all(isinstance(d.prefix_slots, slice) for d in plan_dense(meta, [0, 1]))
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])

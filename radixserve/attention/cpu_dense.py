@@ -33,10 +33,25 @@ BF16_MIN_ROWS = 256
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+Slots = "torch.Tensor | slice"
+
+
+def _slots(slots: torch.Tensor) -> Slots:
+    """The pool slots of a prefix, as a slice when they are one contiguous range (in any order:
+    a prefix is attended without a mask, so only the set of its keys matters), which reads the
+    K/V in place instead of gathering them. Slots of one sequence are distinct."""
+    lo, hi = int(slots.min()), int(slots.max())
+    return slice(lo, hi + 1) if hi - lo + 1 == len(slots) else slots
+
+
+def _read(cache: torch.Tensor, slots: Slots) -> torch.Tensor:
+    return cache[slots] if isinstance(slots, slice) else cache.index_select(0, slots)
+
+
 @dataclass(frozen=True)
 class DenseSeq:
     rows: tuple[int, int]  # [first, end) rows of the batch's q/k/v
-    prefix_slots: torch.Tensor | None  # int64 pool slots of the cached prefix; None: fresh prefill
+    prefix_slots: Slots | None  # pool slots of the cached prefix (see _slots); None: fresh prefill
 
 
 def plan_dense(meta: AttentionMetadata, seqs: list[int]) -> list[DenseSeq]:
@@ -49,7 +64,7 @@ def plan_dense(meta: AttentionMetadata, seqs: list[int]) -> list[DenseSeq]:
         slots = None
         if prefix > 0:
             pages = meta.kv_indices[kv[i] : kv[i] + -(-prefix // page)].long()
-            slots = (pages[:, None] * page + offsets).reshape(-1)[:prefix]
+            slots = _slots((pages[:, None] * page + offsets).reshape(-1)[:prefix])
         out.append(DenseSeq((qo[i], qo[i + 1]), slots))
     return out
 
@@ -63,7 +78,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
 
 
-def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor,
+def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: Slots,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``[T, Hq, D]`` against the K/V at pool ``slots``, every query seeing every key:
     (output ``[T, Hq, D]``, base-2 LSE ``[T, Hq]`` fp32). GQA is folded into the query rows."""
@@ -71,8 +86,8 @@ def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor
     kv_heads = k_slots.shape[1]
     group = heads // kv_heads
     qs = _compute(qs, t * group)
-    kp = k_slots.index_select(0, slots).to(qs.dtype)  # [P, Hkv, D]
-    vp = v_slots.index_select(0, slots).to(qs.dtype)
+    kp = _read(k_slots, slots).to(qs.dtype)  # [P, Hkv, D]
+    vp = _read(v_slots, slots).to(qs.dtype)
     folded = qs.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)
     out, lse = _flash(folded, _heads_first(kp), _heads_first(vp), 0.0, False, scale=scale)
     out = out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
@@ -100,9 +115,9 @@ def attend_dense(seq: DenseSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return merge_state(pre.to(q.dtype), pre_lse, own.contiguous(), own_lse[0].transpose(0, 1).mul(LOG2E))
 
 
-def plan_prefixes(meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor | None]]:
-    """Cascade level 0 per group: (first, end) of its rows among the grouped queries, and the int64
-    pool slots of its shared prefix (None when empty)."""
+def plan_prefixes(meta: AttentionMetadata) -> list[tuple[int, int, Slots | None]]:
+    """Cascade level 0 per group: (first, end) of its rows among the grouped queries, and the
+    pool slots of its shared prefix (see _slots; None when empty)."""
     c = meta.cascade
     page = meta.page_size
     offsets = torch.arange(page, dtype=torch.long)
@@ -111,6 +126,6 @@ def plan_prefixes(meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor 
     for j in range(len(qo) - 1):
         pages = c.prefix_kv_indices[kv[j] : kv[j + 1]].long()
         n = 0 if len(pages) == 0 else (len(pages) - 1) * page + last[j]
-        slots = (pages[:, None] * page + offsets).reshape(-1)[:n] if n else None
+        slots = _slots((pages[:, None] * page + offsets).reshape(-1)[:n]) if n else None
         out.append((qo[j], qo[j + 1], slots))
     return out
