@@ -127,9 +127,9 @@ def drive(adapter, spec: dict) -> dict:
 
 class RadixAdapter:
     def __init__(self, spec: dict):
-        import torch
+        from radixserve import Engine, SamplingParams  # before torch: it sets the OpenMP wait policy
 
-        from radixserve import Engine, SamplingParams
+        import torch
 
         torch.set_num_threads(spec["threads"])
         self.params = SamplingParams
@@ -137,17 +137,28 @@ class RadixAdapter:
                              max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0,
                              attention=spec.get("attention", "auto"))
         self.backend = type(self.engine.runner.attention).__name__
+        self.live: dict = {}  # request id -> Request, until it finishes
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
         params = self.params(max_tokens=n, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(self.engine.make_request(ids, params, request_id=rid))
+        req = self.engine.make_request(ids, params, request_id=rid)
+        self.live[rid] = req
+        self.engine.add_request(req)
 
     def step(self):
+        # Requests do not stream (no per-step detokenizing, like vLLM's detokenize=False), so the
+        # engine only returns final chunks: a first token is seen on the request itself, right
+        # after the step that sampled it -- the same point vLLM's step() reports it.
         for chunk in self.engine.step():
             out = chunk.output
             final = None if out is None else {
                 "tokens": list(out.token_ids), "prompt": out.prompt_tokens, "cached": out.cached_tokens}
+            if final is not None:
+                self.live.pop(chunk.request_id, None)
             yield chunk.request_id, bool(chunk.token_ids) or out is not None, final
+        for rid, req in self.live.items():
+            if req.output_ids:
+                yield rid, True, None
 
 
 class VllmAdapter:

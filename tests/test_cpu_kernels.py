@@ -32,9 +32,10 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (6, 1)}
 
 
-def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head_dim=64, layers=2):
-    """A pool with random contents and a batch of (qo_len, kv_len) sequences on shuffled pages; the
-    first ``share`` tokens' pages of sequences in a group are the group leader's."""
+def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head_dim=64, layers=2, order="shuffled"):
+    """A pool with random contents and a batch of (qo_len, kv_len) sequences on shuffled pages
+    (``order`` "ascending"/"descending": each sequence on consecutive pages, the way a fresh pool
+    allocates); the first ``share`` tokens' pages of sequences in a group are the group leader's."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     need = sum(-(-kv // page_size) for _, kv in qo_kv) + 4
@@ -44,7 +45,10 @@ def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g))
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g))
     free = list(range(need))
-    rng.shuffle(free)
+    if order == "shuffled":
+        rng.shuffle(free)
+    elif order == "ascending":
+        free.reverse()  # pop() hands out 0, 1, 2, ...
     tables = [[free.pop() for _ in range(-(-kv // page_size))] for _, kv in qo_kv]
     for first, count, prefix in groups:
         for i in range(first + 1, first + count):
@@ -57,10 +61,16 @@ def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head
     return pool, meta, q, k, v
 
 
-def both(pool, meta, q, k, v, layer=1):
-    """(cpu kernels, torch oracle) outputs of one layer; each writes the same new K/V first."""
+KERNEL_ONLY = 1 << 30  # dense_min_tokens that keeps every chunk on the csrc/ kernel
+
+
+def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None):
+    """(cpu kernels, torch oracle) outputs of one layer; each writes the same new K/V first.
+    ``dense_min_tokens``: CpuAttention's flash-path threshold (None: its default)."""
     scale = q.shape[-1] ** -0.5
     cpu = CpuAttention(pool, scale, ext)
+    if dense_min_tokens is not None:
+        cpu.dense_min_tokens = dense_min_tokens
     cpu.plan(meta)
     got = cpu.forward(q, k, v, layer)
     ref_backend = TorchAttention(pool, scale)
@@ -79,16 +89,17 @@ def both(pool, meta, q, k, v, layer=1):
     return got, want
 
 
+@pytest.mark.parametrize("dense", [None, KERNEL_ONLY], ids=["flash_chunks", "kernel_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
-def test_mixed_decode_and_extend_equal_torch(dtype, page_size, layout):
+def test_mixed_decode_and_extend_equal_torch(dtype, page_size, layout, dense):
     heads, kv_heads = HEADS[layout]
     # decodes with short and long contexts, a fresh prefill, extends over a cached prefix,
     # a one-token context and a chunk crossing pages
     qo_kv = [(1, 1), (1, 37), (1, 1500), (19, 19), (7, 300), (1, 16), (40, 41), (3, 17), (1, 700)]
     pool, meta, q, k, v = make_case(page_size * 31 + heads, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
-    got, want = both(pool, meta, q, k, v)
+    got, want = both(pool, meta, q, k, v, dense_min_tokens=dense)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
@@ -102,10 +113,11 @@ def test_decode_only_split_contexts_equal_torch(page_size):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dense", [None, KERNEL_ONLY], ids=["flash_chunks", "kernel_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
-def test_many_query_blocks_over_long_contexts_equal_torch(dtype, page_size, layout):
+def test_many_query_blocks_over_long_contexts_equal_torch(dtype, page_size, layout, dense):
     # Each (sequence, KV head) of a long chunk has many query blocks; the kernel gathers that
     # pair's K/V once and every block reuses it. Several such sequences of different lengths sit
     # side by side (a wrong offset or head in the shared gather shows up), next to a chunk with a
@@ -113,6 +125,37 @@ def test_many_query_blocks_over_long_contexts_equal_torch(dtype, page_size, layo
     heads, kv_heads = HEADS[layout]
     qo_kv = [(150, 1800), (1, 900), (96, 96), (70, 1300), (5, 400), (33, 2100)]
     pool, meta, q, k, v = make_case(page_size * 7 + heads + 100, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
+    got, want = both(pool, meta, q, k, v, dense_min_tokens=dense)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
+def test_flash_path_big_chunks_equal_torch(dtype, page_size, layout):
+    # Chunks big enough that a bf16 pool's flash calls run in bf16 (>= BF16_MIN_ROWS rows) for
+    # the own (causal) part and the folded prefix part, next to small ones that stay in fp32,
+    # a chunk exactly at the flash threshold, one just below it, and decodes.
+    from radixserve.attention.cpu_backend import dense_min_tokens_for
+    from radixserve.attention.cpu_dense import BF16_MIN_ROWS
+
+    heads, kv_heads = HEADS[layout]
+    least = dense_min_tokens_for(dtype)
+    qo_kv = [(BF16_MIN_ROWS + 44, BF16_MIN_ROWS + 44), (1, 500), (BF16_MIN_ROWS + 5, 1200),
+             (least, 900), (least - 1, 300), (1, 1)]
+    pool, meta, q, k, v = make_case(page_size * 5 + heads + 300, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
+    got, want = both(pool, meta, q, k, v)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_level0_many_rows_equal_torch(dtype):
+    # 40 grouped decodes x 8 heads: the prefix level is one folded flash call of 160 rows per KV
+    # head (bf16 stays fp32 below BF16_MIN_ROWS) next to a group of 3 and an ungrouped extend.
+    qo_kv = [(1, 700)] * 40 + [(1, 400), (1, 410), (1, 420), (30, 500)]
+    groups = ((0, 40, 640), (40, 3, 384))
+    pool, meta, q, k, v = make_case(77, 1, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
     got, want = both(pool, meta, q, k, v)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
@@ -203,3 +246,21 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog
     assert type(engine.runner.attention).__name__ == "TorchAttention"
     warnings = [r for r in caplog.records if "CPU attention kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_contiguous_prefixes_read_in_place_equal_torch(order, dtype, page_size):
+    # Prefixes on one contiguous range of slots are read in place (a slice, not a gather), in
+    # either order of the slots; a group's shared prefix likewise.
+    from radixserve.attention.cpu_dense import plan_dense
+
+    qo_kv = [(40, 700), (300, 1000), (1, 333), (1, 343), (1, 353), (17, 17)]
+    groups = ((2, 3, 320),)
+    pool, meta, q, k, v = make_case(5 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups, order=order)
+    # (descending pages of 16 with a partial last page leave a hole: that prefix is gathered)
+    if order == "ascending" or page_size == 1:
+        assert all(isinstance(d.prefix_slots, slice) for d in plan_dense(meta, [0, 1]))
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])

@@ -19,10 +19,19 @@ from __future__ import annotations
 import torch
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.attention.cpu_dense import attend_dense, attend_prefix, plan_dense, plan_prefixes
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.kv.pool import KVPool
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Fewest new tokens of a chunk that goes to torch's flash kernel, by KV dtype (python -m bench
+# kernels, one thread, 16 chunks over 2200 keys: fp32 ties at 17-32 tokens, flash wins above;
+# bf16 the kernel wins at 17 tokens, 42 vs 63 ms, flash from 32, 51 vs 69 ms).
+DENSE_MIN_TOKENS = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 32}
+
+
+def dense_min_tokens_for(dtype: torch.dtype) -> int:
+    return DENSE_MIN_TOKENS.get(dtype, 16)
 
 
 def supports(pool: KVPool, num_qo_heads: int) -> str | None:
@@ -42,6 +51,10 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
+    dense_min_tokens: int | None = None
+    """Ungrouped sequences with at least this many new tokens go to torch's flash kernel
+    (:mod:`~radixserve.attention.cpu_dense`); fewer (decodes, short extends) to the csrc/ kernel.
+    None: :func:`dense_min_tokens_for` the pool's dtype."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
@@ -54,40 +67,38 @@ class CpuAttention(AttentionBackend):
         cascade = metadata.cascade
         self._flat = None
         self._grouped = None
-        if cascade is None:
+        members: set[int] = set()
+        if cascade is not None:
+            grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
+            members = set(grouped)
+            qo = metadata.qo_indptr.tolist()
+            self._grouped = (
+                torch.tensor([qo[i] for i in grouped], dtype=torch.long),
+                torch.arange(len(grouped) + 1, dtype=torch.int32),
+                plan_prefixes(metadata),
+            )
+        least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype)
+        dense = [i for i, n in enumerate(metadata.qo_lens) if n >= least and i not in members]
+        self._dense = plan_dense(metadata, dense)
+        if cascade is None and not dense:
             self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
                           metadata.kv_last_page_len)
             return
-        grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
-        members = set(grouped)
-        qo = metadata.qo_indptr.tolist()
-        self._grouped = (
-            torch.tensor([qo[i] for i in grouped], dtype=torch.long),
-            torch.arange(len(grouped) + 1, dtype=torch.int32),
-        )
-        flat = [i for i in range(metadata.num_seqs) if i not in members]
+        skip = members.union(dense)
+        flat = [i for i in range(metadata.num_seqs) if i not in skip]
         if flat:
-            kv = metadata.kv_indptr.tolist()
-            rows = torch.tensor([r for i in flat for r in range(qo[i], qo[i + 1])], dtype=torch.long)
-            qo_indptr, kv_indptr, parts = [0], [0], []
-            for i in flat:
-                qo_indptr.append(qo_indptr[-1] + qo[i + 1] - qo[i])
-                kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
-                parts.append(metadata.kv_indices[kv[i] : kv[i + 1]])
-            self._flat = (
-                rows, torch.tensor(qo_indptr, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
-                torch.cat(parts), metadata.kv_last_page_len[torch.tensor(flat)].contiguous(),
-            )
+            self._flat = _subset(metadata, flat)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
-        self.pool.k_slots(layer).index_copy_(0, meta.out_slots, k)
-        self.pool.v_slots(layer).index_copy_(0, meta.out_slots, v)
+        k_slots, v_slots = self.pool.k_slots(layer), self.pool.v_slots(layer)
+        k_slots.index_copy_(0, meta.out_slots, k)
+        v_slots.index_copy_(0, meta.out_slots, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         q = q.contiguous()
         attend = self.ext.paged_attention
-        if self._grouped is None:
+        if self._grouped is None and not self._dense:
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
             return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
         out = torch.empty_like(q)
@@ -96,12 +107,34 @@ class CpuAttention(AttentionBackend):
             flat_out = attend(q.index_select(0, rows), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last,
                               self.scale, True)[0]
             out.index_copy_(0, rows, flat_out)
-        rows, one_each = self._grouped
+        for seq in self._dense:
+            first, end = seq.rows
+            out[first:end] = attend_dense(seq, q, k, v, k_slots, v_slots, self.scale, self.ext.merge_state)
+        if self._grouped is None:
+            return out
+        rows, one_each, prefixes = self._grouped
         c = meta.cascade
         qg = q.index_select(0, rows)
-        out_p, lse_p = attend(qg, k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices,
-                              c.prefix_kv_last_page_len, self.scale, False)
         out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
                               c.suffix_kv_last_page_len, self.scale, True)
+        # Level 0: each group's queries against its shared prefix, one GEMM-shaped flash call.
+        out_p = torch.zeros_like(qg)
+        lse_p = torch.full(qg.shape[:2], float("-inf"))
+        for first, end, slots in prefixes:
+            if slots is not None:
+                out_p[first:end], lse_p[first:end] = attend_prefix(qg[first:end], k_slots, v_slots, slots, self.scale)
         out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
+
+
+def _subset(metadata: AttentionMetadata, seqs: list[int]) -> tuple:
+    """(rows, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of some of a batch's sequences."""
+    qo, kv = metadata.qo_indptr.tolist(), metadata.kv_indptr.tolist()
+    rows = torch.tensor([r for i in seqs for r in range(qo[i], qo[i + 1])], dtype=torch.long)
+    qo_indptr, kv_indptr, parts = [0], [0], []
+    for i in seqs:
+        qo_indptr.append(qo_indptr[-1] + qo[i + 1] - qo[i])
+        kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
+        parts.append(metadata.kv_indices[kv[i] : kv[i + 1]])
+    return (rows, torch.tensor(qo_indptr, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
+            torch.cat(parts), metadata.kv_last_page_len[torch.tensor(seqs)].contiguous())

@@ -19,9 +19,10 @@ group), level 1 each grouped sequence's own suffix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
-from typing import Sequence
+from itertools import accumulate, chain
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -77,7 +78,7 @@ def build_metadata(
     0 is allowed and attends to nothing at level 0).
     """
     assert len(page_tables) == len(kv_lens) == len(qo_lens)
-    indices: list[int] = []
+    pieces: list[Sequence[int]] = []
     kv_indptr = [0]
     last_page_len: list[int] = []
     slots: list[torch.Tensor] = []
@@ -85,8 +86,8 @@ def build_metadata(
         assert 1 <= qo_len <= kv_len, (qo_len, kv_len)
         num_pages = -(-kv_len // page_size)
         assert len(table) >= num_pages, f"page table has {len(table)} pages, needs {num_pages}"
-        indices.extend(table[:num_pages])
-        kv_indptr.append(len(indices))
+        pieces.append(table[:num_pages])
+        kv_indptr.append(kv_indptr[-1] + num_pages)
         last_page_len.append(kv_len - (num_pages - 1) * page_size)
         slots.append(_slots_of(table, kv_len - qo_len, kv_len, page_size))
     qo_indptr = torch.tensor([0, *accumulate(qo_lens)], dtype=torch.int32)
@@ -95,13 +96,19 @@ def build_metadata(
         cascade=cascade,
         qo_indptr=qo_indptr.to(device),
         kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32, device=device),
-        kv_indices=torch.tensor(indices, dtype=torch.int32, device=device),
+        kv_indices=_int32(chain.from_iterable(pieces), kv_indptr[-1]).to(device),
         kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32, device=device),
         page_size=page_size,
         out_slots=torch.cat(slots).to(device),
         qo_lens=tuple(qo_lens),
         kv_lens=tuple(kv_lens),
     )
+
+
+def _int32(values: Iterable[int], count: int) -> torch.Tensor:
+    """An int32 tensor of ``count`` ints, about 3x faster than torch.tensor on a long list (a
+    decode batch at page size 1 lists every token of every context: ~140k ids for 64 x 2200)."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int32, count=count))
 
 
 def _slots_of(table: Sequence[int], start: int, end: int, page_size: int) -> torch.Tensor:

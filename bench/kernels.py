@@ -1,0 +1,111 @@
+"""One layer of CPU attention per batch shape: the csrc/ kernel alone, the kernel with the
+many-row chunks on torch's flash kernel (``CpuAttention``'s default), and the torch backend.
+
+Shapes are the fleet/GSP steps' (bench model: 8 query heads, 4 KV heads, head_dim 64): decodes
+over long contexts, a fresh prefill, prefill chunks over a cached prefix. Each case is timed
+``--repeats`` times with the modes interleaved (drift hits all alike); the median is printed,
+with the effective GFLOP/s of the attention products (4 * query rows * heads * visible keys * D).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+HELP = "one layer of CPU attention per batch shape: csrc/ kernel vs flash path vs torch backend"
+
+CASES = {
+    "decode64x2200": [(1, 2200)] * 64,
+    "decode1x2200": [(1, 2200)],
+    "fresh2048": [(2048, 2048)],
+    "extend16x128/2176": [(128, 2176)] * 16,
+    "extend16x17/2200": [(17, 2200)] * 16,
+    "extend16x32/2200": [(32, 2200)] * 16,
+    "extend16x64/2200": [(64, 2200)] * 16,
+    "extend4x512/1536": [(512, 1536)] * 4,
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list from " + ",".join(CASES))
+    parser.add_argument("--modes", default="kernel,flash,torch", help="comma list from kernel,flash,torch")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+
+
+def _case(shape, dtype, page):
+    import torch
+
+    from radixserve.attention.metadata import build_metadata
+    from radixserve.kv.pool import KVPool
+
+    heads, kv_heads, dim = 8, 4, 64
+    need = sum(-(-kv // page) for _, kv in shape) + 1
+    pool = KVPool(num_layers=1, num_pages=need, page_size=page, num_kv_heads=kv_heads, head_dim=dim,
+                  dtype=dtype, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    tables, first = [], 0
+    for _, kv in shape:
+        n = -(-kv // page)
+        tables.append(list(range(first, first + n)))
+        first += n
+    meta = build_metadata(tables, [kv for _, kv in shape], [qo for qo, _ in shape], page)
+    t = sum(qo for qo, _ in shape)
+    q = torch.randn(t, heads, dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, dim, generator=g).to(dtype)
+    flops = sum(4 * heads * dim * (qo * (kv - qo) + qo * (qo + 1) // 2) for qo, kv in shape)
+    return pool, meta, q, k, v, flops
+
+
+def run(args) -> int:
+    import torch
+
+    from radixserve.attention import cpu_ext
+    from radixserve.attention.cpu_backend import CpuAttention
+    from radixserve.attention.torch_backend import TorchAttention
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    ext = cpu_ext.load()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if ext is None:
+        modes = [m for m in modes if m == "torch"]
+    results = {}
+    for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
+        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size)
+        backends = {}
+        for mode in modes:
+            if mode == "torch":
+                backends[mode] = TorchAttention(pool, 64**-0.5)
+            else:
+                b = CpuAttention(pool, 64**-0.5, ext)
+                if mode == "kernel":
+                    b.dense_min_tokens = 1 << 30
+                backends[mode] = b
+        times = {m: [] for m in backends}
+        for rep in range(args.repeats + 1):
+            for mode, b in backends.items():
+                start = time.perf_counter()
+                b.plan(meta)
+                b.forward(q, k, v, 0)
+                if rep:  # the first round is a warm-up
+                    times[mode].append(time.perf_counter() - start)
+        results[name] = {m: {"ms": statistics.median(ts) * 1e3, "gflops": flops / statistics.median(ts) / 1e9}
+                         for m, ts in times.items()}
+        print(f"  {name} done", flush=True, file=__import__("sys").stderr)
+    if args.json:
+        print(json.dumps({"dtype": args.dtype, "threads": args.threads, "page_size": args.page_size,
+                          "cases": results}, indent=1))
+        return 0
+    print(f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}, median of {args.repeats}")
+    print(f"{'case':<20}" + "".join(f"{m + ' (ms)':>14}{'GFLOP/s':>9}" for m in modes))
+    for name, r in results.items():
+        print(f"{name:<20}" + "".join(f"{r[m]['ms']:>14.2f}{r[m]['gflops']:>9.1f}" for m in modes))
+    return 0
