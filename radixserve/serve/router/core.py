@@ -94,7 +94,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         tasks = [asyncio.ensure_future(self._receiver()), asyncio.ensure_future(self._worker_receiver()),
                  asyncio.ensure_future(self._ticker())]
         if self.config.metrics_log:
-            tasks.append(asyncio.ensure_future(self._metrics_logger()))
+            tasks.append(asyncio.ensure_future(self._metrics_logger(self.config.metrics_log)))
         await self._stopped.wait()
         for t in tasks:
             t.cancel()
@@ -105,8 +105,8 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         self.wsock.close(linger=500)
         self.ctx.term()
 
-    async def _metrics_logger(self) -> None:
-        out = MetricsLog(self.config.metrics_log)
+    async def _metrics_logger(self, path: str) -> None:
+        out = MetricsLog(path)
         while True:
             await asyncio.sleep(self.config.metrics_interval_s)
             try:

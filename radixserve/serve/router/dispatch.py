@@ -8,12 +8,13 @@ import time
 
 from radixserve import protocol as P
 from radixserve.serve.routing import Candidate
+from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import Job, WorkerState
 
 log = logging.getLogger("radixserve.router")
 
 
-class Dispatch:
+class Dispatch(RouterBase):
     """Dispatching jobs to workers, their results, and restarts after a worker's death."""
 
     def _alive(self) -> list[WorkerState]:

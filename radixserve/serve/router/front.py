@@ -10,12 +10,13 @@ import time
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
+from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import Job
 
 log = logging.getLogger("radixserve.router")
 
 
-class ClientFront:
+class ClientFront(RouterBase):
     """The handlers of client requests (the client socket)."""
 
     def set_tokenizer(self, tokenizer) -> None:
@@ -49,8 +50,8 @@ class ClientFront:
         if key is None:
             return
         try:
-            P.validate_generate(msg, self.config.limits)
-            if msg.token_ids is None:
+            P.validate_generate(msg, self.config.limits)  # exactly one of prompt, token_ids
+            if msg.prompt is not None:
                 if self.tokenizer is None:
                     raise P.DecodeError("this router has no tokenizer; send token_ids", msg.id)
                 self._check_prompt_chars(len(msg.prompt))

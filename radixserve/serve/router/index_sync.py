@@ -6,12 +6,13 @@ from __future__ import annotations
 import logging
 
 from radixserve import protocol as P
+from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import WorkerState
 
 log = logging.getLogger("radixserve.router")
 
 
-class IndexSync:
+class IndexSync(RouterBase):
     """Keeping each worker's cache-index mirror exact."""
 
     def _resync(self, worker: WorkerState, why: str, known: int = 0) -> None:

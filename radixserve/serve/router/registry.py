@@ -9,12 +9,13 @@ import logging
 import time
 
 from radixserve import protocol as P
+from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import WorkerState
 
 log = logging.getLogger("radixserve.router")
 
 
-class WorkerRegistry:
+class WorkerRegistry(RouterBase):
     """Worker registration, heartbeats and liveness."""
 
     def _refuse(self, identity: bytes, worker, msg: P.Register) -> bool:

@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
+from radixserve.serve.router.base import RouterBase
 
 log = logging.getLogger("radixserve.router")
 
@@ -28,7 +29,7 @@ _WORKER_HANDLERS = {  # the worker socket
 }
 
 
-class Sockets:
+class Sockets(RouterBase):
     """Binding, sending and receiving on the client and worker sockets."""
 
     def bind(self) -> str:

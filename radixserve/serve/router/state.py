@@ -61,7 +61,7 @@ class Job:
     arrival: float
     attempt: int = 0
     work_id: str = ""
-    worker: "WorkerState | None" = None
+    worker: WorkerState | None = None
     streamed: int = 0
     first_chunk_at: float | None = None
     dispatched_at: float = 0.0

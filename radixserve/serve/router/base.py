@@ -1,0 +1,86 @@
+"""What the router's mixins share: the state :class:`~radixserve.serve.router.core.Router` sets up
+and the methods one mixin calls on another. Each mixin derives from :class:`RouterBase`, so mypy
+checks every ``self.x`` of a mixin against one declaration. Only annotations live here: no
+values, no behaviour (the methods are declared for the type checker alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+    from prometheus_client import CollectorRegistry
+
+    from radixserve.serve.metrics import Histogram
+    from radixserve.serve.router.state import Job, RouterConfig, WorkerState
+    from radixserve.serve.routing import Policy
+    from radixserve.serve.supervisor import Supervisor
+
+
+class RouterBase:
+    """The router's state (set in ``Router.__init__`` and ``Sockets.bind``)."""
+
+    config: RouterConfig
+    tokenizer: Any  # a Hugging Face tokenizer, or None: clients must send token ids
+    policy: Policy
+    workers: dict[str, WorkerState]
+    by_identity: dict[bytes, WorkerState]
+    jobs: dict[tuple[bytes, str], Job]  # (client identity, client's id) -> job
+    works: dict[str, Job]  # work id -> job on a worker
+    queue: collections.deque[Job]
+    counters: dict[str, int]
+    registry: CollectorRegistry
+    hist: dict[str, Histogram]
+    shutting_down: bool
+    started: float
+    _n: itertools.count[int]
+    address: str
+    worker_address: str
+    secret: str
+    local_procs: list[Any]
+    supervisor: Supervisor | None
+    fatal: str | None
+    forced: bool
+    on_ready: Callable[[int], None] | None
+    _stopped: asyncio.Event | None
+    _announced: bool
+    _tok_pool: concurrent.futures.ThreadPoolExecutor | None
+    _tokenizing: dict[tuple[bytes, str], bool]  # key -> aborted while tokenizing
+    _last_tick: float
+    _token_chars: int
+    _rejoin_asked: dict[bytes, float]
+    # bound sockets (Sockets.bind)
+    ctx: zmq.asyncio.Context
+    sock: zmq.asyncio.Socket
+    wsock: zmq.asyncio.Socket
+    _auth: Any  # zmq.auth.thread.ThreadAuthenticator
+
+    if TYPE_CHECKING:
+        # Sockets
+        def _send(self, identity: bytes, msg: Any) -> None: ...
+        def _wsend(self, identity: bytes, msg: Any) -> None: ...
+        def _reply_error(self, identity: bytes, rid: str, code: str, message: str) -> None: ...
+
+        # Dispatch
+        def _alive(self) -> list[WorkerState]: ...
+        def _candidates(self) -> list[WorkerState]: ...
+        def _dispatch(self, job: Job, candidates: list[WorkerState]) -> None: ...
+        def _pump(self) -> None: ...
+        def _finish(self, job: Job, worker: WorkerState | None, *, keep_job: bool = False) -> None: ...
+        def _retryable(self, job: Job) -> bool: ...
+        def _requeue(self, job: Job) -> None: ...
+        def _declare_dead(self, worker: WorkerState, why: str, *, left: bool = False) -> None: ...
+        def _fail_queue(self, code: str, message: str) -> None: ...
+
+        # IndexSync
+        def _resync(self, worker: WorkerState, why: str, known: int = 0) -> None: ...
+        def _reset_index(self, worker: WorkerState) -> None: ...
+
+        # Router (core)
+        def request_shutdown(self) -> None: ...
+        def stats(self, probe: dict[str, int] | None = None) -> dict[str, Any]: ...
