@@ -81,7 +81,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
     """Check KV accounting (free + cached + running == total) whenever the engine goes idle."""
-    tensor_parallel: Annotated[int, _help("split attention heads and MLP columns over N processes on this host (gloo, CPU; heads and KV heads must divide by N; default: 1)", ge=1, metavar="N")] = 1
+    tensor_parallel: Annotated[int, _help("split attention heads and MLP columns over N processes on this host "
+                                          "(gloo, CPU; heads and KV heads must divide by N; default: 1)", ge=1, metavar="N")] = 1
     """Split attention heads and MLP columns over this many ranks (processes, gloo, CPU only); heads,
     KV heads and intermediate_size must divide by it. Each rank holds its KV heads' share of the pool."""
 
@@ -116,7 +117,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     policy: Literal["cache_aware", "round_robin", "least_load"] = "cache_aware"
     balance_abs: Annotated[int, _help("cache_aware: loads count as imbalanced when max - min exceeds this ... (default: 16)", ge=0)] = 16
     balance_rel: Annotated[float, _help("... and max exceeds this times min; then the least loaded worker gets the request (default: 1.5)", ge=0)] = 1.5
-    cache_threshold: Annotated[float, _help("cache_aware: a cached prefix shorter than this fraction of the prompt does not steer routing (default: 0.3)", ge=0)] = 0.3
+    cache_threshold: Annotated[float, _help("cache_aware: a cached prefix shorter than this fraction of the prompt "
+                                            "does not steer routing (default: 0.3)", ge=0)] = 0.3
     max_queue: Annotated[int, _help("requests the router may queue when every worker is full; beyond it: overloaded (default: 256)", ge=0)] = 256
     max_inflight: Annotated[int, _help("requests in flight per worker (default: 64)", ge=1)] = 64
     heartbeat_timeout: Annotated[float, _help(
@@ -156,5 +158,6 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     threads: Annotated[Positive | None, _help("torch threads (default: torch's)")] = None
     exit_with_parent: Annotated[bool, _help("exit when the process that started it exits (set by serve)")] = False
     heartbeat: Annotated[Seconds, _help("seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")] = 0.5
-    router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0
+    router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection "
+                                             "and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0
     log_level: str = "INFO"

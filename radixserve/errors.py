@@ -90,7 +90,7 @@ def error_from_code(code: str, message: str) -> RadixServeError:
     cls = _BY_CODE.get(code, InternalError)
     exc = cls.__new__(cls)
     RadixServeError.__init__(exc, message)
-    if issubclass(cls, BadRequestError):
+    if isinstance(exc, BadRequestError):
         exc.field = message.split(":", 1)[0] if ":" in message else ""
     if cls is InternalError and code not in _BY_CODE:
         exc.code = code

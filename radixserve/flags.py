@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import msgspec
 
 from radixserve.validation import _flatten, _hints, convert, field_meta, literal_choices
 
-T = TypeVar("T")
+T = TypeVar("T", bound=msgspec.Struct)
 
 
 def add_flags(parser, cls: type, fields: Iterable[str] | None = None, *, defaults: dict[str, Any] | None = None,

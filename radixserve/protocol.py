@@ -21,7 +21,7 @@ decode gets an :class:`Error` reply and the server keeps going.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NamedTuple, Union
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -288,11 +288,11 @@ class Shutdown(_Msg, tag="shutdown"):
     grace_s: float = 5.0
 
 
-Message = Union[
-    Generate, Abort, Health, Stats, Chunk, Final, Error, HealthReply, StatsReply,
-    Register, Heartbeat, CacheEvents, Goodbye, Work, Ping, Shutdown, Choose, ChoiceFinal, ChooseWork, Refused,
-    Leave, Rejoin,
-]
+Message = (
+    Generate | Abort | Health | Stats | Chunk | Final | Error | HealthReply | StatsReply
+    | Register | Heartbeat | CacheEvents | Goodbye | Work | Ping | Shutdown | Choose | ChoiceFinal | ChooseWork | Refused
+    | Leave | Rejoin
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

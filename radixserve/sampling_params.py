@@ -74,14 +74,13 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     @property
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar (for the cache)."""
-        kind = self.kind
-        if kind == "json_schema":
-            return kind, self.schema_text
-        if kind == "regex":
-            return kind, self.regex
-        if kind == "choice":
-            return kind, "\x00".join(self.choice)
-        return kind, ""
+        if self.json_schema is not None:  # the order of :attr:`kind`
+            return "json_schema", self.schema_text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", "\x00".join(self.choice)
+        return self.kind, ""
 
 
 def as_structured(value) -> StructuredOutput | None:

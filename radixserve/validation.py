@@ -55,8 +55,8 @@ def explain(exc: msgspec.ValidationError, type_: Any = None, value: Any = _MISSI
     """``(field, what it must be)`` from a msgspec validation error: ``$.params.top_p`` gives
     field ``params.top_p``; the rule is msgspec's, in words, then the value given (when known)
     and the field's description."""
-    m = _PATH.match(str(exc))
-    what, path = m.group("what"), (m.group("path") or "").lstrip(".")
+    m = _PATH.match(str(exc))  # matches every string (its path part is optional)
+    what, path = (m.group("what"), (m.group("path") or "").lstrip(".")) if m is not None else (str(exc), "")
     field = re.split(r"\[", path, maxsplit=1)[0]
     if not field:  # "Object missing required field `x`" / "Object contains unknown field `x`"
         named = re.search(r"field `([^`]+)`", what)
@@ -99,7 +99,7 @@ def _is_struct(t: Any) -> bool:
     return isinstance(t, type) and issubclass(t, msgspec.Struct)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 

@@ -118,8 +118,8 @@ def spawn_workers(cfg: ServeConfig, router: str, secret: str, log_level: str = "
     configs = local_worker_configs(cfg, router, log_level)
     env = env_with_threads(dict(os.environ, **{auth.ENV_SECRET: secret}), configs[0].threads if configs else None)
     supervisor = Supervisor(restart=not cfg.no_restart)
-    for w in configs:
-        supervisor.add(w.worker_id, worker_command(w), env)
+    for i, w in enumerate(configs):
+        supervisor.add(w.worker_id or f"w{i}", worker_command(w), env)  # local_worker_configs names them w{i}
     return supervisor
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
@@ -174,7 +174,7 @@ class GatewayMetrics:
         return {(s.labels["route"], int(s.labels["status"])): s.value
                 for s in next(iter(self.requests.collect())).samples if s.name.endswith("_total")}
 
-    def by_route(self) -> "Mapping[tuple[str, int], float]":
+    def by_route(self) -> Mapping[tuple[str, int], float]:
         """A live read-only view of :meth:`snapshot` (each lookup reads the counter)."""
         return _LiveCounts(self)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from radixserve.kv.radix import RadixCache, RadixNode
 

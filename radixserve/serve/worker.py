@@ -45,7 +45,7 @@ HEARTBEAT_S = 0.5  # the router declares a worker dead after --heartbeat-timeout
 # so after a link cut the router has already given up the old session when the new one arrives.
 ROUTER_TIMEOUT_S = 5.0
 SNAPSHOT_TOKENS = 1 << 20  # tokens per snapshot message (a few MB of msgpack)
-_RESET = object()  # marks where a tree snapshot starts in the event list
+_RESET = P.CacheEvent("reset", None, [])  # marks where a tree snapshot starts in the event list (by identity)
 
 
 class Worker:

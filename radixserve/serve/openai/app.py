@@ -25,7 +25,7 @@ from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
 from radixserve.serve.openai.prompts import chat_prompt, completion_prompts
-from radixserve.serve.openai.schema import known_fields, parse_request, refuse_unsupported, sampling_params
+from radixserve.serve.openai.schema import ChatRequest, known_fields, parse_request, refuse_unsupported, sampling_params
 from radixserve.serve.openai.tenants import Tenants
 
 log = logging.getLogger("radixserve.http")
@@ -182,7 +182,8 @@ class Gateway:
         params, n = sampling_params(req, self.config.limits)
         if n > self.config.max_n:
             raise bad("n", f"must be at most {self.config.max_n}, got {n}")
-        if chat:
+        prompts: list[str | list[int]]
+        if isinstance(req, ChatRequest):  # parse_request gave a ChatRequest: chat
             prompts = [await asyncio.to_thread(chat_prompt, req, self.tokenizer, self._tok_lock, self.config.limits)]
         else:
             prompts = completion_prompts(req)

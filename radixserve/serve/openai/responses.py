@@ -3,7 +3,7 @@ from the SDK's completions: usage, logprobs, choices, server-sent-event chunks."
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -21,7 +21,7 @@ class TextChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: Any
-    finish_reason: Union[str, None]
+    finish_reason: str | None
 
 
 class AssistantMessage(msgspec.Struct):
@@ -34,14 +34,14 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     logprobs: Any
-    finish_reason: Union[str, None]
+    finish_reason: str | None
 
 
 class DeltaChoice(msgspec.Struct):
     index: int
     delta: dict[str, str]
     logprobs: Any
-    finish_reason: Union[str, None]
+    finish_reason: str | None
 
 
 class Response(msgspec.Struct):
@@ -54,7 +54,7 @@ class Response(msgspec.Struct):
     model: str
     choices: list[Any]  # TextChoice, ChatChoice or DeltaChoice
     system_fingerprint: None = None
-    usage: Union[Usage, msgspec.UnsetType] = UNSET
+    usage: Usage | msgspec.UnsetType = UNSET
 
 
 def usage(outs: list, n: int) -> Usage:

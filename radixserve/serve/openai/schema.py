@@ -15,7 +15,7 @@ Known OpenAI fields this server cannot honour (``logit_bias``, ``tools``, ``suff
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -38,35 +38,35 @@ class StreamOptions(msgspec.Struct):
 class _Common(msgspec.Struct, kw_only=True):
     """Fields both endpoints share (OpenAI's, plus vLLM's extras)."""
 
-    model: Union[str, None] = None
-    max_tokens: Union[PositiveInt, None] = None
-    temperature: Union[Annotated[float, Meta(ge=0.0)], None] = None
-    top_p: Union[Annotated[float, Meta(gt=0.0, le=1.0)], None] = None
-    top_k: Union[Annotated[int, Meta(ge=-1)], None] = None  # -1 or 0: disabled
-    min_p: Union[Unit, None] = None
-    seed: Union[int, None] = None
-    stop: Union[str, list[str], None] = None
-    n: Union[PositiveInt, None] = None
-    best_of: Union[PositiveInt, None] = None
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0: disabled
+    min_p: Unit | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: PositiveInt | None = None
+    best_of: PositiveInt | None = None
     stream: bool = False
-    stream_options: Union[StreamOptions, None] = None
-    presence_penalty: Union[Penalty, None] = None
-    frequency_penalty: Union[Penalty, None] = None
-    repetition_penalty: Union[Annotated[float, Meta(gt=0.0)], None] = None
-    user: Union[str, None] = None  # accepted and ignored: a client cannot choose its namespace
-    ignore_eos: Union[bool, None] = None
-    stop_token_ids: Union[list[Annotated[int, Meta(ge=0)]], None] = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    user: str | None = None  # accepted and ignored: a client cannot choose its namespace
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     logit_bias: Any = None  # refused when given
-    guided_json: Union[dict, str, None] = None
-    guided_regex: Union[str, None] = None
-    guided_choice: Union[list[str], None] = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either."""
 
-    prompt: Union[str, list[Any], None] = None
-    logprobs: Union[Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)], None] = None
+    prompt: str | list[Any] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: Any = None  # refused when given
     echo: Any = None  # refused when true
 
@@ -81,16 +81,16 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 class Message(msgspec.Struct):
     role: Role
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
     """``POST /v1/chat/completions``."""
 
-    messages: Union[Annotated[list[Message], Meta(min_length=1)], None] = None
-    max_completion_tokens: Union[PositiveInt, None] = None
-    logprobs: Union[bool, None] = None
-    top_logprobs: Union[Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)], None] = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: Any = None  # checked by structured_output
     tools: Any = None
     tool_choice: Any = None
@@ -104,7 +104,7 @@ class ChatRequest(_Common, kw_only=True):
     reasoning_effort: Any = None
 
 
-Request = Union[CompletionRequest, ChatRequest]
+Request = CompletionRequest | ChatRequest
 _AT = re.compile(r"(.*) - at `\$(.*)`$", re.S)
 _MESSAGE_PARAM = re.compile(r"messages\[\d+\](?:\.(?:role|content))?")
 
@@ -121,7 +121,7 @@ def _param(path: str) -> str | None:
 def parse_request(body: dict, chat: bool) -> Request:
     """The request Struct of a decoded JSON body; 400 naming the first bad field."""
     try:
-        return msgspec.convert(body, ChatRequest if chat else CompletionRequest)
+        return msgspec.convert(body, ChatRequest) if chat else msgspec.convert(body, CompletionRequest)
     except msgspec.ValidationError as exc:
         m = _AT.match(str(exc))
         if m is None:

@@ -108,7 +108,7 @@ class GatewayServer:
         except ImportError:
             asyncio.run(main())
 
-    def start(self) -> "GatewayServer":
+    def start(self) -> GatewayServer:
         self.thread.start()
         return self
 
