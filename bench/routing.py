@@ -16,35 +16,19 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
+
+from radixserve.ops.stats import percentile
+from radixserve.testing import ServerProcess, spawn_server
 
 HELP = "routing policies side by side on live workers (hit rate, throughput, TTFT)"
 
 
-def _start(model: str, policy: str, workers: int, kv_tokens: int, threads: int) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", model,
-           "--workers", str(workers), "--port", "0", "--policy", policy, "--kv-cache-tokens", str(kv_tokens),
-           "--worker-threads", str(threads), "--max-queue", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(120)
-    if not box or "listening on " not in box[0]:
-        proc.kill()
-        raise RuntimeError(f"serve did not start: {box}")
-    return proc, box[0].split("listening on ", 1)[1].split()[0]
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+def _start(model: str, policy: str, workers: int, kv_tokens: int, threads: int) -> ServerProcess:
+    return spawn_server(model, "--policy", policy, "--kv-cache-tokens", str(kv_tokens), "--worker-threads", str(threads),
+                        "--max-queue", "100000", workers=workers, env={"OMP_NUM_THREADS": str(threads)},
+                        ready_timeout=120.0)
 
 
 async def _run(address: str, workers: int, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
@@ -68,7 +52,7 @@ async def _run(address: str, workers: int, prompts: list[list[int]], max_tokens:
     ttft = [o.timings.ttft_s for o in outs]
     return {
         "hit_rate": cached / prompt, "req_per_s": len(outs) / wall, "tok_per_s": (prompt + gen) / wall,
-        "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99), "wall_s": wall,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99), "wall_s": wall,
         "per_worker": {k: w["routed"] for k, w in stats["workers"].items()},
     }
 
@@ -122,16 +106,9 @@ def _workload(args, vocab: int) -> tuple[list[list[int]], int]:
 def _policy_run(args, model: str, policy: str, prompts: list[list[int]], kv: int) -> dict:
     single = policy == "single"
     workers = 1 if single else args.workers
-    proc, address = _start(model, "round_robin" if single else policy, workers,
-                           kv * args.workers if single else kv, args.threads)
-    try:
-        return asyncio.run(_run(address, workers, prompts, args.max_tokens, args.concurrency))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with _start(model, "round_robin" if single else policy, workers, kv * args.workers if single else kv,
+                args.threads) as server:
+        return asyncio.run(_run(server.address, workers, prompts, args.max_tokens, args.concurrency))
 
 
 def _print_table(rows: list[tuple[str, dict]]) -> None:
