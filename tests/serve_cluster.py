@@ -18,16 +18,18 @@ ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_H
 
 
 class Cluster:
-    """`radixserve serve --port 0 ...` (:func:`radixserve.testing.spawn_server`) and its workers."""
+    """`radixserve serve --port 0 ...` (:func:`radixserve.testing.spawn_server`) and its workers;
+    with ``http=True`` also the OpenAI gateway (``--http-port 0``), its base URL in ``url``."""
 
     def __init__(self, model_dir: str, workers: int = 2, *extra: str, kv_cache_tokens: int = 8192,
-                 ready_timeout: float = 90.0, restart: bool = False):
+                 ready_timeout: float = 90.0, restart: bool = False, http: bool = False):
         self.secret_file = os.path.join(tempfile.mkdtemp(prefix="radixserve-test-"), "worker.secret")
         # restart=False: a killed worker stays dead, as the failure tests expect (serve's default
         # restarts it; tests of the supervisor ask for that).
         self.server = spawn_server(model_dir, "--kv-cache-tokens", str(kv_cache_tokens), "--worker-threads", "1",
                                    *([] if restart else ["--no-restart"]), "--worker-secret-file", self.secret_file,
-                                   *extra, workers=workers, env=ENV, ready_timeout=ready_timeout)
+                                   *extra, workers=workers, env=ENV, ready_timeout=ready_timeout, http=http)
+        self.url = self.server.http_url  # http://127.0.0.1:PORT/v1, or None without http
         self.proc = self.server.proc
         self.address, self.worker_address = self.server.address, self.server.worker_address
         self.workers = workers

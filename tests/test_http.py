@@ -27,29 +27,13 @@ KEYS = {"key-main": "main", "key-a": "alice", "key-a2": "alice", "key-b": "bob"}
 MAX_BODY = 1 << 20  # --max-frame-bytes bounds the HTTP body too
 
 
-class HTTPCluster(Cluster):
-    """`radixserve serve ... --http-port 0`; ``url`` comes from its second stdout line."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        box: list[str] = []
-        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(30)
-        line = box[0] if box else ""
-        if "http://" not in line:
-            self.stop()
-            raise RuntimeError(f"no HTTP line: {line!r}")
-        self.url = line.split("HTTP API on ", 1)[1].split()[0]  # http://127.0.0.1:PORT/v1
-
-
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     # 1 worker, tiny admission limits so overload is easy to provoke (at most 2 running + 2 queued)
-    c = HTTPCluster(llama_dir, 1, "--http-port", "0", "--api-keys-file", str(keys), "--api-key", "key-cli",
-                    "--max-inflight", "2", "--max-queue", "2", "--max-frame-bytes", str(MAX_BODY))
+    c = Cluster(llama_dir, 1, "--api-keys-file", str(keys), "--api-key", "key-cli",
+                "--max-inflight", "2", "--max-queue", "2", "--max-frame-bytes", str(MAX_BODY), http=True)
     yield c
     c.stop()
 

@@ -290,15 +290,7 @@ def test_llm_agent_constrained_mode_plays_legal_moves():
 def http_server(llama_dir):
     from serve_cluster import Cluster
 
-    c = Cluster(llama_dir, 1, "--http-port", "0")
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(c.proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(30)
-    if "HTTP API on " not in (box[0] if box else ""):
-        c.stop()
-        raise RuntimeError(f"no HTTP line: {box!r}")
-    c.url = box[0].split("HTTP API on ", 1)[1].split()[0]
+    c = Cluster(llama_dir, 1, http=True)
     yield c
     c.stop()
 
