@@ -104,7 +104,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     """What every local worker runs (``device`` may list several, comma-separated: round robin)."""
-    workers: Annotated[int, _help("worker processes to start (default: 1)", ge=1)] = 1
+    workers: Annotated[int, _help("worker processes to start (default: 1)", ge=0)] = 1  # 0: remote workers only
     host: Annotated[str, _help("address to bind (default: 127.0.0.1; 0.0.0.0 opens it to the network)")] = "127.0.0.1"
     port: Annotated[Port, _help("port (default: 7700; 0 picks a free one and prints it)")] = 7700
     address: Annotated[str | None, _help("full ZMQ address to bind instead of host/port, e.g. ipc:///tmp/radixserve")] = None
