@@ -155,6 +155,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     worker_id: Annotated[str | None, _help("unique name (default: HOST-PID)")] = None
     threads: Annotated[Positive | None, _help("torch threads (default: torch's)")] = None
     exit_with_parent: Annotated[bool, _help("exit when the process that started it exits (set by serve)")] = False
+    # serve writes its own pid here: read in the worker, the parent may already be gone (a worker
+    # started by a serve that died at once would take init for its parent and live on)
+    parent_pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
     heartbeat: Annotated[Seconds, _help("seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")] = 0.5
     router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0
     log_level: str = "INFO"
