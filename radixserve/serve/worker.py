@@ -64,7 +64,7 @@ class Worker:
         self.refused: str | None = None
         from radixserve.serve.auth import model_fingerprint
 
-        self.fingerprint = model_fingerprint(engine.loaded.path, len(engine.tokenizer))
+        self.fingerprint = model_fingerprint(engine.info()["model"], len(engine.tokenizer))
         self.active: dict[str, Any] = {}  # work id -> Request
         self.compiling: dict[str, bool] = {}  # work id -> aborted meanwhile, while its grammar compiles
         self.stopping = False
