@@ -19,7 +19,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {"Engine": "radixserve.engine.engine", "RequestOutput": "radixserve.engine.request",
-         "StreamChunk": "radixserve.engine.request", "TokenLogprob": "radixserve.engine.request",
+         "StreamChunk": "radixserve.engine.request", "TokenLogprob": "radixserve.protocol",
          "ChoiceResult": "radixserve.engine.choice"}
 
 

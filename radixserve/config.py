@@ -105,7 +105,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     """What every local worker runs (``device`` may list several, comma-separated: round robin)."""
-    workers: Annotated[int, _help("worker processes to start (default: 1)", ge=1)] = 1
+    workers: Annotated[int, _help("worker processes to start (default: 1)", ge=0)] = 1  # 0: remote workers only
     host: Annotated[str, _help("address to bind (default: 127.0.0.1; 0.0.0.0 opens it to the network)")] = "127.0.0.1"
     port: Annotated[Port, _help("port (default: 7700; 0 picks a free one and prints it)")] = 7700
     address: Annotated[str | None, _help("full ZMQ address to bind instead of host/port, e.g. ipc:///tmp/radixserve")] = None
@@ -157,6 +157,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     worker_id: Annotated[str | None, _help("unique name (default: HOST-PID)")] = None
     threads: Annotated[Positive | None, _help("torch threads (default: torch's)")] = None
     exit_with_parent: Annotated[bool, _help("exit when the process that started it exits (set by serve)")] = False
+    # serve writes its own pid here: read in the worker, the parent may already be gone (a worker
+    # started by a serve that died at once would take init for its parent and live on)
+    parent_pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
     heartbeat: Annotated[Seconds, _help("seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")] = 0.5
     router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection "
                                              "and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0

@@ -121,7 +121,8 @@ class Timings(msgspec.Struct, kw_only=True):
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
-    """One generated token's logprob and its top alternatives (same wire form as the engine's)."""
+    """One generated token's logprob and its top-n alternatives (token id, logprob), best first;
+    the engine's chunks carry this type as it is."""
 
     token_id: int
     logprob: float

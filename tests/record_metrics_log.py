@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_cluster import Cluster  # noqa: E402
 
 from radixserve.client import Client  # noqa: E402
-from radixserve.model.builtin import make_tiny_model_dir  # noqa: E402
+from radixserve.testing import make_tiny_model_dir  # noqa: E402
 
 
 def record(out: Path, *, bursts: int = 3, per_burst: int = 24, gap_s: float = 3.0, interval_s: float = 0.5,

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from radixserve.model.builtin import make_tiny_model_dir
+    from radixserve.testing import make_tiny_model_dir
 
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny", "llama", max_position_embeddings=2048))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.model.builtin import make_tiny_model_dir
+from radixserve.testing import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,14 +21,13 @@ from radixserve.model.builtin import (  # noqa: E402
     BUILTIN_VERSION,
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
-    TINY_ARCHS,
     build_tokenizer,
     builtin_config,
     default_cache_dir,
     default_model_path,
-    make_tiny_model_dir,
     save_model_dir,
 )
+from radixserve.testing import TINY_ARCHS, make_tiny_model_dir  # noqa: E402
 
 try:
     from hypothesis import given, settings

@@ -10,7 +10,7 @@ from conftest import hf_greedy, random_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
-from radixserve.model.builtin import TINY_ARCHS
+from radixserve.testing import TINY_ARCHS
 from radixserve.model.llama import ForwardBatch, head_dim_of
 
 LENGTHS = (1, 2, 9, 37, 64, 130, 300)
@@ -97,7 +97,7 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
     ids=["tied", "llama3-rope", "theta-mqa"],
 )
 def test_llama_variants_match(tmp_path, overrides):
-    from radixserve.model.builtin import make_tiny_model_dir
+    from radixserve.testing import make_tiny_model_dir
 
     model_dir = str(make_tiny_model_dir(tmp_path / "m", "llama", seed=11, **overrides))
     prompts = random_prompts((3, 150, 260), seed=4)

@@ -170,7 +170,7 @@ def _write_gguf(path, hf_dir, arch: str = "llama", q8_names=()) -> None:
 
 
 def _tiny_gguf(root, arch: str):
-    from radixserve.model.builtin import make_tiny_model_dir
+    from radixserve.testing import make_tiny_model_dir
 
     # transformers' GGUF config reader takes Qwen3's head_dim from its default (128), not from the file
     extra = {"head_dim": 128} if arch == "qwen3" else {}

@@ -52,3 +52,47 @@ def test_registered_worker_that_dies_is_restarted_with_backoff():
 def test_default_threads_divide_the_cores():
     cores = len(os.sched_getaffinity(0))
     assert S.default_threads(1) == cores and S.default_threads(cores * 4) == 1
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_worker_exits_when_serve_died_while_its_model_loaded(llama_dir):
+    """A local worker whose serve process is gone before the worker's engine exists still exits
+    (it used to take the new parent, init, for serve and live on)."""
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from radixserve.config import EngineConfig, WorkerConfig
+    from radixserve.serve import auth
+    from radixserve.serve.launch import worker_command
+
+    cfg = WorkerConfig(engine=EngineConfig(model=llama_dir, attention="torch"), router="tcp://127.0.0.1:9",
+                       worker_id="w0", threads=1, exit_with_parent=True, heartbeat=0.2, router_timeout=5.0)
+    env = dict(os.environ, **{auth.ENV_SECRET: auth.new_secret()})
+    # The "serve" process starts the worker (with its own pid in the config, as serve does) and
+    # exits at once, long before the worker's model is loaded.
+    starter = ("import os, subprocess, sys, msgspec\n"
+               "from radixserve.config import WorkerConfig\n"
+               "from radixserve.serve.launch import worker_command\n"
+               f"cfg = msgspec.json.decode({msgspec.json.encode(cfg)!r}, type=WorkerConfig)\n"
+               "cfg = msgspec.structs.replace(cfg, parent_pid=os.getpid())\n"
+               "p = subprocess.Popen([sys.executable, '-P', *worker_command(cfg)], "
+               "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)")
+    out = subprocess.run([sys.executable, "-c", starter], env=env, capture_output=True, text=True, timeout=60, check=True)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 120
+    try:
+        while not _gone(pid):
+            assert time.monotonic() < deadline, "the orphaned worker is still running"
+            time.sleep(0.2)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)

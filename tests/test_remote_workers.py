@@ -27,9 +27,10 @@ class _Loop:
 
 def _worker(tree: RadixCache, tmp_path) -> tuple[Worker, list]:
     engine = SimpleNamespace(
-        cache=SimpleNamespace(tree=tree), loaded=SimpleNamespace(path=tmp_path), tokenizer=[0] * 512,
+        cache=SimpleNamespace(tree=tree), info=lambda: {"model": str(tmp_path)}, tokenizer=[0] * 512,
         max_model_len=4096, pool=SimpleNamespace(capacity_tokens=8192, page_size=1), stats=dict)
     engine.call_soon = lambda fn: fn()  # the engine thread, between steps
+    engine.cache_leaves = lambda: list(tree.leaf_paths())  # Engine.cache_leaves: the snapshot's source
     worker = Worker(engine, "tcp://x", "w1", secret="0" * 64)
     worker.loop = _Loop()
     sent: list = []

@@ -12,7 +12,7 @@ import pytest
 from conftest import hf_greedy, random_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.errors import BadRequestError
-from radixserve.model.builtin import make_tiny_model_dir
+from radixserve.testing import make_tiny_model_dir
 
 NEW = 8
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(60)
     (EngineConfig, {"kv_memory_gb": 0.0}, "kv_memory_gb"),
     (EngineConfig, {"cascade_min_shared_tokens": 0}, "cascade_min_shared_tokens"),
     (ServeConfig, {"port": 70000}, "port"),
-    (ServeConfig, {"workers": 0}, "workers"),
+    (ServeConfig, {"workers": -1}, "workers"),
     (ServeConfig, {"policy": "random"}, "policy"),
     (ServeConfig, {"heartbeat_timeout": 0.0}, "heartbeat_timeout"),
     (P.Limits, {"max_frame_bytes": 0}, "max_frame_bytes"),
@@ -142,3 +142,4 @@ def test_threads_per_worker_in_one_place():
 
     cfg = ServeConfig(workers=2)
     assert {w.threads for w in launch.local_worker_configs(cfg, "tcp://127.0.0.1:1")} == {default_threads(2)}
+    assert launch.local_worker_configs(convert({"workers": 0}, ServeConfig), "tcp://127.0.0.1:1") == []  # remote only

@@ -12,6 +12,7 @@ import msgspec
 import torch
 
 from radixserve.errors import BadRequestError, TooLongError
+from radixserve.protocol import TokenLogprob  # a wire type: the engine's chunks carry it as they are
 from radixserve.sampling_params import SamplingParams
 
 
@@ -19,12 +20,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class TokenLogprob(msgspec.Struct, array_like=True):
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n alternatives (token id, logprob), best first
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):

@@ -107,6 +107,7 @@ def local_worker_configs(cfg: ServeConfig, router: str, log_level: str = "INFO")
     devices = cfg.devices
     return [WorkerConfig(engine=msgspec.structs.replace(cfg.engine, device=devices[i % len(devices)]),
                          router=router, worker_id=f"w{i}", threads=threads, exit_with_parent=True,
+                         parent_pid=os.getpid(),
                          log_level=log_level) for i in range(cfg.workers)]
 
 
@@ -184,6 +185,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     from radixserve.serve.auth import AuthError, worker_secret
     from radixserve.serve.worker import run_worker as serve_engine
 
+    parent = cfg.parent_pid or (os.getppid() if cfg.exit_with_parent else None)
     check_model_dir(cfg.engine.model)
     check_device(cfg.engine.device)
     try:
@@ -199,7 +201,7 @@ def run_worker(cfg: WorkerConfig) -> int:
 
         torch.set_num_threads(cfg.threads)
     engine = make_engine(cfg.engine)
-    return serve_engine(engine, cfg.router, cfg.worker_id, exit_with_parent=cfg.exit_with_parent, secret=secret,
+    return serve_engine(engine, cfg.router, cfg.worker_id, parent_pid=parent, secret=secret,
                         heartbeat_s=cfg.heartbeat, router_timeout_s=cfg.router_timeout)
 
 

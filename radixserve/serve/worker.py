@@ -50,8 +50,8 @@ _RESET = P.CacheEvent("reset", None, [])  # marks where a tree snapshot starts i
 
 class Worker:
     def __init__(self, engine, router: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 router_timeout_s: float = ROUTER_TIMEOUT_S, exit_with_parent: bool = False, secret: str):
-        self.parent = os.getppid() if exit_with_parent else None
+                 router_timeout_s: float = ROUTER_TIMEOUT_S, parent_pid: int | None = None, secret: str):
+        self.parent = parent_pid  # exit once this process is gone (None: never)
         self.engine = engine
         self.router = router
         self.name = name
@@ -64,7 +64,7 @@ class Worker:
         self.refused: str | None = None
         from radixserve.serve.auth import model_fingerprint
 
-        self.fingerprint = model_fingerprint(engine.loaded.path, len(engine.tokenizer))
+        self.fingerprint = model_fingerprint(engine.info()["model"], len(engine.tokenizer))
         self.active: dict[str, Any] = {}  # work id -> Request
         self.compiling: dict[str, bool] = {}  # work id -> aborted meanwhile, while its grammar compiles
         self.stopping = False
@@ -392,11 +392,13 @@ class Worker:
                 log.exception("worker failed handling %s", type(msg).__name__)
 
 
-def run_worker(engine, router: str, name: str | None = None, *, exit_with_parent: bool = False,
+def run_worker(engine, router: str, name: str | None = None, *, parent_pid: int | None = None,
                secret: str, heartbeat_s: float = HEARTBEAT_S, router_timeout_s: float = ROUTER_TIMEOUT_S) -> int:
-    """Serve until told to stop; returns the exit status (3: the router refused this worker)."""
+    """Serve until told to stop; returns the exit status (3: the router refused this worker).
+    ``parent_pid``: the process that started this one (read at process start, before the model
+    loads: by the time the engine exists it may already be gone); the worker exits when it is."""
     name = name or f"{socket.gethostname()}-{os.getpid()}"
-    worker = Worker(engine, router, name, exit_with_parent=exit_with_parent, secret=secret,
+    worker = Worker(engine, router, name, parent_pid=parent_pid, secret=secret,
                     heartbeat_s=heartbeat_s, router_timeout_s=router_timeout_s)
     try:
         import uvloop
