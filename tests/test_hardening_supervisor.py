@@ -72,7 +72,6 @@ def test_worker_exits_when_serve_died_while_its_model_loaded(llama_dir):
 
     from radixserve.config import EngineConfig, WorkerConfig
     from radixserve.serve import auth
-    from radixserve.serve.launch import worker_command
 
     cfg = WorkerConfig(engine=EngineConfig(model=llama_dir, attention="torch"), router="tcp://127.0.0.1:9",
                        worker_id="w0", threads=1, exit_with_parent=True, heartbeat=0.2, router_timeout=5.0)
