@@ -11,12 +11,12 @@ Invariants (checked by :meth:`CacheManager.check`):
 from __future__ import annotations
 
 import logging
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 from radixserve.engine.request import Request
 from radixserve.errors import InvariantError
 from radixserve.kv.pool import KVPool
-from radixserve.kv.radix import RadixCache
+from radixserve.kv.radix import RadixCache, RadixNode
 
 log = logging.getLogger("radixserve")
 
@@ -29,7 +29,7 @@ class CacheManager:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.alignment_waste_tokens = 0
-        self.pins: dict[tuple[Hashable, tuple[int, ...]], object] = {}
+        self.pins: dict[tuple[Hashable, tuple[int, ...]], RadixNode] = {}
 
     # -- derived state -------------------------------------------------------------------------
     @property
@@ -62,7 +62,7 @@ class CacheManager:
         if req.kv.pages or req.kv.node is not None:
             raise InvariantError(f"match of {req.rid}, which still holds KV")
         length = 0
-        if req.scoring:  # every scored row is (re)computed from here on
+        if req.score_from is not None:  # scoring: every scored row is (re)computed from here on
             req.score_logprobs = [None] * (req.num_tokens - req.score_from)
         if self.tree is not None:
             m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
@@ -128,6 +128,8 @@ class CacheManager:
 
     # -- pinning -------------------------------------------------------------------------------
     def _pin(self, req: Request) -> None:
+        if self.tree is None:
+            raise InvariantError(f"pin of {req.rid} without a prefix cache")
         aligned = len(req.prompt_ids) // self.page_size * self.page_size
         key = (req.namespace, tuple(req.prompt_ids[:aligned]))
         if aligned and key not in self.pins:
@@ -139,7 +141,7 @@ class CacheManager:
         prompt_ids = list(prompt_ids)
         aligned = len(prompt_ids) // self.page_size * self.page_size
         node = self.pins.pop((namespace, tuple(prompt_ids[:aligned])), None)
-        if node is None:
+        if node is None or self.tree is None:  # a pin exists only in a tree
             return False
         self.tree.unlock(node)
         return True

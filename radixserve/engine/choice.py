@@ -15,12 +15,16 @@ import math
 import random
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixserve.errors import BadRequestError
+from radixserve.errors import BadRequestError, InvariantError
 from radixserve.protocol import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
+
+if TYPE_CHECKING:
+    from radixserve.engine.request import RequestOutput, StreamChunk
 
 
 class ChoiceResult(msgspec.Struct, kw_only=True):
@@ -99,7 +103,7 @@ class ChoiceJob:
             req.score_from = n
             self.scorers.append(req)
         self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(map(len, choice_ids)))
-        self.outputs: dict[int, object] = {}
+        self.outputs: dict[int, RequestOutput] = {}
         self.done = False
         self.aborted = False
         self._lock = threading.Lock()
@@ -130,7 +134,7 @@ class ChoiceJob:
             req.arrival = now
             self.engine.add_request(req, lambda c, i=i: self._on_scored(i, c))
 
-    def _on_scored(self, i: int, chunk) -> None:
+    def _on_scored(self, i: int, chunk: StreamChunk) -> None:
         out = chunk.output
         if out is None or self.done:
             return
@@ -141,7 +145,10 @@ class ChoiceJob:
         self.usage.query_tokens += out.prompt_tokens
         self.usage.cached_tokens += out.cached_tokens
         if len(self.outputs) == len(self.scorers):
-            ranked, index = rank(self.choices, [self.outputs[k].score_logprobs for k in range(len(self.scorers))],
+            scores = [self.outputs[k].score_logprobs for k in range(len(self.scorers))]
+            if any(s is None for s in scores):
+                raise InvariantError(f"a scoring request of choose {self.prefill.rid} finished without its logprobs")
+            ranked, index = rank(self.choices, [s for s in scores if s is not None],
                                  self.normalize, self.temperature, self.seed)
             first = self.prefill.arrival
             result = ChoiceResult(best=self.choices[index], ranked=ranked, usage=self.usage, index=index,

@@ -4,7 +4,7 @@ engine thread between steps (or by :meth:`Engine.step` when no thread runs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from radixserve.engine.request import Request, StreamChunk
 

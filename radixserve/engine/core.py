@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -125,9 +125,9 @@ class EngineCore:
             self._counters["prompt_tokens"] += len(req.prompt_ids)
             self.scheduler.add(req)
         elif isinstance(command, AbortRequest):
-            req = self.output.live(command.request_id)
-            if req is not None:
-                self.output.finish(req, "abort")
+            live = self.output.live(command.request_id)
+            if live is not None:
+                self.output.finish(live, "abort")
         elif isinstance(command, Unpin):
             command.reply(self.cache.unpin(command.namespace, command.prompt_ids))
         else:

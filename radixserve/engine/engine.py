@@ -7,7 +7,8 @@ import asyncio
 import itertools
 import threading
 import uuid
-from typing import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from typing import Literal, cast
 
 from radixserve.config import EngineConfig
 from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices, validate_choose
@@ -36,7 +37,7 @@ class Engine(EngineCore):
         model: str | None = None,
         *,
         device: str = "cpu",
-        dtype: str | None = None,
+        dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         page_size: int = 1,
         kv_cache_tokens: int | None = None,
         max_running: int = 64,
@@ -107,13 +108,16 @@ class Engine(EngineCore):
         namespace: Hashable = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
+        batch: Sequence[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise BadRequestError("params", f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        reqs = [self.make_request(p, sp, namespace=namespace) for p, sp in zip(prompts, params)]
+            batch = [cast(Prompt, prompts)]  # one prompt: text, or token ids
+        else:
+            batch = cast("Sequence[Prompt]", prompts)
+        per_prompt: Sequence[SamplingParams | None]
+        per_prompt = [params] * len(batch) if params is None or isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(batch):
+            raise BadRequestError("params", f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
+        reqs = [self.make_request(p, sp, namespace=namespace) for p, sp in zip(batch, per_prompt)]
         return self._run_to_completion(reqs)
 
     def _run_to_completion(self, reqs: list[Request]) -> list[RequestOutput]:
@@ -219,7 +223,11 @@ class Engine(EngineCore):
         req = self.make_request(prompt, params, request_id=request_id, namespace=namespace)
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        self.add_request(req, lambda chunk: loop.call_soon_threadsafe(chunks.put_nowait, chunk))
+
+        def on_chunk(chunk: StreamChunk) -> None:
+            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+        self.add_request(req, on_chunk)
         finished = False
         try:
             while not finished:
@@ -230,7 +238,7 @@ class Engine(EngineCore):
             if not finished:
                 self.abort(req.rid)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -16,7 +17,7 @@ from radixserve.attention.torch_backend import TorchAttention
 from radixserve.errors import BadRequestError
 from radixserve.engine.scheduler import ScheduledItem
 from radixserve.kv.pool import KVPool
-from radixserve.model.llama import CausalLM, ForwardBatch, head_dim_of
+from radixserve.model.llama import Attention, CausalLM, ForwardBatch, head_dim_of
 
 log = logging.getLogger("radixserve")
 
@@ -133,7 +134,8 @@ def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.devic
         if name not in ("auto", "torch"):
             raise BadRequestError("attention", f"kv_dtype={pool.kv_dtype} needs the torch attention backend, not {name}")
         name = "torch"
-    heads = model.model.layers[0].self_attn.num_heads  # this rank's query heads under tensor parallel
+    # this rank's query heads under tensor parallel (nn.ModuleList items are typed as plain Modules)
+    heads = cast(Attention, model.model.layers[0].self_attn).num_heads
     if name == "auto":
         if device.type == "cuda":
             name = "flashinfer" if flashinfer_backend.available() else "torch"

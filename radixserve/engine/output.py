@@ -4,7 +4,8 @@ chunk that carries a request's :class:`~radixserve.engine.request.RequestOutput`
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Literal, overload
 
 from radixserve.engine.commands import OnChunk
 from radixserve.engine.request import Request, StreamChunk, TokenLogprob
@@ -79,6 +80,11 @@ class OutputProcessor:
         return False
 
     # -- chunks --------------------------------------------------------------------------------
+    @overload
+    def chunk(self, req: Request, final: Literal[True]) -> StreamChunk: ...
+    @overload
+    def chunk(self, req: Request, final: bool = False) -> StreamChunk | None: ...
+
     def chunk(self, req: Request, final: bool = False) -> StreamChunk | None:
         """What is new since the last chunk. A non-final chunk holds back a trailing half
         character and anything that may be the start of a stop string."""

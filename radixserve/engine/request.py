@@ -5,13 +5,15 @@ from __future__ import annotations
 import enum
 import operator
 import time
+from collections.abc import Hashable
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import msgspec
 import torch
 
-from radixserve.errors import BadRequestError, TooLongError
+from radixserve.errors import BadRequestError, InvariantError, TooLongError
 from radixserve.protocol import TokenLogprob  # a wire type: the engine's chunks carry it as they are
 from radixserve.sampling_params import SamplingParams
 
@@ -134,6 +136,20 @@ class Lifecycle:
     finished_at: float | None = None
 
 
+_T = TypeVar("_T")
+
+if TYPE_CHECKING:
+    class _ReadOnly(Generic[_T]):
+        """What :func:`_field` makes of an input field, to the type checker: read-only."""
+
+        def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+
+    class _Flat(_ReadOnly[_T]):
+        """What :func:`_field` makes of the other parts' fields: read and write."""
+
+        def __set__(self, obj: object, value: _T) -> None: ...
+
+
 def _field(part: str, name: str) -> property:
     """``request.<name>`` reads and writes ``request.<part>.<name>`` (the flat names the
     scheduler, sampler and callers use); the getter runs at C speed."""
@@ -152,7 +168,39 @@ class Request:
 
     __slots__ = ("input", "decode", "out", "kv", "life", "_tokens")
 
-    _PARTS = {"input": RequestInput, "decode": DecodeSettings, "out": OutputState, "kv": KVState, "life": Lifecycle}
+    _PARTS: ClassVar[dict[str, type[Any]]] = {"input": RequestInput, "decode": DecodeSettings, "out": OutputState, "kv": KVState, "life": Lifecycle}
+
+    if TYPE_CHECKING:  # the flat names the loop at the end of this module sets (properties), typed
+        rid: _ReadOnly[str]
+        prompt_ids: _ReadOnly[list[int]]
+        params: _ReadOnly[SamplingParams]
+        namespace: _ReadOnly[Hashable]
+        generator: _Flat[torch.Generator | None]
+        grammar: _Flat[Any]
+        stream: _Flat[bool]
+        pin: _Flat[bool]
+        score_from: _Flat[int | None]
+        output_ids: _Flat[list[int]]
+        logprobs: _Flat[list[TokenLogprob] | None]
+        score_logprobs: _Flat[list[float | None]]
+        text: _Flat[str]
+        emitted_tokens: _Flat[int]
+        emitted_chars: _Flat[int]
+        finish_reason: _Flat[str | None]
+        pages: _Flat[list[int]]
+        computed: _Flat[int]
+        cached_len: _Flat[int]
+        node: _Flat[Any]
+        cached_tokens: _Flat[int | None]
+        status: _Flat[Status]
+        arrival: _Flat[float]
+        arrival_seq: _Flat[int]
+        admit_seq: _Flat[int]
+        overtaken: _Flat[int]
+        preemptions: _Flat[int]
+        first_scheduled: _Flat[float | None]
+        first_token_at: _Flat[float | None]
+        finished_at: _Flat[float | None]
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, namespace: Hashable = None, *,
                  generator: torch.Generator | None = None, grammar: Any = None, stream: bool = False,
@@ -222,11 +270,18 @@ class Request:
             queue_s=start - life.arrival,
             ttft_s=(life.first_token_at or now) - life.arrival,
             e2e_s=now - life.arrival,
-            score_logprobs=[float(x) for x in out.score_logprobs] if self.scoring else None,
+            score_logprobs=_scored(self.rid, out.score_logprobs) if self.scoring else None,
         )
 
 
+def _scored(rid: str, values: list[float | None]) -> list[float]:
+    """The logprobs of a finished scoring request: every scored position has one by then."""
+    if any(x is None for x in values):
+        raise InvariantError(f"scoring request {rid} finished with {values.count(None)} positions unscored")
+    return [float(x) for x in values if x is not None]
+
+
 for _part, _cls in Request._PARTS.items():
-    for _name in _cls.__dataclass_fields__:
-        setattr(Request, _name, _field(_part, _name))
-del _part, _cls, _name
+    for _f in dataclasses.fields(_cls):
+        setattr(Request, _f.name, _field(_part, _f.name))
+del _part, _cls, _f

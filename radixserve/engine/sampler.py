@@ -60,10 +60,15 @@ class Sampler:
         if wanted:
             lp = torch.log_softmax(raw[wanted], dim=-1)
             for i, row in enumerate(wanted):
+                token = token_list[row]
+                if token is None:  # only failed rows hold None, and wanted has none of them
+                    continue
                 n = reqs[row].params.logprobs
-                top = torch.topk(lp[i], n) if n else None
-                alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if n else []
-                logprobs[row] = TokenLogprob(token_list[row], float(lp[i, token_list[row]]), alternatives)
+                alternatives: list[tuple[int, float]] = []
+                if n:
+                    top = torch.topk(lp[i], n)
+                    alternatives = list(zip(top.indices.tolist(), top.values.tolist()))
+                logprobs[row] = TokenLogprob(token, float(lp[i, token]), alternatives)
         return token_list, logprobs
 
     def _sample_row(self, row: torch.Tensor, r: Request) -> int:

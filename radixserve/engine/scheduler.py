@@ -96,6 +96,7 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             req = order[i]
+            placed = True
             n = min(req.pending, budget, self.chunk)
             while not self.cache.allocate(req, n):
                 if len(order) > i + 1:
@@ -106,9 +107,9 @@ class Scheduler:
                 else:
                     self._preempt(req)
                     order.pop(i)
-                req = None
+                placed = False
                 break
-            if req is None:
+            if not placed:
                 break
             items.append(ScheduledItem(req, req.computed, n))
             budget -= n
@@ -130,7 +131,8 @@ class Scheduler:
         if not found:
             return items, []
         by_req = {id(item.req): item for item in items}
-        ordered, groups = [], []
+        ordered: list[ScheduledItem] = []
+        groups: list[tuple[int, int, int]] = []
         for members, prefix in found:
             groups.append((len(ordered), len(members), prefix))
             ordered += [by_req.pop(id(req)) for req in members]

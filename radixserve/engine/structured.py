@@ -112,7 +112,7 @@ class GrammarCache:
             return compiler.compile_grammar(json_schema_ebnf('{"type": "object"}'))
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
-        return compiler.compile_grammar(choice_ebnf(spec.choice))
+        return compiler.compile_grammar(choice_ebnf(spec.choice or []))  # kind "choice": choice is set
 
     def matcher(self, spec: StructuredOutput):
         """A fresh matcher (the start of the grammar) for one request."""

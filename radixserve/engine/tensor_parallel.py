@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -31,6 +32,9 @@ from radixserve.kv.pool import KVPool
 from radixserve.model.llama import head_dim_of
 from radixserve.model.loader import load_model
 from radixserve.model.parallel import attach_all_reduce, check_divisible, make_group, shard_model
+
+if TYPE_CHECKING:
+    from radixserve.engine.scheduler import ScheduledItem
 
 log = logging.getLogger("radixserve")
 
@@ -101,7 +105,7 @@ def _follower(rank: int, world: int, store_path: str, spec: FollowerSpec, conn) 
             return
         wire, groups = message
         items = [_Item(_Req(_Window(start, toks), pages), start, n) for toks, pages, start, n in wire]
-        runner.forward(items, groups)
+        runner.forward(cast("list[ScheduledItem]", items), groups)  # _Item has what forward reads of a ScheduledItem
 
 
 class TensorParallelRunner:
@@ -191,4 +195,4 @@ class TensorParallelRunner:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p.pid is not None]  # all started
