@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
@@ -92,13 +93,13 @@ class KVPool:
     def free(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
-    def k_slots(self, layer: int) -> torch.Tensor:
+    def k_slots(self, layer: int) -> torch.Tensor | QuantizedSlots:
         """Layer ``layer``'s K cache viewed as ``[slots, kv_heads, head_dim]``."""
         if self.quantized:
             return QuantizedSlots(self.k[layer], self.k_scale[layer], self.dtype)
         return self.k[layer].view(-1, *self.k[layer].shape[2:])
 
-    def v_slots(self, layer: int) -> torch.Tensor:
+    def v_slots(self, layer: int) -> torch.Tensor | QuantizedSlots:
         if self.quantized:
             return QuantizedSlots(self.v[layer], self.v_scale[layer], self.dtype)
         return self.v[layer].view(-1, *self.v[layer].shape[2:])
@@ -116,6 +117,16 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * scale[..., None]).to(dtype)
+
+
+class SlotView(Protocol):
+    """What the torch attention backend reads and writes of one layer's K or V slots
+    (``[slots, kv_heads, head_dim]``): a tensor view, or :class:`QuantizedSlots`."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+    def __setitem__(self, slots: torch.Tensor, x: torch.Tensor, /) -> None: ...
+    def index_select(self, dim: int, slots: torch.Tensor, /) -> torch.Tensor: ...
 
 
 class QuantizedSlots:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 from radixserve.errors import InvariantError
 
@@ -222,6 +223,8 @@ class RadixCache:
         so a node a caller holds still ends at the same depth."""
         P = self.page_size
         parent = node.parent
+        if parent is None:
+            raise InvariantError("split of the root")
         upper = RadixNode(key=node.key[:at], pages=node.pages[:at // P], parent=parent,
                           lock_ref=node.lock_ref, last_access=node.last_access,
                           hit_count=node.hit_count, namespace=node.namespace)
@@ -238,24 +241,26 @@ class RadixCache:
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and its ancestors from eviction (reference counted)."""
         self._check_attached(node)
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._evictable -= len(node.pages)
-                self._protected += len(node.pages)
-            node.lock_ref += 1
-            node = node.parent
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:  # attached: the parents end at the root
+            if cur.lock_ref == 0:
+                self._evictable -= len(cur.pages)
+                self._protected += len(cur.pages)
+            cur.lock_ref += 1
+            cur = cur.parent
 
     def unlock(self, node: RadixNode) -> None:
         """Undo one ``lock(node)``. Raises ``RuntimeError`` if ``node`` is not locked."""
         self._check_attached(node)
         if node is not self.root and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of an unlocked node {node!r}")
-        while node is not self.root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._protected -= len(node.pages)
-                self._evictable += len(node.pages)
-            node = node.parent
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:
+            cur.lock_ref -= 1
+            if cur.lock_ref == 0:
+                self._protected -= len(cur.pages)
+                self._evictable += len(cur.pages)
+            cur = cur.parent
 
     def _check_attached(self, node: RadixNode) -> None:
         if node is not self.root and node.parent is None:
@@ -301,9 +306,10 @@ class RadixCache:
     def _path_tokens(self, node: RadixNode) -> list[int]:
         """Tokens from the root to the end of ``node`` (``node`` still attached)."""
         keys = []
-        while node is not None and node is not self.root:
-            keys.append(node.key)
-            node = node.parent
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:
+            keys.append(cur.key)
+            cur = cur.parent
         path: list[int] = []
         for key in reversed(keys):
             path += key
