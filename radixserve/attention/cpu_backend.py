@@ -21,6 +21,7 @@ import torch
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.cpu_dense import attend_dense, attend_prefix, plan_dense, plan_prefixes
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.errors import InvariantError
 from radixserve.kv.pool import KVPool
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +62,8 @@ class CpuAttention(AttentionBackend):
         self.scale = scale
         self.ext = ext
         self._meta: AttentionMetadata | None = None
+        self._flat: tuple | None = None  # (rows or None: all, qo_indptr, kv_indptr, kv_indices, last_page_len)
+        self._grouped: tuple | None = None  # (rows, one query each, plan_prefixes)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
@@ -93,12 +96,14 @@ class CpuAttention(AttentionBackend):
         meta = self._meta
         assert meta is not None, "plan() must be called before forward()"
         k_slots, v_slots = self.pool.k_slots(layer), self.pool.v_slots(layer)
+        if not isinstance(k_slots, torch.Tensor) or not isinstance(v_slots, torch.Tensor):
+            raise InvariantError("the cpu backend got an int8 KV pool (make_attention picks torch for it)")
         k_slots.index_copy_(0, meta.out_slots, k)
         v_slots.index_copy_(0, meta.out_slots, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         q = q.contiguous()
         attend = self.ext.paged_attention
-        if self._grouped is None and not self._dense:
+        if self._grouped is None and not self._dense and self._flat is not None:  # plan() set _flat then
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
             return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
         out = torch.empty_like(q)
@@ -114,6 +119,8 @@ class CpuAttention(AttentionBackend):
             return out
         rows, one_each, prefixes = self._grouped
         c = meta.cascade
+        if c is None:
+            raise InvariantError("cascade groups planned without cascade metadata")
         qg = q.index_select(0, rows)
         out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
                               c.suffix_kv_last_page_len, self.scale, True)

@@ -23,6 +23,7 @@ torch's flash kernel uses bf16 GEMMs (AMX) and is ~2.3x faster than in fp32 (409
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -33,7 +34,7 @@ BF16_MIN_ROWS = 256
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-Slots = "torch.Tensor | slice"
+Slots: TypeAlias = "torch.Tensor | slice"
 
 
 def _slots(slots: torch.Tensor) -> Slots:
@@ -119,6 +120,8 @@ def plan_prefixes(meta: AttentionMetadata) -> list[tuple[int, int, Slots | None]
     """Cascade level 0 per group: (first, end) of its rows among the grouped queries, and the
     pool slots of its shared prefix (see _slots; None when empty)."""
     c = meta.cascade
+    if c is None:  # no cascade groups
+        return []
     page = meta.page_size
     offsets = torch.arange(page, dtype=torch.long)
     qo, kv, last = c.prefix_qo_indptr.tolist(), c.prefix_kv_indptr.tolist(), c.prefix_kv_last_page_len.tolist()

@@ -90,7 +90,7 @@ class FlashInferAttention(AttentionBackend):
                 )
                 self._flat_mode = self.prefill
         self._group_rows = self._rows(metadata, grouped)
-        if grouped:
+        if grouped and cascade is not None:  # grouped rows come from cascade groups
             self.prefix.plan(
                 qo_indptr=cascade.prefix_qo_indptr.cpu(), paged_kv_indptr=cascade.prefix_kv_indptr.cpu(),
                 paged_kv_indices=cascade.prefix_kv_indices.to(self.device),
@@ -140,10 +140,9 @@ def _subset(metadata: AttentionMetadata, seqs: list[int]) -> dict[str, torch.Ten
         kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
         parts.append(indices[kv[i] : kv[i + 1]])
         lasts.append(last[i])
-    i32 = dict(dtype=torch.int32)
     return dict(
-        qo_indptr=torch.tensor(qo_indptr, **i32),
-        kv_indptr=torch.tensor(kv_indptr, **i32),
+        qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
+        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
         kv_indices=torch.cat(parts) if parts else indices[:0],
-        kv_last_page_len=torch.tensor(lasts, **i32),
+        kv_last_page_len=torch.tensor(lasts, dtype=torch.int32),
     )

@@ -18,9 +18,9 @@ group), level 1 each grouped sequence's own suffix.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.cascade import attend_with_lse, from_gqa, merge_states, to_gqa
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.kv.pool import KVPool
+from radixserve.kv.pool import KVPool, SlotView
 
 
 class TorchAttention(AttentionBackend):
@@ -40,7 +40,8 @@ class TorchAttention(AttentionBackend):
         grouped: set[int] = set()
         self._groups = []
         if metadata.cascade is not None:
-            cascade_rows, suffixes = [], []
+            cascade_rows: list[int] = []
+            suffixes: list[torch.Tensor] = []
             for first, count, prefix in metadata.cascade.groups:
                 members = range(first, first + count)
                 grouped.update(members)
@@ -94,7 +95,7 @@ class TorchAttention(AttentionBackend):
             out[start:end] = op[0].transpose(0, 1)
         return out
 
-    def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _cascade(self, q: torch.Tensor, k_cache: SlotView, v_cache: SlotView) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv = k_cache.shape[1]
         group = num_heads // num_kv
@@ -125,6 +126,6 @@ def _padded(slot_lists: list[torch.Tensor], device) -> tuple[torch.Tensor, torch
     return table, (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather(cache: SlotView, slots: torch.Tensor) -> torch.Tensor:
     """``cache[slots]`` for a 1-D or 2-D slot tensor; index_select is several times faster on CPU."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
