@@ -34,7 +34,7 @@ def check_divisible(config, world: int) -> None:
 
 def make_group(store_path: str, rank: int, world: int) -> dist.ProcessGroupGloo:
     store = dist.FileStore(store_path, world)
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack the (private) Gloo options
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = COLLECTIVE_TIMEOUT
     return dist.ProcessGroupGloo(store, rank, world, opts)
@@ -52,7 +52,7 @@ def _keep_cols(linear: nn.Linear, rank: int, world: int) -> None:
     n = linear.in_features // world
     linear.weight = nn.Parameter(linear.weight.data[:, rank * n : (rank + 1) * n].clone(), requires_grad=False)
     if linear.bias is not None and rank != 0:
-        linear.bias = None  # the sum over ranks must add it once
+        linear.register_parameter("bias", None)  # the sum over ranks must add it once (what `bias = None` does)
     linear.in_features = n
 
 
