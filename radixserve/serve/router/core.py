@@ -61,7 +61,6 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         self.secret = auth.check_secret(config.secret) if config.secret else auth.new_secret()
         self.local_procs: list[Any] = []
         self._stopped: asyncio.Event | None = None
-        self._bound = None
         self.supervisor = None  # serve's Supervisor of local worker processes (restarts them)
         self.fatal: str | None = None  # why serve must exit non-zero (e.g. every worker failed at start-up)
         self.forced = False  # a second interrupt: stopped without draining
