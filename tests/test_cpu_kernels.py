@@ -133,16 +133,13 @@ def test_many_query_blocks_over_long_contexts_equal_torch(dtype, page_size, layo
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
 def test_flash_path_big_chunks_equal_torch(dtype, page_size, layout):
-    # Chunks big enough that a bf16 pool's flash calls run in bf16 (>= BF16_MIN_ROWS rows) for
-    # the own (causal) part and the folded prefix part, next to small ones that stay in fp32,
-    # a chunk exactly at the flash threshold, one just below it, and decodes.
+    # Big chunks (the own causal part and the folded prefix part, hundreds of rows) next to small
+    # ones, a chunk exactly at the flash threshold, one just below it (csrc/ kernel), and decodes.
     from radixserve.attention.cpu_backend import dense_min_tokens_for
-    from radixserve.attention.cpu_dense import BF16_MIN_ROWS
 
     heads, kv_heads = HEADS[layout]
     least = dense_min_tokens_for(dtype)
-    qo_kv = [(BF16_MIN_ROWS + 44, BF16_MIN_ROWS + 44), (1, 500), (BF16_MIN_ROWS + 5, 1200),
-             (least, 900), (least - 1, 300), (1, 1)]
+    qo_kv = [(300, 300), (1, 500), (261, 1200), (least, 900), (least - 1, 300), (1, 1)]
     pool, meta, q, k, v = make_case(page_size * 5 + heads + 300, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
     got, want = both(pool, meta, q, k, v)
     assert got.dtype == dtype
@@ -152,7 +149,7 @@ def test_flash_path_big_chunks_equal_torch(dtype, page_size, layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cascade_level0_many_rows_equal_torch(dtype):
     # 40 grouped decodes x 8 heads: the prefix level is one folded flash call of 160 rows per KV
-    # head (bf16 stays fp32 below BF16_MIN_ROWS) next to a group of 3 and an ungrouped extend.
+    # head, next to a group of 3 and an ungrouped extend.
     qo_kv = [(1, 700)] * 40 + [(1, 400), (1, 410), (1, 420), (30, 500)]
     groups = ((0, 40, 640), (40, 3, 384))
     pool, meta, q, k, v = make_case(77, 1, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
