@@ -80,7 +80,7 @@ def _model(args) -> tuple[str, int, tempfile.TemporaryDirectory | None]:
 
         with open(os.path.join(args.model, "config.json")) as f:
             return args.model, json.load(f)["vocab_size"], None
-    from radixserve.model.builtin import make_tiny_model_dir
+    from radixserve.testing import make_tiny_model_dir
 
     tmp = tempfile.TemporaryDirectory()
     return str(make_tiny_model_dir(os.path.join(tmp.name, "tiny"), "llama", max_position_embeddings=2048)), 512, tmp

@@ -477,12 +477,3 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     build_builtin_model_dir(path, BUILTIN_VOCAB_SIZE, seed=BUILTIN_SEED)
     logger.info("built-in stand-in model ready in %.1fs", time.perf_counter() - t0)
     return path
-
-
-def __getattr__(name: str):
-    """The tiny test checkpoints moved to :mod:`radixserve.testing`; still importable from here."""
-    if name in ("TINY_ARCHS", "tiny_config", "make_tiny_model_dir"):
-        from radixserve import testing
-
-        return getattr(testing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
