@@ -143,3 +143,22 @@ def test_threads_per_worker_in_one_place():
     cfg = ServeConfig(workers=2)
     assert {w.threads for w in launch.local_worker_configs(cfg, "tcp://127.0.0.1:1")} == {default_threads(2)}
     assert launch.local_worker_configs(convert({"workers": 0}, ServeConfig), "tcp://127.0.0.1:1") == []  # remote only
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_inflight_per_worker": 0}, "max_inflight_per_worker"),
+    ({"heartbeat_timeout_s": 0.0}, "heartbeat_timeout_s"),
+    ({"port": 70000}, "port"),
+    ({"max_queue": -1}, "max_queue"),
+])
+def test_router_refuses_a_config_out_of_range_naming_the_field(kwargs, field):
+    from radixserve.serve.router import Router, RouterConfig
+
+    with pytest.raises(BadRequestError, match=field):
+        Router(RouterConfig(**kwargs))
+
+
+def test_router_config_from_serve_flags_passes_its_checks():
+    cfg = launch.router_config(convert({"port": 0, "max_inflight": 1, "drain_timeout": 0.0}, ServeConfig))
+    cfg.check()
+    assert (cfg.port, cfg.max_inflight_per_worker, cfg.drain_s) == (0, 1, 0.0)

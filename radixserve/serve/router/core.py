@@ -35,6 +35,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
     mirrors). Each handler runs to the end on the loop, so the state never races."""
 
     def __init__(self, config: RouterConfig, tokenizer=None):
+        config.check()
         self.config = config
         self.tokenizer = tokenizer
         self.policy = make_policy(config.policy, **(

@@ -4,49 +4,65 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from radixserve import protocol as P
 from radixserve.serve.metrics import Histogram
 from radixserve.serve.routing import CacheIndex
+from radixserve.validation import check
 
 
-@dataclass
-class RouterConfig:
+_Count = Annotated[int, Meta(ge=1)]
+_Seconds = Annotated[float, Meta(gt=0)]
+
+
+class RouterConfig(msgspec.Struct, kw_only=True):
+    """The router's settings (``serve`` builds them from its validated
+    :class:`~radixserve.config.ServeConfig`; :meth:`check` runs the field constraints, which the
+    keyword constructor does not)."""
+
     host: str = "127.0.0.1"
-    port: int = 7700
+    port: Annotated[int, Meta(ge=0, le=65535)] = 7700
     address: str | None = None  # full ZMQ address to bind (overrides host/port), e.g. ipc:///tmp/rs
-    worker_port: int | None = None  # the worker socket's port (default: port + 1; random when port is 0)
+    # the worker socket's port (default: port + 1; random when port is 0)
+    worker_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     worker_address: str | None = None  # full ZMQ address of the worker socket (overrides worker_port)
     secret: str | None = None  # the shared worker secret (64 hex); None: a fresh one (Router.secret)
     model_fingerprint: str | None = None  # refuse workers of another model (None: accept any)
-    forget_dead_s: float = 60.0  # a dead worker that is not ours to restart is dropped after this
+    forget_dead_s: _Seconds = 60.0  # a dead worker that is not ours to restart is dropped after this
     policy: str = "cache_aware"
-    max_queue: int = 256
-    max_inflight_per_worker: int = 64
+    max_queue: Annotated[int, Meta(ge=0)] = 256
+    max_inflight_per_worker: _Count = 64
     # Pings to workers every heartbeat_s; a worker silent for heartbeat_timeout_s is dead. 3 s is
     # 6 missed heartbeats: on a LAN, a false alarm needs one segment lost 4 times in a row (TCP
     # retransmits after 0.2, 0.4, 0.8, 1.6 s); raise it for a lossy or long-haul link (README).
-    heartbeat_s: float = 0.5
-    heartbeat_timeout_s: float = 3.0
-    max_attempts: int = 3
-    no_worker_wait_s: float = 30.0  # a request queued with no live worker fails after this long
-    drain_s: float = 5.0  # on shutdown, how long requests in flight may take to finish
-    limits: P.Limits = field(default_factory=P.Limits)
+    heartbeat_s: _Seconds = 0.5
+    heartbeat_timeout_s: _Seconds = 3.0
+    max_attempts: _Count = 3
+    no_worker_wait_s: _Seconds = 30.0  # a request queued with no live worker fails after this long
+    drain_s: Annotated[float, Meta(ge=0)] = 5.0  # on shutdown, how long requests in flight may take to finish
+    limits: P.Limits = msgspec.field(default_factory=P.Limits)
     metrics_log: str | None = None
-    metrics_interval_s: float = 10.0
-    balance_abs: int = 16
-    balance_rel: float = 1.5
-    cache_threshold: float = 0.3
+    metrics_interval_s: _Seconds = 10.0
+    balance_abs: Annotated[int, Meta(ge=0)] = 16
+    balance_rel: Annotated[float, Meta(ge=0)] = 1.5
+    cache_threshold: Annotated[float, Meta(ge=0)] = 0.3
     # Tokenizing a long prompt takes seconds: it runs in a bounded thread pool, never on the loop
     # (a stalled loop sends no pings, and workers would take the router for dead).
-    tokenize_threads: int = 2
-    max_tokenizing: int = 32  # prompts being tokenized at once; beyond: overloaded
-    inline_tokenize_chars: int = 8192  # shorter prompts are tokenized on the loop (microseconds)
+    tokenize_threads: _Count = 2
+    max_tokenizing: _Count = 32  # prompts being tokenized at once; beyond: overloaded
+    inline_tokenize_chars: Annotated[int, Meta(ge=0)] = 8192  # shorter prompts are tokenized on the loop (microseconds)
     # The longest prompt (characters) worth tokenizing: the context in tokens times the longest
     # token in characters. None: derived from max_model_len and the tokenizer's vocabulary.
-    max_prompt_chars: int | None = None
-    max_model_len: int | None = None  # the model's context (tokens); None: from registered workers
+    max_prompt_chars: _Count | None = None
+    max_model_len: _Count | None = None  # the model's context (tokens); None: from registered workers
+
+    def check(self) -> None:
+        """Raise :class:`~radixserve.errors.BadRequestError` naming the first field out of range."""
+        check(self)
 
 
 @dataclass(eq=False)
