@@ -128,6 +128,53 @@ struct Scratch {
   Scratch() : q(kMaxRows * kMaxDim), k(kBlockN * kMaxDim), v(kBlockN * kMaxDim), s(kMaxRows * kBlockN) {}
 };
 
+// An item's rows, set up for the online softmax: its query rows loaded (scaled to log2 units),
+// running max / sum reset, each row's last visible key (bottom-right causal), outputs zeroed.
+struct Rows {
+  int kv_len;            // keys of the sequence
+  int kend;              // one past the last key any row of the item may see
+  const int32_t* pages;  // the sequence's page table
+};
+
+template <typename T>
+Rows start_rows(const Problem<T>& p, const Item& it, float* qb, float* m, float* l, int* limit, float* out) {
+  const int D = p.dim;
+  const int heads = it.g1 - it.g0;
+  const int qo_start = p.qo_indptr[it.seq];
+  const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
+  const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
+  for (int t = it.t0; t < it.t1; ++t) {
+    for (int g = it.g0; g < it.g1; ++g) {
+      const int r = (t - it.t0) * heads + (g - it.g0);
+      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
+      load_row(src, qb + r * D, D);
+      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
+    }
+  }
+  std::fill(out, out + (it.t1 - it.t0) * heads * D, 0.0f);
+  int kend = it.k1;
+  if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);  // past the last row's limit
+  return {kv_len, kend, p.kv_indices + p.kv_indptr[it.seq]};
+}
+
+// Normalise each row's output by its softmax sum and write its base-2 LSE (-inf for a row that
+// saw no key, whose output stays 0).
+inline void finish_rows(int R, int D, const float* m, const float* l, float* out, float* lse) {
+  for (int r = 0; r < R; ++r) {
+    float* orow = out + r * D;
+    if (l[r] > 0.0f) {
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; ++d) orow[d] *= inv;
+      lse[r] = m[r] + std::log2(l[r]);
+    } else {
+      lse[r] = kNegInf;
+    }
+  }
+}
+
 // Attend rows (tokens t0..t1 x heads g0..g1 of KV head `head`) to keys [k0, k1) of sequence `seq`.
 // Writes normalised outputs [rows][dim] and base-2 LSEs [rows] (0 and -inf for an empty row).
 template <typename T>
@@ -142,24 +189,9 @@ void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
   float m[kGemmRows], l[kGemmRows];
   int limit[kGemmRows];  // last key index each row may see
 
-  const int qo_start = p.qo_indptr[it.seq];
-  const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
-  const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
-  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
-  for (int t = it.t0; t < it.t1; ++t) {
-    for (int g = it.g0; g < it.g1; ++g) {
-      const int r = (t - it.t0) * heads + (g - it.g0);
-      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
-      load_row(src, qb + r * D, D);
-      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
-    }
-  }
-  std::fill(out, out + R * D, 0.0f);
-  int kend = it.k1;
-  if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);  // past the last row's limit
+  const Rows rows = start_rows(p, it, qb, m, l, limit, out);
+  const int kv_len = rows.kv_len, kend = rows.kend;
+  const int32_t* pages = rows.pages;
 
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
@@ -220,16 +252,7 @@ void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* orow = out + r * D;
-    if (l[r] > 0.0f) {
-      const float inv = 1.0f / l[r];
-      for (int d = 0; d < D; ++d) orow[d] *= inv;
-      lse[r] = m[r] + std::log2(l[r]);
-    } else {
-      lse[r] = kNegInf;
-    }
-  }
+  finish_rows(R, D, m, l, out, lse);
 }
 
 // The same for many rows: K/V tiles of kBlockN keys are gathered (widened to fp32) once and
@@ -245,24 +268,9 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
   float* sb = w.s.data();
   float m[kMaxRows], l[kMaxRows];
   int limit[kMaxRows];
-  const int qo_start = p.qo_indptr[it.seq];
-  const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
-  const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
-  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
-  for (int t = it.t0; t < it.t1; ++t) {
-    for (int g = it.g0; g < it.g1; ++g) {
-      const int r = (t - it.t0) * heads + (g - it.g0);
-      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
-      load_row(src, qb + r * D, D);
-      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
-    }
-  }
-  std::fill(out, out + R * D, 0.0f);
-  int kend = it.k1;
-  if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);
+  const Rows rows = start_rows(p, it, qb, m, l, limit, out);
+  const int kv_len = rows.kv_len, kend = rows.kend;
+  const int32_t* pages = rows.pages;
   for (int c = it.k0; c < kend; c += kBlockN) {
     const int n = std::min(kBlockN, kend - c);
     if (it.kv != nullptr) {
@@ -307,16 +315,7 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
     // O += P V, i.e. column-major O^T += V^T P^T.
     gemm('N', 'N', D, R, n, vb, D, sb, kBlockN, 1.0f, out, D);
   }
-  for (int r = 0; r < R; ++r) {
-    float* orow = out + r * D;
-    if (l[r] > 0.0f) {
-      const float inv = 1.0f / l[r];
-      for (int d = 0; d < D; ++d) orow[d] *= inv;
-      lse[r] = m[r] + std::log2(l[r]);
-    } else {
-      lse[r] = kNegInf;
-    }
-  }
+  finish_rows(R, D, m, l, out, lse);
 }
 
 template <typename T>
