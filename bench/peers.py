@@ -329,6 +329,9 @@ def render(res: dict) -> str:
 
 
 if __name__ == "__main__":
+    from radixserve.runtime import prefer_passive_omp
+
+    prefer_passive_omp()  # as `python -m bench` does; a --child inherits it from its parent
     parser = argparse.ArgumentParser(prog="python -m bench.peers")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -1,14 +1,5 @@
 """radixserve: serve many LLM agents that share long prompts."""
 
-import os as _os
-
-# OpenMP threads that spin at barriers collapse when the cores are shared with other work: on
-# this project's 2-core machine under load, a 2-thread fleet run took 39-45 s spinning vs 10-13 s
-# with passive waits (python -m bench peers --engines radixserve --workloads fleet --agents 16
-# --turns 2). libgomp reads this once, when torch loads, so it only applies if radixserve is
-# imported first; a value the user set wins.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from radixserve.errors import BadRequestError, ModelLoadError, RadixServeError, TooLongError
 from radixserve.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from radixserve.validation import _flatten, _hints, convert, field_meta, literal_choices
+from radixserve.validation import flatten_type, type_hints, convert, field_meta, literal_choices
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -68,16 +68,16 @@ def from_args(cls: type[T], args: argparse.Namespace, fields: Iterable[str] | No
 
 
 def _is_struct_field(cls: type, name: str) -> bool:
-    return any(isinstance(t, type) and issubclass(t, msgspec.Struct) for t in _flatten(_hints(cls)[name]))
+    return any(isinstance(t, type) and issubclass(t, msgspec.Struct) for t in flatten_type(type_hints(cls)[name]))
 
 
 def _optional(cls: type, name: str) -> bool:
-    return any(t is type(None) for t in _flatten(_hints(cls)[name]))
+    return any(t is type(None) for t in flatten_type(type_hints(cls)[name]))
 
 
 def _base_type(cls: type, name: str) -> Any:
     """``bool`` / ``list`` / ``int`` / ``float`` / ``str`` for a field (None and Literal set aside)."""
-    for t in _flatten(_hints(cls)[name]):
+    for t in flatten_type(type_hints(cls)[name]):
         if t is type(None) or typing.get_origin(t) is typing.Literal:
             continue
         origin = typing.get_origin(t)

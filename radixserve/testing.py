@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from radixserve.model.builtin import _dtype_kw, build_tokenizer, save_model_dir
+from radixserve.model.builtin import dtype_kwargs, build_tokenizer, save_model_dir
 
 __all__ = ["TINY_ARCHS", "ServerProcess", "make_tiny_model_dir", "spawn_server", "tiny_config"]
 
@@ -76,7 +76,7 @@ def tiny_config(arch: str, **overrides):
     dtype = overrides.pop("torch_dtype", dtype)
     if dtype is not None and not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
-    kw.update(_dtype_kw(dtype or "float32"))
+    kw.update(dtype_kwargs(dtype or "float32"))
     kw.update(overrides)
     return getattr(transformers, cfg_name)(**kw)
 

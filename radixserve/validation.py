@@ -31,7 +31,7 @@ def convert(data: Any, type_: type[T], *, field_prefix: str = "") -> T:
     try:
         return msgspec.convert(data, type_)
     except msgspec.ValidationError as exc:
-        field, rule = explain(exc, type_)
+        field, rule = explain(exc, type_, _lookup(data, explain(exc)[0]))
         raise BadRequestError(field_prefix + field if field else field_prefix.rstrip(".") or "value",
                               rule) from None
 
@@ -77,6 +77,15 @@ def explain(exc: msgspec.ValidationError, type_: Any = None, value: Any = _MISSI
     return field, rule
 
 
+def _lookup(data: Any, field: str) -> Any:
+    """The value at a dotted ``field`` of plain (dict) data, or ``_MISSING``."""
+    for name in field.split(".") if field else ():
+        if not isinstance(data, dict) or name not in data:
+            return _MISSING
+        data = data[name]
+    return data if field else _MISSING
+
+
 def _in_words(what: str) -> str:
     m = re.match(r"Expected `([^`]+)`(.*)$", what, re.S)
     if not m:
@@ -90,8 +99,8 @@ def _owner(type_: Any, path: str) -> Any:
     parts = [p for p in path.split(".") if p]
     owner = type_
     for name in parts[:-1]:
-        hint = _hints(owner).get(name) if _is_struct(owner) else None
-        owner = next((t for t in _flatten(hint) if _is_struct(t)), None)
+        hint = type_hints(owner).get(name) if _is_struct(owner) else None
+        owner = next((t for t in flatten_type(hint) if _is_struct(t)), None)
     return owner if _is_struct(owner) else None
 
 
@@ -100,25 +109,26 @@ def _is_struct(t: Any) -> bool:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
+    """The field annotations of ``cls``, with their ``Annotated`` metadata."""
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def _flatten(hint: Any) -> list[Any]:
+def flatten_type(hint: Any) -> list[Any]:
     """The types inside ``hint``: Annotated and unions unwrapped."""
     if hint is None:
         return []
     origin = typing.get_origin(hint)
     if origin is typing.Annotated:
-        return _flatten(typing.get_args(hint)[0])
+        return flatten_type(typing.get_args(hint)[0])
     if origin is typing.Union or type(hint).__name__ == "UnionType":
-        return [t for a in typing.get_args(hint) for t in _flatten(a)]
+        return [t for a in typing.get_args(hint) for t in flatten_type(a)]
     return [hint]
 
 
 def field_meta(cls: type, name: str) -> msgspec.Meta | None:
     """The ``msgspec.Meta`` annotated on a field (the outermost one), or None."""
-    hint = _hints(cls).get(name)
+    hint = type_hints(cls).get(name)
     stack = [hint]
     while stack:
         h = stack.pop(0)
@@ -141,7 +151,7 @@ def description(cls: type, name: str) -> str:
 def literal_choices(cls: type, name: str) -> tuple:
     """The values of a ``Literal[...]`` field (None excluded), or ``()``."""
     out: list = []
-    for t in _flatten(_hints(cls).get(name)):
+    for t in flatten_type(type_hints(cls).get(name)):
         if typing.get_origin(t) is typing.Literal:
             out += [v for v in typing.get_args(t) if v is not None]
     return tuple(out)

@@ -261,3 +261,34 @@ def test_contiguous_prefixes_read_in_place_equal_torch(order, dtype, page_size):
         assert all(isinstance(d.prefix_slots, slice) for d in plan_dense(meta, [0, 1]))
     got, want = both(pool, meta, q, k, v)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_a_stale_torch_build_lock_is_removed_instead_of_waited_on(tmp_path, caplog):
+    """A build killed midway leaves torch's ``lock`` file; the next start must not hang on it."""
+    (tmp_path / "lock").touch()
+    with caplog.at_level("WARNING", logger="radixserve"), cpu_ext._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "stale build lock" in caplog.text
+    caplog.clear()
+    with cpu_ext._build_lock(tmp_path):  # nothing stale: no warning
+        pass
+    assert "stale" not in caplog.text
+
+
+def test_the_build_lock_admits_one_builder_at_a_time(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+                               "print('held', flush=True); time.sleep(1.5)", str(tmp_path / "radixserve.flock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with cpu_ext._build_lock(tmp_path):
+            waited = time.monotonic() - t0
+        assert waited > 0.5  # it waited for the holder (a sleeping process, 1.5 s) to let go
+    finally:
+        holder.wait(10)

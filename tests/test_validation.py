@@ -132,7 +132,7 @@ def test_worker_process_refuses_a_bad_json_config_naming_the_field(capsys):
     bad = msgspec.json.encode(WorkerConfig(router="tcp://127.0.0.1:1", engine=EngineConfig(page_size=0))).decode()
     assert launch.main(["--config-json", bad]) == 2
     assert capsys.readouterr().err.strip() == (
-        "radixserve: error: engine.page_size: must be an integer >= 1; tokens per KV page (default: 1)")
+        "radixserve: error: engine.page_size: must be an integer >= 1, got 0; tokens per KV page (default: 1)")
     assert launch.main(["--config-json", "{not json"]) == 2
     assert "--config-json: not JSON" in capsys.readouterr().err
 

@@ -11,6 +11,8 @@ logs one warning; callers then fall back to the torch backend.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -63,6 +65,26 @@ def load():
         return module
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Hold an flock on the build directory while torch builds or loads the extension.
+
+    torch's own lock is a plain ``lock`` file: a build killed midway (Ctrl-C, a timeout) leaves
+    it behind, and every later start would wait on it forever, silently. The kernel drops an
+    flock with its holder, so whoever holds this one is the only builder, and a ``lock`` file
+    it finds is stale: it is removed, with a warning."""
+    with open(directory / "radixserve.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock %s (left by a build that was killed)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build():
     if os.environ.get("RADIXSERVE_NO_EXT"):
         log.info("CPU attention kernels disabled by RADIXSERVE_NO_EXT; using the torch backend")
@@ -83,10 +105,11 @@ def _build():
         else:
             log.info("loading the CPU attention kernels from %s (rebuilt if csrc/ changed)", directory)
         start = time.perf_counter()
-        module = cpp_extension.load(
-            name=NAME, sources=[str(s) for s in sources], build_directory=str(directory),
-            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        with _build_lock(directory):
+            module = cpp_extension.load(
+                name=NAME, sources=[str(s) for s in sources], build_directory=str(directory),
+                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+            )
         elapsed = time.perf_counter() - start
         if not built or elapsed > 5:
             log.warning("built the CPU attention kernels in %.1f s", elapsed)

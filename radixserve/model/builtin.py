@@ -146,7 +146,7 @@ def _transformers_major() -> int:
     return int(transformers.__version__.split(".")[0])
 
 
-def _dtype_kw(dtype: Any) -> dict[str, Any]:
+def dtype_kwargs(dtype: Any) -> dict[str, Any]:
     """``dtype=`` on transformers 5, ``torch_dtype=`` on 4.x (configs and from_config)."""
     return {"dtype": dtype} if _transformers_major() >= 5 else {"torch_dtype": dtype}
 
@@ -260,7 +260,7 @@ def builtin_config(vocab_size: int = BUILTIN_VOCAB_SIZE, *, bos_token_id: int = 
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         architectures=["LlamaForCausalLM"],
-        **_dtype_kw("float32"),
+        **dtype_kwargs("float32"),
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
@@ -387,7 +387,7 @@ def save_model_dir(path: str | os.PathLike, config, *, seed: int, tokenizer=None
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, **_dtype_kw(torch.float32))
+        model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32))
         model = model.to(torch.float32)
         _reinit_weights(model, seed)
         if save_dtype != torch.float32:

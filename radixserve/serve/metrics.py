@@ -20,6 +20,9 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+# No *_created series: the exposition before prometheus-client had none, and dashboards do not need them.
+prometheus_client.disable_created_metrics()
+
 # Seconds: 1 ms .. 60 s, roughly x2 per bucket.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DEPTH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
