@@ -305,28 +305,23 @@ class RadixCache:
     # ------------------------------------------------------------------ inspection
     def _path_tokens(self, node: RadixNode) -> list[int]:
         """Tokens from the root to the end of ``node`` (``node`` still attached)."""
-        keys = []
-        cur: RadixNode | None = node
-        while cur is not None and cur is not self.root:
-            keys.append(cur.key)
-            cur = cur.parent
-        path: list[int] = []
-        for key in reversed(keys):
-            path += key
-        return path
+        return [t for n in self._root_path(node)[0] for t in n.key]
 
     def path_pages(self, node: RadixNode) -> list[int] | None:
         """Pages from the root to the end of ``node``; None when ``node`` is no longer attached."""
-        chunks = []
-        while node is not self.root:
-            if node.parent is None:
-                return None
-            chunks.append(node.pages)
-            node = node.parent
-        pages: list[int] = []
-        for chunk in reversed(chunks):
-            pages += chunk
-        return pages
+        nodes, attached = self._root_path(node)
+        return [p for n in nodes for p in n.pages] if attached else None
+
+    def _root_path(self, node: RadixNode) -> tuple[list[RadixNode], bool]:
+        """The nodes from the root's child down to ``node``, and whether the walk reached the root
+        (False: ``node`` hangs off a detached subtree)."""
+        nodes: list[RadixNode] = []
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:
+            nodes.append(cur)
+            cur = cur.parent
+        nodes.reverse()
+        return nodes, cur is self.root
 
     def _nodes(self):
         """Every non-root node, depth first."""
