@@ -194,3 +194,19 @@ def test_tp_shards_take_each_ranks_heads_of_q_k_v_and_halves_of_gate_up(tiny_mod
         assert torch.equal(mlp.gate_up_proj.weight,
                            torch.cat([gate[rank * inter : (rank + 1) * inter], up[rank * inter : (rank + 1) * inter]]))
         assert attn.qkv_sizes() == [nq, nk, nk] and mlp.gate_up_proj.out_features == 2 * inter
+
+
+def test_bench_layers_runs_and_the_modes_agree():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "bench", "layers", "--tokens", "1,5", "--repeats", "1", "--hidden", "48",
+                           "--heads", "4", "--kv-heads", "2", "--head-dim", "12", "--intermediate", "40", "--threads", "1",
+                           "--json"], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout)
+    assert set(res["ms"]) == {"1", "5"} and all(v > 0 for r in res["ms"].values() for v in r.values())
+    assert res["max_abs_diff_vs_old"]["5"]["fused-torch"] <= 1e-6  # the same torch ops, only the GEMMs fused
+    assert all(d < 1e-5 for r in res["max_abs_diff_vs_old"].values() for d in r.values())
