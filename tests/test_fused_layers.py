@@ -210,3 +210,35 @@ def test_bench_layers_runs_and_the_modes_agree():
     assert set(res["ms"]) == {"1", "5"} and all(v > 0 for r in res["ms"].values() for v in r.values())
     assert res["max_abs_diff_vs_old"]["5"]["fused-torch"] <= 1e-6  # the same torch ops, only the GEMMs fused
     assert all(d < 1e-5 for r in res["max_abs_diff_vs_old"].values() for d in r.values())
+
+
+def _prefill_logits(loaded, ids: list[int]) -> torch.Tensor:
+    """Our model's logits for every position of one fresh prompt (torch attention backend)."""
+    from radixserve.attention.metadata import build_metadata
+    from radixserve.attention.torch_backend import TorchAttention
+    from radixserve.kv.pool import KVPool
+    from radixserve.model.llama import ForwardBatch, head_dim_of
+
+    cfg, page, n = loaded.config, 4, len(ids)
+    pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=-(-n // page) + 1, page_size=page,
+                  num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim_of(cfg), dtype=loaded.dtype, device="cpu")
+    attention = TorchAttention(pool, head_dim_of(cfg) ** -0.5)
+    attention.plan(build_metadata([list(range(-(-n // page)))], [n], [n], page))
+    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), attention=attention,
+                         logits_rows=torch.arange(n))
+    return loaded.model(batch)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_logits_equal_transformers(tiny_models, arch, kernels_on, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    if not kernels_on:
+        monkeypatch.setattr(fused, "_ops", [None])
+    ids = torch.randint(7, 512, (23,), generator=torch.Generator().manual_seed(18)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    got = _prefill_logits(load_model(tiny_models[arch]), ids)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
