@@ -37,8 +37,8 @@ def kernels():
 
 
 def _use_kernel(x: torch.Tensor):
-    ops = kernels()
-    return ops if ops is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES else None
+    ops = _ops[0] if _ops else kernels()
+    return ops if ops is not None and x.is_cpu and x.dtype in _KERNEL_DTYPES else None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -54,15 +54,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x += residual`` in place (when given), then return ``rmsnorm(x) * weight`` (a new tensor)."""
     ops = _use_kernel(x)
-    x2 = _rows(x) if ops is not None else None
-    if x2 is None and ops is not None and residual is None:
+    if ops is None or weight.dtype != x.dtype:
+        return add_rms_norm_reference(x, residual, weight, eps)
+    if x.dim() == 2 and x.stride(1) == 1 and (residual is None or residual.dim() == 2 and residual.stride(1) == 1):
+        out = torch.empty(x.shape, dtype=x.dtype)  # the decoder's case, with the least Python
+        ops.add_rms_norm.default(x, residual, weight, eps, out)
+        return out
+    x2 = _rows(x)
+    if x2 is None and residual is None:
         x2 = x.reshape(-1, x.shape[-1])  # a copy of a strided x (q/k of Qwen3's qk-norm): x is only read
     r2 = _rows(residual) if residual is not None and x2 is not None else None
-    if x2 is not None and (residual is None or r2 is not None) and weight.dtype == x.dtype:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        ops.add_rms_norm(x2, r2, weight.contiguous(), eps, out.view(-1, x.shape[-1]))
-        return out
-    return add_rms_norm_reference(x, residual, weight, eps)
+    if x2 is None or (residual is not None and r2 is None):
+        return add_rms_norm_reference(x, residual, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ops.add_rms_norm.default(x2, r2, weight.contiguous(), eps, out.view(-1, x.shape[-1]))
+    return out
 
 
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -80,7 +86,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place by ``cos``/``sin [T, D/2]`` (q's dtype)."""
     ops = _use_kernel(q)
     if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1:
-        ops.rope(q, k, cos, sin)
+        ops.rope.default(q, k, cos, sin)
         return
     rope_reference_(q, k, cos, sin)
 
@@ -100,14 +106,14 @@ def rope_reference_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension (a new tensor)."""
-    inter = gate_up.shape[-1] // 2
     ops = _use_kernel(gate_up)
     g2 = _rows(gate_up) if ops is not None else None
-    if g2 is not None:
-        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        ops.silu_and_mul(g2, out.view(-1, inter))
-        return out
-    return silu_and_mul_reference(gate_up)
+    if g2 is None:
+        return silu_and_mul_reference(gate_up)
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+    ops.silu_and_mul.default(g2, out.view(-1, inter))
+    return out
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
