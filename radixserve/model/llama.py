@@ -1,13 +1,16 @@
 """Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) over paged attention.
 
-Parameter names equal Hugging Face's, so checkpoints load without a name map. The model sees
-no scheduler: it gets token ids, positions and a planned attention backend, and returns logits
+Parameter names equal Hugging Face's except for the fused ``qkv_proj`` and ``gate_up_proj``,
+whose row blocks the checkpoint's ``q/k/v_proj`` and ``gate/up_proj`` load into
+(:meth:`CausalLM.checkpoint_tensors`). RMSNorm (fused with the residual add), RoPE and SiLU-and-mul
+run as :mod:`radixserve.model.fused` ops. The model sees no scheduler: it gets token ids, positions and a planned attention backend, and returns logits
 for the rows asked for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.model import fused
 
 
 @dataclass
@@ -56,12 +60,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        scale = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        x = (x * scale).to(dtype)  # a new tensor: scale it by the weight in place
-        return x.mul_(self.weight)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``rmsnorm(x) * weight``; with ``residual``, ``x += residual`` in place first (fused)."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -89,44 +90,33 @@ class RotaryEmbedding(nn.Module):
         self.cos = (emb.cos() * scaling).to(device)
         self.sin = (emb.sin() * scaling).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (one fused call for both)."""
         cos, sin = self._tables(positions, q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        fused.rope_(q, k, cos, sin)
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """Half-width cos/sin ``[T, 1, D/2]`` for ``positions``, gathered once per batch.
+        """Half-width cos/sin ``[T, D/2]`` for ``positions``, gathered once per batch.
 
         Every layer gets the same positions tensor, so the gather runs for the first layer only.
         The two halves of each table are equal (``emb = cat(freqs, freqs)``), so half suffices.
+        Cast to the activations' dtype first, as transformers does.
         """
         cached = self._batch
         if cached is not None and cached[0] is positions and cached[1] == dtype:
             return cached[2], cached[3]
         half = self.head_dim // 2
-        cos = self.cos[positions, :half].unsqueeze(1).to(dtype)
-        sin = self.sin[positions, :half].unsqueeze(1).to(dtype)
+        cos = self.cos[positions, :half].to(dtype)
+        sin = self.sin[positions, :half].to(dtype)
         self._batch = (positions, dtype, cos, sin)
         return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` computed half by half, without the concatenation.
-
-    With ``x = [x1, x2]``: first half ``x1*c - x2*s``, second half ``x2*c + x1*s`` -- the same
-    products and sums as Hugging Face's formula, so the result is bit-identical.
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    lo, hi = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=lo)
-    lo.sub_(x2 * sin)
-    torch.mul(x2, cos, out=hi)
-    hi.add_(x1 * sin)
-    return out
-
-
 class Attention(nn.Module):
+    """Self-attention with one fused ``qkv_proj`` (rows ``[q; k; v]``, bias too where the arch
+    has it); the checkpoint's ``q_proj/k_proj/v_proj`` load into its row blocks
+    (:meth:`CausalLM.checkpoint_tensors`)."""
+
     def __init__(self, config, layer: int, spec: ArchSpec, rope: RotaryEmbedding):
         super().__init__()
         self.layer = layer
@@ -134,9 +124,8 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, qkv, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -144,28 +133,37 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.rope = [rope]  # shared; a list keeps it out of this module's parameters/buffers
 
+    def qkv_sizes(self) -> list[int]:
+        """Row counts of the q, k and v blocks of ``qkv_proj`` (this rank's heads under TP)."""
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes(), dim=-1)  # views of one GEMM's output
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope[0](batch.positions, q, k)
+        self.rope[0](batch.positions, q, k)  # in place
+        if q.device.type != "cpu":
+            q = q.contiguous()  # GPU backends get the dense q they always had
         out = batch.attention.forward(q, k, v, self.layer)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP with one fused ``gate_up_proj`` (rows ``[gate; up]``)."""
+
     def __init__(self, config):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: no temporaries beyond gate/up
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -176,10 +174,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # The residual is added in place: x is this forward's own activation, never a caller's.
-        x = x.add_(self.self_attn(self.input_layernorm(x), batch))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch) -> torch.Tensor:
+        """Run the layer on the residual stream ``x`` (updated in place) and return the MLP's
+        output, which the next norm adds into ``x`` (``pending``) fused with its normalisation."""
+        x_norm = self.input_layernorm(x, pending)  # x += pending; norm(x)
+        x_norm = self.post_attention_layernorm(x, self.self_attn(x_norm, batch))
+        return self.mlp(x_norm)
 
 
 class Backbone(nn.Module):
@@ -210,11 +210,38 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits ``[len(batch.logits_rows), vocab]``."""
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.model.embed_tokens(batch.input_ids)  # a new tensor: the layers add into it in place
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, batch)
-        x = self.model.norm(x[batch.logits_rows])
+            pending = layer(x, pending, batch)
+        rows = batch.logits_rows
+        x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
         return F.linear(x, self.output_embedding).float()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a Hugging Face checkpoint stores, by its name, as a view of our parameters.
+
+        The same as ``named_parameters()`` except for the fused projections: ``q_proj/k_proj/v_proj``
+        are row blocks of ``qkv_proj`` and ``gate_proj/up_proj`` of ``gate_up_proj`` (weights and
+        biases), so copying a checkpoint tensor into its view fills the fused parameter.
+        """
+        views: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            module, _, proj = prefix.rpartition(".")
+            if proj == "qkv_proj":
+                blocks = dict(zip(("q_proj", "k_proj", "v_proj"), cast(Attention, self.get_submodule(module)).qkv_sizes()))
+            elif proj == "gate_up_proj":
+                inter = param.shape[0] // 2
+                blocks = {"gate_proj": inter, "up_proj": inter}
+            else:
+                views[name] = param
+                continue
+            start = 0
+            for part, rows in blocks.items():
+                views[f"{module}.{part}.{leaf}"] = param.detach().narrow(0, start, rows)
+                start += rows
+        return views
 
 
 def head_dim_of(config) -> int:

@@ -120,7 +120,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _load_weights(model: CausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()  # HF names; q/k/v and gate/up are views into fused weights
     loaded: set[str] = set()
     for file in _weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:

@@ -2,7 +2,8 @@
 (torch.distributed, gloo). The ranks themselves (rank 0 in the engine, followers in spawned
 processes) are run by :mod:`radixserve.engine.tensor_parallel`. The math:
 
-- column-parallel ``q/k/v/gate/up_proj``: rank r keeps output rows (heads, MLP columns) r/N;
+- column-parallel ``qkv_proj/gate_up_proj``: rank r keeps share r/N of each row block (its q
+  heads, then its KV heads of k and of v; its gate columns, then the same up columns);
 - row-parallel ``o_proj/down_proj``: rank r keeps the matching input columns; their partial
   outputs are summed with ``all_reduce`` (a forward hook), the bias added on rank 0 only;
 - embedding, norms and lm_head stay whole on every rank (small at these sizes).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -40,12 +42,18 @@ def make_group(store_path: str, rank: int, world: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def _keep_rows(linear: nn.Linear, rank: int, world: int) -> None:
-    n = linear.out_features // world
-    linear.weight = nn.Parameter(linear.weight.data[rank * n : (rank + 1) * n].clone(), requires_grad=False)
+def _keep_rows(linear: nn.Linear, blocks: list[int], rank: int, world: int) -> None:
+    """Keep rank ``rank``'s share of every row block (``blocks``: row counts, summing to out_features)."""
+    keep, start = [], 0
+    for rows in blocks:
+        n = rows // world
+        keep.append(torch.arange(start + rank * n, start + (rank + 1) * n))
+        start += rows
+    index = torch.cat(keep)
+    linear.weight = nn.Parameter(linear.weight.data.index_select(0, index), requires_grad=False)
     if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[rank * n : (rank + 1) * n].clone(), requires_grad=False)
-    linear.out_features = n
+        linear.bias = nn.Parameter(linear.bias.data.index_select(0, index), requires_grad=False)
+    linear.out_features = len(index)
 
 
 def _keep_cols(linear: nn.Linear, rank: int, world: int) -> None:
@@ -63,13 +71,14 @@ def shard_model(model, rank: int, world: int) -> list[nn.Linear]:
     row_parallel = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _keep_rows(linear, rank, world)
+        _keep_rows(attn.qkv_proj, attn.qkv_sizes(), rank, world)
+        _keep_rows(mlp.gate_up_proj, [mlp.intermediate_size] * 2, rank, world)
         for linear in (attn.o_proj, mlp.down_proj):
             _keep_cols(linear, rank, world)
             row_parallel.append(linear)
         attn.num_heads //= world
         attn.num_kv_heads //= world
+        mlp.intermediate_size //= world
     return row_parallel
 
 

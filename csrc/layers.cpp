@@ -1,0 +1,264 @@
+// Fused elementwise ops of a Llama-family decoder layer, fp32 and bf16 (arithmetic in fp32).
+//
+// Each op is one pass over its rows inside one at::parallel_for (one OpenMP region, none at all
+// when the batch is small enough to run inline on the calling thread):
+//   add_rms_norm  x += residual (optional, rounded to x's dtype as torch's add is); then
+//                 out = rmsnorm(x) * weight, rounded like Hugging Face's RMSNorm: normalise in
+//                 fp32, cast to the dtype, then multiply by the weight.
+//   rope          neox-style rotary embedding applied in place to q [T, Hq, D] and k [T, Hk, D]
+//                 (strided views of the fused qkv output), from half-width cos/sin [T, D/2].
+//   silu_and_mul  out [N, I] = silu(gate) * up over the fused gate_up output [N, 2I].
+// Registered as torch.ops.radixserve_layers.* (the extension's pybind module is attention.cpp's).
+//
+// Inner loops have fixed-width blocks (16 floats) so -O3 -march=native vectorises them; bf16 is
+// widened to fp32 by a shift and narrowed by round-to-nearest-even, as c10::BFloat16 does.
+// Contraction into FMA is off in this file so fp32 results equal torch's separate mul/add;
+// -fno-trapping-math (no effect on results) lets the float->int conversion of exp vectorise.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+
+namespace {
+
+constexpr int kLanes = 16;
+// Elements per task, about 50 us of work: smaller batches run inline, with no OpenMP region
+// (waking the pool's passive threads costs more than it saves on less).
+constexpr int64_t kGrainElems = 1 << 17;
+constexpr int64_t kGrainElemsSilu = 1 << 16;  // exp costs more per element
+
+template <typename T>
+struct Cvt;
+
+template <>
+struct Cvt<float> {
+  using raw = float;
+  static inline float in(float v) { return v; }
+  static inline float out(float v) { return v; }
+};
+
+template <>
+struct Cvt<at::BFloat16> {
+  using raw = uint16_t;
+  static inline float in(uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static inline uint16_t out(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+  }
+};
+
+int64_t grain_rows(int64_t row_elems, int64_t grain = kGrainElems) {
+  return std::max<int64_t>(1, grain / std::max<int64_t>(1, row_elems));
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
+  TORCH_CHECK(t.stride(1) == 1, name, " must have a contiguous last dimension");
+}
+
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                       double eps, const at::Tensor& out) {
+  using C = Cvt<T>;
+  using R = typename C::raw;
+  const int64_t n = x.size(0), h = x.size(1);
+  R* xp = reinterpret_cast<R*>(x.data_ptr());
+  const R* rp = residual ? reinterpret_cast<const R*>(residual->data_ptr()) : nullptr;
+  const R* wp = reinterpret_cast<const R*>(weight.data_ptr());
+  R* op = reinterpret_cast<R*>(out.data_ptr());
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0);
+  const int64_t blocks = h / kLanes * kLanes;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      R* xr = xp + row * xs;
+      R* orow = op + row * os;
+      float acc[kLanes] = {};
+      if (rp != nullptr) {
+        const R* rr = rp + row * rs;
+        for (int64_t i = 0; i < blocks; i += kLanes)
+          for (int l = 0; l < kLanes; ++l) {
+            const float v = C::in(C::out(C::in(xr[i + l]) + C::in(rr[i + l])));
+            xr[i + l] = C::out(v);
+            acc[l] += v * v;
+          }
+        for (int64_t i = blocks; i < h; ++i) {
+          const float v = C::in(C::out(C::in(xr[i]) + C::in(rr[i])));
+          xr[i] = C::out(v);
+          acc[i - blocks] += v * v;
+        }
+      } else {
+        for (int64_t i = 0; i < blocks; i += kLanes)
+          for (int l = 0; l < kLanes; ++l) {
+            const float v = C::in(xr[i + l]);
+            acc[l] += v * v;
+          }
+        for (int64_t i = blocks; i < h; ++i) {
+          const float v = C::in(xr[i]);
+          acc[i - blocks] += v * v;
+        }
+      }
+      float sum = 0.0f;
+      for (int l = 0; l < kLanes; ++l) sum += acc[l];
+      const float scale = 1.0f / std::sqrt(sum / static_cast<float>(h) + feps);
+      for (int64_t i = 0; i < blocks; i += kLanes)
+        for (int l = 0; l < kLanes; ++l)
+          orow[i + l] = C::out(C::in(C::out(C::in(xr[i + l]) * scale)) * C::in(wp[i + l]));
+      for (int64_t i = blocks; i < h; ++i) orow[i] = C::out(C::in(C::out(C::in(xr[i]) * scale)) * C::in(wp[i]));
+    }
+  });
+}
+
+void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                  double eps, const at::Tensor& out) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must match x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [cols] tensor of x's dtype");
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+  }
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_impl<float>(x, residual, weight, eps, out);
+  else if (x.scalar_type() == at::kBFloat16)
+    add_rms_norm_impl<at::BFloat16>(x, residual, weight, eps, out);
+  else
+    TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16, not ", x.scalar_type());
+}
+
+template <typename T>
+void rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  using C = Cvt<T>;
+  using R = typename C::raw;
+  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), half = q.size(2) / 2, heads = hq + hk;
+  R* qp = reinterpret_cast<R*>(q.data_ptr());
+  R* kp = reinterpret_cast<R*>(k.data_ptr());
+  const R* cp = reinterpret_cast<const R*>(cos.data_ptr());
+  const R* sp = reinterpret_cast<const R*>(sin.data_ptr());
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, t * heads, grain_rows(2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tok = item / heads, head = item % heads;
+      R* x = head < hq ? qp + tok * qs0 + head * qs1 : kp + tok * ks0 + (head - hq) * ks1;
+      const R* c = cp + tok * cs;
+      const R* s = sp + tok * ss;
+      R* x2 = x + half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = C::in(x[i]), b = C::in(x2[i]), ci = C::in(c[i]), si = C::in(s[i]);
+        const float ac = a * ci, bs = b * si, bc = b * ci, as = a * si;
+        x[i] = C::out(ac - bs);
+        x2[i] = C::out(bc + as);
+      }
+    }
+  });
+}
+
+void rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "q and k must be CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [tokens, heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k must have a contiguous last dimension");
+  const int64_t t = q.size(0), d = q.size(2);
+  TORCH_CHECK(k.size(0) == t && k.size(2) == d && d % 2 == 0, "k must match q's tokens and even head_dim");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == t && sin.size(0) == t && cos.size(1) == d / 2 &&
+                  sin.size(1) == d / 2 && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "cos and sin must be [tokens, head_dim / 2] with a contiguous last dimension");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "q, k, cos and sin must share one dtype");
+  if (dtype == at::kFloat)
+    rope_impl<float>(q, k, cos, sin);
+  else if (dtype == at::kBFloat16)
+    rope_impl<at::BFloat16>(q, k, cos, sin);
+  else
+    TORCH_CHECK(false, "rope supports float32 and bfloat16, not ", dtype);
+}
+
+// e^x for x <= 88: x = n ln2 + r (Cody-Waite split of ln2, |r| <= ln2/2), e^r by a degree-7
+// Taylor polynomial, times 2^n built in the exponent bits. Vectorises; ~1 ulp.
+inline float exp_poly(float x) {
+  x = x < 88.0f ? x : 88.0f;  // ternaries, not std::min/max (whose references block vectorising)
+  x = x > -87.0f ? x : -87.0f;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9841270e-4f;
+  p = p * r + 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& gate_up, const at::Tensor& out) {
+  using C = Cvt<T>;
+  using R = typename C::raw;
+  const int64_t n = out.size(0), inter = out.size(1);
+  const R* gp = reinterpret_cast<const R*>(gate_up.data_ptr());
+  R* op = reinterpret_cast<R*>(out.data_ptr());
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  at::parallel_for(0, n, grain_rows(inter, kGrainElemsSilu), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const R* g = gp + row * gs;
+      const R* u = g + inter;
+      R* o = op + row * os;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = C::in(g[i]);
+        o[i] = C::out(x / (1.0f + exp_poly(-x)) * C::in(u[i]));
+      }
+    }
+  });
+}
+
+void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) &&
+                  gate_up.scalar_type() == out.scalar_type(),
+              "gate_up must be [rows, 2 * cols] of out's dtype");
+  if (out.scalar_type() == at::kFloat)
+    silu_and_mul_impl<float>(gate_up, out);
+  else if (out.scalar_type() == at::kBFloat16)
+    silu_and_mul_impl<at::BFloat16>(gate_up, out);
+  else
+    TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16, not ", out.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve_layers, m) {
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_layers, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
