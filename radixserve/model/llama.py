@@ -15,6 +15,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.model.linear import Linear, logits
 
 
 @dataclass
@@ -134,10 +135,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -159,9 +160,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = F.silu(self.gate_proj(x), inplace=True)  # in place: no temporaries beyond gate/up
@@ -201,7 +202,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -214,7 +215,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch)
         x = self.model.norm(x[batch.logits_rows])
-        return F.linear(x, self.output_embedding).float()
+        return logits(x, self.output_embedding)
 
 
 def head_dim_of(config) -> int:
