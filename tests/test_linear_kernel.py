@@ -216,3 +216,22 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
     same = sum(a == b for a, b in zip(with_kernel, without))
     tokens = sum(x == y for a, b in zip(with_kernel, without) for x, y in zip(a, b))
     assert same >= 8 and tokens >= 0.85 * 12 * 16, (same, tokens)
+
+
+def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys):
+    import argparse
+    import json
+
+    from bench import roofline
+
+    parser = argparse.ArgumentParser()
+    roofline.add_arguments(parser)
+    args = parser.parse_args(["--model", llama_dir, "--dtype", "bfloat16", "--context", "8", "--steps", "3",
+                              "--buffer-mib", "8", "--gemv", "--gemv-rows", "1,3", "--gemv-mib", "1", "--json"])
+    assert roofline.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["decode_step_ms"] > 0 and result["floor_ms"] > 0
+    assert len(result["gemv"]) == 7 * 2 and all(r["torch_ms"] > 0 and r["torch_fp32_gb_s"] > 0 for r in result["gemv"])
+    if lin.kernel() is not None:
+        assert result["linear"] == "kernel" and result["decode_step_f_linear_ms"] > 0
+        assert all(r["kernel_ms"] > 0 and r["dispatched"] for r in result["gemv"])
