@@ -89,7 +89,7 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
         for m in rows:
             x = torch.randn(m, k, generator=g).to(dtype)
             x32 = x.float()
-            row = {"shape": name, "N": n, "K": k, "M": m, "dispatched": m <= lin.MAX_ROWS and op is not None}
+            row = {"shape": name, "N": n, "K": k, "M": m, "dispatched": m <= lin.max_rows(dtype)}
             runs = [("torch", F.linear, x, ws), ("torch_fp32", F.linear, x32, ws32)]
             if op is not None:
                 runs.insert(0, ("kernel", kernel_fn, x, ws))

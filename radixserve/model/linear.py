@@ -3,7 +3,7 @@
 torch's bf16 ``F.linear`` with a handful of rows is no faster than fp32 (it does not stream the
 weights at memory bandwidth), and a decode step is nothing but such products. :class:`Linear` is
 an ``nn.Linear`` (same parameters, same ``state_dict``, so Hugging Face checkpoints load as
-before) whose forward sends ``[..., K]`` inputs with at most :data:`MAX_ROWS` rows to the kernel
+before) whose forward sends ``[..., K]`` inputs with at most :func:`max_rows` rows to the kernel
 when the weight is bf16 (or fp16), on the CPU, and the extension is built; everything else
 (fp32, which MKL already runs at the bandwidth floor; prefill-sized batches, where oneDNN's
 GEMM wins; autograd; no extension) goes to ``F.linear``. :func:`logits` is the same for the
@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Most rows sent to the kernel. Measured with `python -m bench roofline --gemv` (bench model
-# shapes, 1 and 2 threads): the kernel beats oneDNN up to ~8 rows of the 1408x512 layers and the
-# 32000x512 lm_head; from 16 rows on oneDNN's AMX GEMM is as fast or faster.
+# Most rows sent to the kernel, from `python -m bench roofline --gemv` (the bench model's shapes):
+# bf16 on AMX tiles beats oneDNN up to 16 rows and is level with it at 32. Without AMX (the
+# AVX512-BF16 dot products, and fp16 through fp32 FMAs) the kernel is compute-bound beyond a
+# couple of rows, so it takes only MAX_ROWS_VECTOR.
 MAX_ROWS = 16
+MAX_ROWS_VECTOR = 2
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _state: dict[str, object] = {}
@@ -34,10 +36,18 @@ def kernel():
         if cpu_ext.load() is not None and hasattr(torch.ops, "radixserve_linear"):
             ns = torch.ops.radixserve_linear
             op = ns.linear
+            _state["amx"] = bool(ns.supports_amx())
             _state["dtypes"] = tuple(d for d, ok in ((torch.bfloat16, ns.supports_bf16()),
                                                      (torch.float16, ns.supports_fp16())) if ok)
         _state["op"] = op
     return _state["op"]
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Most rows :func:`linear` sends to the kernel for ``dtype`` (0: never)."""
+    if dtype not in _KERNEL_DTYPES or kernel() is None or dtype not in _state["dtypes"]:  # type: ignore[operator]
+        return 0
+    return MAX_ROWS if dtype == torch.bfloat16 and _state["amx"] else MAX_ROWS_VECTOR
 
 
 def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,11 +55,9 @@ def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.device.type != "cpu" or x.dim() == 0 or weight.dim() != 2 or weight.stride(-1) != 1:
         return False
-    if x.numel() > MAX_ROWS * x.shape[-1] or x.numel() == 0:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False  # the op has no backward
-    return kernel() is not None and weight.dtype in _state["dtypes"]  # type: ignore[operator]
+    if x.numel() == 0 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return False  # (the op has no backward)
+    return x.numel() <= max_rows(weight.dtype) * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
