@@ -63,7 +63,7 @@ def test_kernel_equals_fp32_linear_every_row_count_and_tails(dtype, fp32_out, bi
     # K: below one vector, a vector + odd tail, exact multiples, long with a tail; N: tails of 1..3
     # (AVX-512 tiles of 4) and of up to 15 (AMX tiles of 16)
     shapes = [(7, 5), (33, 17), (64, 16), (96, 35), (511, 67), (1030, 19)]
-    for m in sorted(set(range(1, lin.MAX_ROWS + 2)) | {17, 31, 32, 33}):
+    for m in sorted(set(range(1, 18)) | {lin.MAX_ROWS_VECTOR + 1, lin.MAX_ROWS, lin.MAX_ROWS + 1, 31, 32, 33}):
         for k, n in shapes:
             x = torch.randn(m, k, generator=g).to(dtype)
             w = torch.randn(n, k, generator=g).to(dtype)

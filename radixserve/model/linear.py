@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Most rows sent to the kernel, from `python -m bench roofline --gemv` (the bench model's shapes):
-# bf16 on AMX tiles beats oneDNN up to 16 rows and is level with it at 32. Without AMX (the
-# AVX512-BF16 dot products, and fp16 through fp32 FMAs) the kernel is compute-bound beyond a
-# couple of rows, so it takes only MAX_ROWS_VECTOR.
-MAX_ROWS = 16
-MAX_ROWS_VECTOR = 2
+# Most rows sent to the kernel, from `python -m bench roofline --gemv` (the bench model's shapes,
+# weights from memory, 1 thread): bf16 on AMX tiles is 1.4-2.4x faster than oneDNN at 1-16 rows
+# and 1.06-1.24x at 32; the AMX path stops at 32 rows (beyond, the vector path is 4-5x slower).
+# fp16 (fp32 FMAs; also the bf16 path of CPUs without AMX) is compute-bound: 1.06-1.75x faster
+# at 1-4 rows, slower from 8.
+MAX_ROWS = 32
+MAX_ROWS_VECTOR = 4
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _state: dict[str, object] = {}
