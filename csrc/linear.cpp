@@ -353,17 +353,34 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   const bool amx_ok = dtype == at::kBFloat16 && supports_amx() && M <= kAmxMaxM;
   TORCH_CHECK(impl != 2 || amx_ok, "linear: the AMX path needs bf16, at most 32 rows, and AMX");
   const bool amx = impl == 2 || (impl == 0 && amx_ok);
-  torch::Tensor b;
+  std::vector<float> bias_fp32;  // (a std::vector: cheaper than a tensor op per call)
+  const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias must be [N]=[", N, "], got ",
                 bias->sizes());
-    b = bias->to(at::kFloat).contiguous();
+    const auto bt = bias->scalar_type();
+    TORCH_CHECK(bt == at::kFloat || bt == dtype, "linear: bias must be float32 or ", dtype, ", got ", bt);
+    if (bt == at::kFloat && bias->is_contiguous()) {
+      bp = bias->data_ptr<float>();
+    } else {
+      const auto bc = bias->contiguous();
+      bias_fp32.resize(static_cast<size_t>(N));
+      if (bt == at::kFloat) {
+        std::copy_n(bc.data_ptr<float>(), N, bias_fp32.data());
+      } else if (bt == at::kBFloat16) {
+        const auto* src = bc.data_ptr<c10::BFloat16>();
+        for (int64_t j = 0; j < N; ++j) bias_fp32[j] = static_cast<float>(src[j]);
+      } else {
+        const auto* src = bc.data_ptr<c10::Half>();
+        for (int64_t j = 0; j < N; ++j) bias_fp32[j] = static_cast<float>(src[j]);
+      }
+      bp = bias_fp32.data();
+    }
   }
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : dtype));
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t ldx = x.stride(0), ldw = weight.stride(0);
   if (dtype == at::kBFloat16) {
     if (fp32_out)
