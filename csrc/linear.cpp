@@ -3,19 +3,23 @@
 // x is [M, K] (rows may be strided, the last dimension contiguous), W is [N, K] in the Hugging
 // Face layout (each output column's weights contiguous), b is [N]. bf16 (or fp16) inputs,
 // fp32 accumulation, bf16/fp16 or fp32 output. With few rows the product is bound by reading W,
-// so the kernel streams each weight row exactly once for all M rows: the output columns are
-// split over torch's intra-op pool (one parallel region per call), and a work item computes a
-// tile of 4 columns x up to 4 rows with 16 AVX-512 accumulators, re-reading the 4 weight rows
-// from L1 for the next 4 rows of x.
+// so the kernel streams each weight row exactly once for all M rows, the output columns split
+// over torch's intra-op pool (one parallel region per call).
 //
-// bf16 products use AVX512-BF16 (vdpbf16ps: 32 bf16 pairs -> 16 fp32 lanes per instruction),
-// which consumes (k, k+1) pairs of both operands, so the natural row-major layout of W and x is
-// already the layout the instruction wants: no pre-packing. fp16 widens to fp32 (vcvtph2ps) and
-// uses FMAs. The K tail is a masked load (zeros contribute nothing); the N tail uses 1-column
-// tiles; the M tail uses smaller row tiles.
+// Two paths:
+// - AMX (bf16, M <= 32): a work item is 16 output columns; C[16 columns, M rows] accumulates
+//   A[16 W rows, 32 k] . B[16 k pairs, M rows, 2]. A is loaded straight from W at W's row stride
+//   (no pre-packed weights); x is packed once per call into B's pair-interleaved layout. K tail:
+//   the rows' last values in a zero-padded buffer; N tail (< 16 columns): the AVX-512 path.
+// - AVX-512 (fp16; bf16 without AMX): a tile is 4 columns x up to 4 rows, 16 accumulators.
+//   bf16 uses vdpbf16ps, which consumes (k, k+1) pairs of both operands: W's and x's natural
+//   layout. fp16 widens to fp32 (vcvtph2ps) and uses FMAs. The K tail is a masked load (zeros
+//   contribute nothing); the N tail uses 1-column tiles, the M tail smaller row tiles.
+// On this machine vdpbf16ps has no more MACs per cycle than fp32 FMAs, so the AVX-512 path is
+// compute-bound beyond a few rows; AMX stays bandwidth-bound up to 16-32 rows.
 //
-// Built with -march=native: on a CPU without AVX512-BF16 the op refuses bf16 (the Python side
-// checks `supports_bf16()` and keeps F.linear).
+// Built with -march=native: without AVX512-BF16 (or AMX) the op refuses that path and the
+// Python side (radixserve/model/linear.py) keeps F.linear.
 
 #include <torch/extension.h>
 
