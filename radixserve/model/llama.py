@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.model import fused
+from radixserve.model.linear import Linear, logits
 
 
 @dataclass
@@ -125,8 +125,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(config)
         hidden = config.hidden_size
         qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, qkv, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
+        self.qkv_proj = Linear(hidden, qkv, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -159,8 +159,8 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
@@ -201,7 +201,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
             pending = layer(x, pending, batch)
         rows = batch.logits_rows
         x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
-        return F.linear(x, self.output_embedding).float()
+        return logits(x, self.output_embedding)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a Hugging Face checkpoint stores, by its name, as a view of our parameters.

@@ -1,0 +1,412 @@
+// Small-M linear layers on the CPU: y = x W^T (+ b) for decode-sized batches.
+//
+// x is [M, K] (rows may be strided, the last dimension contiguous), W is [N, K] in the Hugging
+// Face layout (each output column's weights contiguous), b is [N]. bf16 (or fp16) inputs,
+// fp32 accumulation, bf16/fp16 or fp32 output. With few rows the product is bound by reading W,
+// so the kernel streams each weight row exactly once for all M rows, the output columns split
+// over torch's intra-op pool (one parallel region per call).
+//
+// Two paths:
+// - AMX (bf16, M <= 32): a work item is 16 output columns; C[16 columns, M rows] accumulates
+//   A[16 W rows, 32 k] . B[16 k pairs, M rows, 2]. A is loaded straight from W at W's row stride
+//   (no pre-packed weights); x is packed once per call into B's pair-interleaved layout. K tail:
+//   the rows' last values in a zero-padded buffer; N tail (< 16 columns): the AVX-512 path.
+// - AVX-512 (fp16; bf16 without AMX): a tile is 4 columns x up to 4 rows, 16 accumulators.
+//   bf16 uses vdpbf16ps, which consumes (k, k+1) pairs of both operands: W's and x's natural
+//   layout. fp16 widens to fp32 (vcvtph2ps) and uses FMAs. The K tail is a masked load (zeros
+//   contribute nothing); the N tail uses 1-column tiles, the M tail smaller row tiles.
+// On this machine vdpbf16ps has no more MACs per cycle than fp32 FMAs, so the AVX-512 path is
+// compute-bound beyond a few rows; AMX stays bandwidth-bound up to 16-32 rows.
+//
+// Built with -march=native: without AVX512-BF16 (or AMX) the op refuses that path and the
+// Python side (radixserve/model/linear.py) keeps F.linear.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kTileN = 4;  // output columns per tile
+constexpr int kTileM = 4;  // rows of x per tile
+constexpr int kAmxMaxM = 32;  // most rows of x on the AMX path (two C tiles of 16)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define RADIXSERVE_HAVE_BF16 1
+
+template <int MB, int NB>
+inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                      float* out) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {  // the K tail: masked loads, zeros beyond K
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * ldx + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+template <int MB, int NB>
+inline void tile_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "linear: this build has no AVX512-BF16");
+}
+#endif
+
+#if defined(__AVX512F__)
+#define RADIXSERVE_HAVE_FP16 1
+
+inline __m512 load_half(const uint16_t* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+template <int MB, int NB>
+inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                      float* out) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                       : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = load_half(w + j * ldw + k, mask);
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = load_half(x + i * ldx + k, mask);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+template <int MB, int NB>
+inline void tile_fp16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "linear: this build has no AVX-512");
+}
+#endif
+
+
+#if defined(RADIXSERVE_HAVE_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RADIXSERVE_HAVE_AMX 1
+
+// AMX: C[16 columns of W, up to 16 rows of x] += A[16 W rows, 32 k] . B[16 k pairs, rows of x, 2].
+// A is read straight from W (16 rows at W's row stride), so W needs no packing; x is packed once
+// per call into B's pair-interleaved layout, zero-padded past K. Two C/B tile pairs cover up to
+// 32 rows of x.
+constexpr int kAmxRows = 16;        // W rows (output columns) per tile
+constexpr int kAmxBlock = 16 * 16 * 2;  // bf16 values of one packed B tile (16 k pairs x 16 rows)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// GCC's tile load/store intrinsics are asm statements without a memory operand: without this
+// barrier it may drop or move the stores into a buffer a tile load reads (or reads after a store).
+inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
+
+bool amx_permitted() {  // Linux hands out the 8 KiB tile state only on request, once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// x [M, K] -> packed [kblocks][2 halves][16 k pairs][16 rows][2], zeros past K and past M.
+std::vector<uint16_t> pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t kblocks = (K + 31) / 32;
+  std::vector<uint16_t> packed(static_cast<size_t>(kblocks * 2 * kAmxBlock), 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t half = m / 16, col = m % 16;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t kb = k / 32, pair = (k % 32) / 2;
+      packed[((kb * 2 + half) * 16 + pair) * 32 + col * 2 + (k & 1)] = x[m * ldx + k];
+    }
+  }
+  return packed;
+}
+
+// Output columns [n0, n0 + 16) for all M (<= 32) rows; tiles 0/1: C, 2: A, 3/4: B.
+template <typename Out>
+void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, int64_t K, int64_t N,
+               int64_t n0, const float* bias, Out* y) {
+  const bool two = M > 16;
+  const int64_t full = K / 32;
+  _tile_zero(0);
+  if (two) _tile_zero(1);
+  const uint16_t* wrow = w + n0 * ldw;
+  // The next block's rows, one cache line per row per step: 16 short streams are more than the
+  // hardware prefetcher ramps up on in time.
+  const uint16_t* next = n0 + 2 * kAmxRows <= N ? wrow + kAmxRows * ldw : nullptr;
+  for (int64_t kb = 0; kb < full; ++kb) {
+    if (next)
+      for (int r = 0; r < kAmxRows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + kb * 32), _MM_HINT_T0);
+    _tile_loadd(2, wrow + kb * 32, ldw * 2);
+    _tile_loadd(3, xp + (kb * 2) * kAmxBlock, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if (two) {
+      _tile_loadd(4, xp + (kb * 2 + 1) * kAmxBlock, 64);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+  }
+  if (full * 32 < K) {  // the K tail: the 16 rows' last values, zero-padded to 32
+    alignas(64) uint16_t tail[kAmxRows * 32] = {};
+    const int64_t rem = K - full * 32;
+    for (int r = 0; r < kAmxRows; ++r)
+      std::memcpy(tail + r * 32, wrow + r * ldw + full * 32, static_cast<size_t>(rem) * 2);
+    memory_barrier();
+    _tile_loadd(2, tail, 64);
+    _tile_loadd(3, xp + (full * 2) * kAmxBlock, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if (two) {
+      _tile_loadd(4, xp + (full * 2 + 1) * kAmxBlock, 64);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+  }
+  alignas(64) float c[2][kAmxRows * 16];
+  _tile_stored(0, c[0], 64);
+  if (two) _tile_stored(1, c[1], 64);
+  memory_barrier();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* col = c[m / 16] + m % 16;
+    Out* row = y + m * N + n0;
+    for (int j = 0; j < kAmxRows; ++j) row[j] = static_cast<Out>(col[j * 16] + (bias ? bias[n0 + j] : 0.0f));
+  }
+}
+#endif
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
+
+// Tile functions indexed by [rows - 1][columns == kTileN].
+template <bool Bf16>
+TileFn tile_fn(int rows, int cols) {
+#define RADIXSERVE_TILE(MB, NB) (Bf16 ? &tile_bf16<MB, NB> : &tile_fp16<MB, NB>)
+  static const TileFn table[kTileM][2] = {
+      {RADIXSERVE_TILE(1, 1), RADIXSERVE_TILE(1, 4)},
+      {RADIXSERVE_TILE(2, 1), RADIXSERVE_TILE(2, 4)},
+      {RADIXSERVE_TILE(3, 1), RADIXSERVE_TILE(3, 4)},
+      {RADIXSERVE_TILE(4, 1), RADIXSERVE_TILE(4, 4)},
+  };
+#undef RADIXSERVE_TILE
+  return table[rows - 1][cols == kTileN ? 1 : 0];
+}
+
+template <typename Out>
+inline Out cast_out(float v) {
+  return static_cast<Out>(v);
+}
+
+// Columns [n0, n0 + cols) for all M rows.
+template <bool Bf16, typename Out>
+void column_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t M,
+                  int64_t K, int64_t N, int64_t n0, int cols, const float* bias, Out* y) {
+  float sums[kTileM * kTileN];
+  for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+    const int rows = static_cast<int>(std::min<int64_t>(kTileM, M - m0));
+    tile_fn<Bf16>(rows, cols)(x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums);
+    for (int i = 0; i < rows; ++i) {
+      Out* row = y + (m0 + i) * N + n0;
+      for (int j = 0; j < cols; ++j) {
+        const float v = sums[i * cols + j] + (bias ? bias[n0 + j] : 0.0f);
+        row[j] = cast_out<Out>(v);
+      }
+    }
+  }
+}
+
+template <bool Bf16, typename Out>
+void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t M, int64_t K,
+         int64_t N, const float* bias, Out* y, bool amx) {
+  // At least ~64 KiB of weights per chunk, so small layers do not pay for threads they cannot use.
+  const int64_t grain_rows = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, K * 2));
+#if defined(RADIXSERVE_HAVE_AMX)
+  if (Bf16 && amx) {
+    const std::vector<uint16_t> xp = pack_x(x, ldx, M, K);
+    TileConfig cfg;
+    const int cols0 = static_cast<int>(std::min<int64_t>(M, 16)), cols1 = static_cast<int>(M - cols0);
+    cfg.rows[0] = cfg.rows[2] = cfg.rows[3] = 16;
+    cfg.colsb[0] = cfg.colsb[3] = static_cast<uint16_t>(cols0 * 4);
+    cfg.colsb[2] = 64;
+    if (cols1 > 0) {
+      cfg.rows[1] = cfg.rows[4] = 16;
+      cfg.colsb[1] = cfg.colsb[4] = static_cast<uint16_t>(cols1 * 4);
+    }
+    const int64_t full = N / kAmxRows;
+    const int64_t blocks = full + (N % kAmxRows ? 1 : 0);
+    at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / kAmxRows), [&](int64_t begin, int64_t end) {
+      _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
+      for (int64_t b = begin; b < std::min(end, full); ++b)
+        amx_block<Out>(xp.data(), w, ldw, M, K, N, b * kAmxRows, bias, y);
+      _tile_release();
+      if (end > full) {  // the N tail (< 16 columns) on AVX-512
+        for (int64_t n = full * kAmxRows; n < N; ++n)
+          column_block<Bf16, Out>(x, ldx, w, ldw, M, K, N, n, 1, bias, y);
+      }
+    });
+    return;
+  }
+#endif
+  (void)amx;
+  const int64_t full = N / kTileN;
+  const int64_t blocks = full + (N % kTileN ? 1 : 0);
+  at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / kTileN), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (b < full) {
+        column_block<Bf16, Out>(x, ldx, w, ldw, M, K, N, b * kTileN, kTileN, bias, y);
+      } else {
+        for (int64_t n = full * kTileN; n < N; ++n)  // the N tail, one column at a time
+          column_block<Bf16, Out>(x, ldx, w, ldw, M, K, N, n, 1, bias, y);
+      }
+    }
+  });
+}
+
+bool supports_bf16() {
+#if defined(RADIXSERVE_HAVE_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool supports_amx() {
+#if defined(RADIXSERVE_HAVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool supports_fp16() {
+#if defined(RADIXSERVE_HAVE_FP16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                             const c10::optional<torch::Tensor>& bias, bool fp32_out, int64_t impl) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "linear: x must be [M, K] and weight [N, K], got ",
+              x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x is ", x.scalar_type(),
+              " but weight is ", weight.scalar_type());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "linear: bfloat16 or float16 only, got ",
+              dtype);
+  TORCH_CHECK(dtype == at::kBFloat16 ? supports_bf16() : supports_fp16(),
+              "linear: this build has no AVX-512 kernel for ", dtype, " (use F.linear)");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "linear: x has K=", K, " but weight is ", weight.sizes());
+  TORCH_CHECK(K > 0 && N > 0, "linear: empty K or N");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1,
+              "linear: the last dimension of x and weight must be contiguous (got strides ",
+              x.strides(), " and ", weight.strides(), ")");
+  TORCH_CHECK(impl >= 0 && impl <= 2, "linear: impl must be 0 (auto), 1 (AVX-512) or 2 (AMX)");
+  // auto: AMX for bf16 up to 32 rows when the CPU and the OS allow it, else AVX-512
+  const bool amx_ok = dtype == at::kBFloat16 && supports_amx() && M <= kAmxMaxM;
+  TORCH_CHECK(impl != 2 || amx_ok, "linear: the AMX path needs bf16, at most 32 rows, and AMX");
+  const bool amx = impl == 2 || (impl == 0 && amx_ok);
+  std::vector<float> bias_fp32;  // (a std::vector: cheaper than a tensor op per call)
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias must be [N]=[", N, "], got ",
+                bias->sizes());
+    const auto bt = bias->scalar_type();
+    TORCH_CHECK(bt == at::kFloat || bt == dtype, "linear: bias must be float32 or ", dtype, ", got ", bt);
+    if (bt == at::kFloat && bias->is_contiguous()) {
+      bp = bias->data_ptr<float>();
+    } else {
+      const auto bc = bias->contiguous();
+      bias_fp32.resize(static_cast<size_t>(N));
+      if (bt == at::kFloat) {
+        std::copy_n(bc.data_ptr<float>(), N, bias_fp32.data());
+      } else if (bt == at::kBFloat16) {
+        const auto* src = bc.data_ptr<c10::BFloat16>();
+        for (int64_t j = 0; j < N; ++j) bias_fp32[j] = static_cast<float>(src[j]);
+      } else {
+        const auto* src = bc.data_ptr<c10::Half>();
+        for (int64_t j = 0; j < N; ++j) bias_fp32[j] = static_cast<float>(src[j]);
+      }
+      bp = bias_fp32.data();
+    }
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : dtype));
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const int64_t ldx = x.stride(0), ldw = weight.stride(0);
+  if (dtype == at::kBFloat16) {
+    if (fp32_out)
+      run<true, float>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<float>(), amx);
+    else
+      run<true, c10::BFloat16>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::BFloat16>(), amx);
+  } else {
+    if (fp32_out)
+      run<false, float>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<float>(), false);
+    else
+      run<false, c10::Half>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::Half>(), false);
+  }
+  return y;
+}
+
+}  // namespace
+
+// Registered as torch ops (the extension's one PYBIND11_MODULE lives in attention.cpp):
+// torch.ops.radixserve_linear.linear(x, weight, bias, fp32_out), .supports_bf16(), .supports_fp16().
+TORCH_LIBRARY(radixserve_linear, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out, int impl=0) -> Tensor", &small_m_linear);
+  m.def("supports_amx() -> bool", &supports_amx);
+  m.def("supports_bf16() -> bool", &supports_bf16);
+  m.def("supports_fp16() -> bool", &supports_fp16);
+}
