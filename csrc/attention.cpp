@@ -560,9 +560,17 @@ torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tenso
   return out;
 }
 
+// prefill.cpp
+std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                                             torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                                             double scale, bool causal);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU paged attention kernels";
   m.def("paged_attention", &paged_attention,
         "Paged attention over FlashInfer-format metadata; returns (out, lse base 2)");
+  m.def("prefill_attention", &prefill_attention,
+        "Many-row (prefill/extend) paged attention through GEMMs, same arguments and results as paged_attention");
   m.def("merge_state", &merge_state, "Merge two attention states by base-2 LSE");
 }
