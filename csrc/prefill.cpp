@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -30,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -135,6 +137,7 @@ struct Problem {
   bool causal;
   T* out;
   float* lse;
+  bool amx;  // bf16 through brgemm (run_item_amx) rather than MKL
 };
 
 struct Seq {
@@ -180,21 +183,21 @@ inline __m512 exp2_v(__m512 x) {
 
 inline __mmask16 tail_mask(int left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u); }
 
-// Row max of sr[0, valid), then sr[j] <- 2^(sr[j] - m) (or its bf16 in pb) and their sum; entries
-// [valid, n) become 0. Returns the sum; m is the new running max.
+// Row max of scale * sr[0, valid) (and m_in), then sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in
+// pb) and their sum; entries [valid, n) become 0. Returns the sum; m_out is the new running max.
 template <bool kBf16>
-inline float exp_row(float* sr, int n, int valid, float m_in, float& m_out, uint16_t* pb) {
-  __m512 vmax = _mm512_set1_ps(m_in);
+inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+  __m512 vmax = _mm512_set1_ps(kNegInf);
   for (int j = 0; j < valid; j += 16)
     vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(valid - j), sr + j));
-  const float m = _mm512_reduce_max_ps(vmax);
+  const float m = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
   m_out = m;
-  const __m512 vm = _mm512_set1_ps(m);
+  const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
   __m512 vsum = _mm512_setzero_ps();
   for (int j = 0; j < n; j += 16) {
     const __mmask16 live = tail_mask(valid - j < 0 ? 0 : valid - j);
     const __mmask16 all = tail_mask(n - j);
-    __m512 e = _mm512_maskz_mov_ps(live, exp2_v(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vm)));
+    __m512 e = _mm512_maskz_mov_ps(live, exp2_v(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, sr + j), vs, vm)));
     vsum = _mm512_add_ps(vsum, e);
     if constexpr (kBf16) {
 #ifdef __AVX512BF16__
@@ -216,7 +219,8 @@ inline float exp_row(float* sr, int n, int valid, float m_in, float& m_out, uint
 // Softmax pass over one tile for row r: updates max/sum, rescales the row's output, leaves the
 // probabilities (0 past the row's last visible key) in p (fp32 in place, or bf16 in pb).
 template <typename C>
-inline void softmax_row(float* sr, int n, int valid, float& m, float& l, float* orow, int D, uint16_t* pb) {
+inline void softmax_row(float* sr, int n, int valid, float scale, float& m, float& l, float* orow, int D,
+                        uint16_t* pb) {
   if (valid <= 0) {  // the whole tile is past this row's causal bound
     if constexpr (std::is_same_v<C, uint16_t>) std::memset(pb, 0, sizeof(uint16_t) * n);
     else std::memset(sr, 0, sizeof(float) * n);
@@ -224,16 +228,16 @@ inline void softmax_row(float* sr, int n, int valid, float& m, float& l, float* 
   }
   float m_new, sum = 0.0f;
 #ifdef __AVX512F__
-  sum = exp_row<std::is_same_v<C, uint16_t>>(sr, n, valid, m, m_new, pb);
+  sum = exp_row<std::is_same_v<C, uint16_t>>(sr, n, valid, scale, m, m_new, pb);
 #else
   float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
   for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
-  m_new = std::max(m, mx);
+  m_new = std::max(m, mx * scale);
   if constexpr (std::is_same_v<C, uint16_t>) {
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < valid; ++j) {
-      const float e = exp2_neg(sr[j] - m_new);
+      const float e = exp2_neg(sr[j] * scale - m_new);
       sum += e;
       pb[j] = to_bf16_bits(e);
     }
@@ -241,7 +245,7 @@ inline void softmax_row(float* sr, int n, int valid, float& m, float& l, float* 
   } else {
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < valid; ++j) {
-      const float e = exp2_neg(sr[j] - m_new);
+      const float e = exp2_neg(sr[j] * scale - m_new);
       sr[j] = e;
       sum += e;
     }
@@ -320,7 +324,8 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<Compute
       for (int r = 0; r < R; ++r) {
         const int valid = std::min(n, w.limit[r] - c);
         uint16_t* pb = std::is_same_v<C, uint16_t> ? w.p.data() + static_cast<int64_t>(r) * kKeys : nullptr;
-        softmax_row<C>(sb + static_cast<int64_t>(r) * kKeys, n, valid, w.m[r], w.l[r], w.o.data() + r * D, D, pb);
+        softmax_row<C>(sb + static_cast<int64_t>(r) * kKeys, n, valid, 1.0f, w.m[r], w.l[r], w.o.data() + r * D, D,
+                       pb);
       }
       const C* pm;
       if constexpr (std::is_same_v<C, uint16_t>) pm = w.p.data();
@@ -341,6 +346,115 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<Compute
           for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
           p.lse[row] = kNegInf;
         }
+      }
+  }
+}
+
+// bf16 through oneDNN's brgemm ukernel (torch's at::native::cpublas::brgemm: AMX tiles), where
+// cpublas::could_pack says the CPU has it. Its B operand is VNNI-packed: pairs of consecutive K
+// rows interleaved ([K/2][N][2]), in column blocks of kPackN. So the gather writes K^T and V in
+// that layout directly, zero-padded to whole blocks: K^T as [D/2][kPackN keys][2] per block of
+// keys, V as [keys/2][n][2] per block of n <= kPackN head dims. The softmax scale is applied in
+// the softmax pass (brgemm has no alpha).
+constexpr int kPackN = 64;
+
+inline const uint16_t* bf16_row(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages,
+                                const c10::BFloat16* base, int head, int pos) {
+  const int64_t slot = s.first_slot >= 0 ? s.first_slot + pos
+                                         : static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size +
+                                               pos % p.page_size;
+  return reinterpret_cast<const uint16_t*>(base + slot * p.slot_stride + static_cast<int64_t>(head) * p.dim);
+}
+
+void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, Scratch<uint16_t>& w) {
+  using at::native::cpublas::brgemm;
+  const int D = p.dim, G = p.group, half = D / 2;
+  const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
+  const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
+  const int kpad = (kmax + kPackN - 1) / kPackN * kPackN;
+  const int hq = p.num_kv_heads * G;
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  w.k.resize(static_cast<size_t>(kpad) * D);
+  w.v.resize(static_cast<size_t>(kpad) * D);
+  uint32_t* kp = reinterpret_cast<uint32_t*>(w.k.data());  // pairs of head dims as one uint32
+  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v.data());
+  for (int jb = 0; jb < kpad; jb += kPackN) {
+    uint32_t* blk = kp + static_cast<int64_t>(jb) * half;  // [D/2][kPackN]
+    for (int jj = 0; jj < kPackN; ++jj) {
+      const int pos = jb + jj;
+      if (pos < kmax) {
+        const uint32_t* r = reinterpret_cast<const uint32_t*>(bf16_row(p, s, pages, p.k, it.head, pos));
+        for (int dp = 0; dp < half; ++dp) blk[dp * kPackN + jj] = r[dp];
+      } else {
+        for (int dp = 0; dp < half; ++dp) blk[dp * kPackN + jj] = 0;
+      }
+    }
+  }
+  for (int jp = 0; jp < kpad / 2; ++jp) {
+    const int j0 = 2 * jp;
+    const uint16_t* r0 = j0 < kmax ? bf16_row(p, s, pages, p.v, it.head, j0) : nullptr;
+    const uint16_t* r1 = j0 + 1 < kmax ? bf16_row(p, s, pages, p.v, it.head, j0 + 1) : nullptr;
+    for (int d0 = 0; d0 < D; d0 += kPackN) {
+      const int nb = std::min(kPackN, D - d0);
+      uint32_t* dst = vp + static_cast<int64_t>(d0) * (kpad / 2) + static_cast<int64_t>(jp) * nb;
+      if (r0 == nullptr) {
+        std::memset(dst, 0, sizeof(uint32_t) * nb);
+        continue;
+      }
+#pragma omp simd
+      for (int dd = 0; dd < nb; ++dd)
+        dst[dd] = static_cast<uint32_t>(r0[d0 + dd]) | (r1 == nullptr ? 0u : static_cast<uint32_t>(r1[d0 + dd]) << 16);
+    }
+  }
+  const int max_rows = s.tokens * G;
+  w.q.resize(static_cast<size_t>(max_rows) * D);
+  w.o.resize(static_cast<size_t>(max_rows) * D);
+  w.s.resize(static_cast<size_t>(max_rows) * kKeys);
+  w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+  w.m.resize(max_rows);
+  w.l.resize(max_rows);
+  w.limit.resize(max_rows);
+  const at::BFloat16* qb = reinterpret_cast<const at::BFloat16*>(w.q.data());
+  const at::BFloat16* kb = reinterpret_cast<const at::BFloat16*>(w.k.data());
+  const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(w.v.data());
+  const at::BFloat16* pb = reinterpret_cast<const at::BFloat16*>(w.p.data());
+  for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
+    const int t1 = std::min(t_hi, t0 + s.tokens);
+    const int R = (t1 - t0) * G;
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
+        w.m[r] = kNegInf;
+        w.l[r] = 0.0f;
+        w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;
+      }
+    std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
+    const int kend = kend_of(s, t1, p.causal);
+    for (int c = 0; c < kend; c += kKeys) {
+      const int n = std::min(kKeys, kend - c);
+      const int npad = (n + kPackN - 1) / kPackN * kPackN;
+      float* sb = w.s.data();
+      for (int b = 0; b < npad; b += kPackN)
+        brgemm(R, kPackN, D, D, kPackN, kKeys, false, qb, kb + static_cast<int64_t>(c + b) * D, sb + b, true);
+      for (int r = 0; r < R; ++r)
+        softmax_row<uint16_t>(sb + static_cast<int64_t>(r) * kKeys, npad, std::min(n, w.limit[r] - c), p.scale_log2,
+                              w.m[r], w.l[r], w.o.data() + r * D, D, w.p.data() + static_cast<int64_t>(r) * kKeys);
+      for (int d0 = 0; d0 < D; d0 += kPackN) {
+        const int nb = std::min(kPackN, D - d0);
+        brgemm(R, nb, npad, kKeys, nb, D, true, pb, vb + static_cast<int64_t>(d0) * kpad + static_cast<int64_t>(c) * nb,
+               w.o.data() + d0, true);
+      }
+    }
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
+        const float* orow = w.o.data() + r * D;
+        c10::BFloat16* dst = p.out + row * D;
+        const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
+        p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
       }
   }
 }
@@ -390,9 +504,20 @@ void run(const Problem<T>& p, int num_seqs) {
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
+  bool amx = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) amx = p.amx;
   at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
     Scratch<Compute<T>> w;
-    for (int64_t i = next++; i < n_items; i = next++) run_item(p, seqs[items[i].seq], items[i], w);
+    for (int64_t i = next++; i < n_items; i = next++) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (amx) {
+          run_item_amx(p, seqs[items[i].seq], items[i], w);
+          continue;
+        }
+      }
+      run_item(p, seqs[items[i].seq], items[i], w);
+    }
+    if (amx) at::native::cpublas::brgemm_release(true);
   });
 }
 
@@ -407,7 +532,7 @@ void check_index(const torch::Tensor& t, const char* name) {
 std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                              torch::Tensor qo_indptr, torch::Tensor kv_indptr,
                                              torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
-                                             double scale, bool causal) {
+                                             double scale, bool causal, const std::string& bf16_gemm) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
               "q must be a CPU [T, Hq, D] tensor, last dim contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -441,6 +566,11 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
   auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
   auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
   if (q.size(0) == 0) return {out, lse};
+  TORCH_CHECK(bf16_gemm == "auto" || bf16_gemm == "brgemm" || bf16_gemm == "mkl",
+              "bf16_gemm must be 'auto', 'brgemm' or 'mkl', not '", bf16_gemm, "'");
+  const bool packs = at::native::cpublas::could_pack(at::kBFloat16);
+  TORCH_CHECK(packs || bf16_gemm != "brgemm", "bf16_gemm 'brgemm' needs a CPU with AMX (cpublas::could_pack)");
+  const bool use_amx = bf16_gemm != "mkl" && packs;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 is not supported");
@@ -449,9 +579,12 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
                           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                           static_cast<int64_t>(hkv) * D, qo, kvp, kv_indices.data_ptr<int32_t>(), last, page_size,
                           hkv, hq / hkv, D, static_cast<float>(scale * 1.4426950408889634), causal,
-                          out.data_ptr<scalar_t>(), lse.data_ptr<float>()};
+                          out.data_ptr<scalar_t>(), lse.data_ptr<float>(), use_amx};
       run(p, num_seqs);
     }
   });
   return {out, lse};
 }
+
+// Whether bf16 runs on brgemm (AMX) here.
+bool bf16_brgemm() { return at::native::cpublas::could_pack(at::kBFloat16); }

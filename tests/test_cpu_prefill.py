@@ -65,6 +65,23 @@ def test_prefill_kernel_empty_context_and_lse_against_torch():
     torch.testing.assert_close(lse[2:], ref_lse.view(2, 4, 2).permute(1, 0, 2).reshape(4, 4), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gemm", ["mkl", "brgemm"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim):
+    # bf16 runs on MKL's bf16 GEMM or on brgemm (AMX, VNNI-packed K/V in column blocks of 64: a
+    # head_dim of 80 leaves a partial block)
+    if gemm == "brgemm" and not ext.bf16_brgemm():
+        pytest.skip("no AMX: brgemm is not available on this CPU")
+    pool, meta, q, _, _ = make_case(head_dim, 1, 4, 2, torch.bfloat16, qo_kv=[(150, 700), (3, 65), (40, 40)],
+                                    head_dim=head_dim)
+    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+            0.1, True)
+    out, lse = ext.prefill_attention(*args, bf16_gemm=gemm)
+    ref_out, ref_lse = ext.paged_attention(*args)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_prefill_kernel_threads_agree():
     # work items are split across threads differently with 1 and 2 threads; results agree
     pool, meta, q, _, _ = make_case(8, 1, 8, 2, torch.float32, qo_kv=[(700, 900), (2, 3)])
@@ -88,6 +105,8 @@ def test_prefill_kernel_rejects_bad_input():
         ext.prefill_attention(q.bfloat16(), pool.k[0], pool.v[0], *args)
     with pytest.raises(RuntimeError, match="qo_indptr"):
         ext.prefill_attention(q[:1], pool.k[0], pool.v[0], *args)
+    with pytest.raises(RuntimeError, match="bf16_gemm"):
+        ext.prefill_attention(q, pool.k[0], pool.v[0], *args, bf16_gemm="fast")
     with pytest.raises(RuntimeError, match="qo_len <= kv_len"):
         ext.prefill_attention(q, pool.k[0], pool.v[0], meta.qo_indptr, torch.tensor([0, 1], dtype=torch.int32),
                               meta.kv_indices[:1], torch.tensor([1], dtype=torch.int32), 0.1, True)

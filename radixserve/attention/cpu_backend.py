@@ -7,7 +7,7 @@ metadata, so nothing is gathered per layer:
   cascade group: one ``paged_attention`` call (bottom-right causal);
 * prefill/extend chunks of many new tokens: one ``prefill_attention`` call for all of them
   (csrc/prefill.cpp: GEMM-shaped, cached prefix and own tokens together, bottom-right causal);
-  or, by dtype (:data:`DENSE_PATH`) or ``dense_path = "flash"``, torch's flash kernel per
+  or, by dtype (:func:`dense_path_for`) or ``dense_path = "flash"``, torch's flash kernel per
   sequence (:mod:`cpu_dense`);
 * cascade groups: the grouped queries against their shared prefix (one multi-query "sequence"
   per group, not causal: one ``prefill_attention`` call) and against their own suffixes, both
@@ -35,9 +35,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_MIN_TOKENS = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 32}
 
 
-# The many-row path by KV dtype (python -m bench kernels --modes flash,gemm): fp32 the csrc/ GEMM
-# kernel; bf16 torch's flash kernel, whose AMX tiles beat MKL's bf16 GEMM on 128-row blocks.
-DENSE_PATH = {torch.float32: "gemm", torch.float16: "gemm", torch.bfloat16: "flash"}
+# The many-row path (python -m bench kernels --modes flash,gemm): the csrc/ GEMM kernel, except bf16
+# on a CPU without AMX, where MKL's bf16 GEMM on 128-row blocks does not beat torch's flash kernel.
+
+
+def dense_path_for(dtype: torch.dtype, ext) -> str:
+    return "flash" if dtype == torch.bfloat16 and not ext.bf16_brgemm() else "gemm"
 
 
 def dense_min_tokens_for(dtype: torch.dtype) -> int:
@@ -67,8 +70,8 @@ class CpuAttention(AttentionBackend):
     pool's dtype."""
     dense_path: str | None = None
     """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch) or "flash" (torch's flash
-    kernel per sequence, :mod:`~radixserve.attention.cpu_dense`). None: :data:`DENSE_PATH` of the
-    pool's dtype."""
+    kernel per sequence, :mod:`~radixserve.attention.cpu_dense`). None: :func:`dense_path_for`
+    the pool's dtype."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
@@ -81,7 +84,7 @@ class CpuAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
-        self._path = self.dense_path or DENSE_PATH.get(self.pool.k[0].dtype, "gemm")
+        self._path = self.dense_path or dense_path_for(self.pool.k[0].dtype, self.ext)
         cascade = metadata.cascade
         self._flat = None
         self._grouped = None
