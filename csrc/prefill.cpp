@@ -165,14 +165,20 @@ inline int kend_of(const Seq& s, int t1, bool causal) {  // one past the last ke
 }
 
 #ifdef __AVX512F__
-// 2^x for 16 lanes, x <= 0: 2^f on f = x - round(x) in [-0.5, 0.5] by a degree-6 Taylor polynomial
-// (relative error ~1.2e-7), scaled by 2^round(x) with vscalefps (x below -126 flushes towards 0).
+// 2^x for 16 lanes, x <= 0: 2^f on f = x - round(x) in [-0.5, 0.5] by a Taylor polynomial of
+// degree 6 (relative error ~1.2e-7; fp32) or 5 (~2.4e-6; bf16, whose probabilities round to 2^-9
+// anyway), scaled by 2^round(x) with vscalefps (which flushes very negative x to 0).
+template <bool kBf16>
 inline __m512 exp2_v(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381608e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  __m512 p;
+  if constexpr (kBf16) {
+    p = _mm512_set1_ps(1.3333558146428443e-03f);
+  } else {
+    p = _mm512_set1_ps(1.5403530393381608e-04f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  }
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
@@ -181,36 +187,48 @@ inline __m512 exp2_v(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __mmask16 tail_mask(int left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u); }
+inline __mmask16 tail_mask(int left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+template <bool kBf16>
+inline void store_p(float* sr, uint16_t* pb, int j, __m512 e, __mmask16 keep) {
+  if constexpr (kBf16) {
+#ifdef __AVX512BF16__
+    _mm256_mask_storeu_epi16(pb + j, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+#else
+    const __m512i u = _mm512_castps_si512(e);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    _mm256_mask_storeu_epi16(pb + j, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+  } else {
+    _mm512_mask_storeu_ps(sr + j, keep, e);
+  }
+}
 
 // Row max of scale * sr[0, valid) (and m_in), then sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in
 // pb) and their sum; entries [valid, n) become 0. Returns the sum; m_out is the new running max.
 template <bool kBf16>
 inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+  const int full = valid & ~15;
   __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int j = 0; j < valid; j += 16)
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(valid - j), sr + j));
+  for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+  if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
   const float m = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
   m_out = m;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
   __m512 vsum = _mm512_setzero_ps();
-  for (int j = 0; j < n; j += 16) {
-    const __mmask16 live = tail_mask(valid - j < 0 ? 0 : valid - j);
-    const __mmask16 all = tail_mask(n - j);
-    __m512 e = _mm512_maskz_mov_ps(live, exp2_v(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, sr + j), vs, vm)));
+  for (int j = 0; j < full; j += 16) {
+    const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vs, vm));
     vsum = _mm512_add_ps(vsum, e);
-    if constexpr (kBf16) {
-#ifdef __AVX512BF16__
-      _mm256_mask_storeu_epi16(pb + j, all, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-#else
-      const __m512i u = _mm512_castps_si512(e);
-      const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-      _mm256_mask_storeu_epi16(pb + j, all, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-#endif
-    } else {
-      _mm512_mask_storeu_ps(sr + j, all, e);
-    }
+    store_p<kBf16>(sr, pb, j, e, 0xFFFF);
+  }
+  for (int j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
+    const __mmask16 live = tail_mask(valid - j);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, sr + j), vs, vm)));
+    vsum = _mm512_add_ps(vsum, e);
+    store_p<kBf16>(sr, pb, j, e, tail_mask(n - j));
   }
   return _mm512_reduce_add_ps(vsum);
 }
@@ -352,11 +370,12 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<Compute
 
 // bf16 through oneDNN's brgemm ukernel (torch's at::native::cpublas::brgemm: AMX tiles), where
 // cpublas::could_pack says the CPU has it. Its B operand is VNNI-packed: pairs of consecutive K
-// rows interleaved ([K/2][N][2]), in column blocks of kPackN. So the gather writes K^T and V in
-// that layout directly, zero-padded to whole blocks: K^T as [D/2][kPackN keys][2] per block of
-// keys, V as [keys/2][n][2] per block of n <= kPackN head dims. The softmax scale is applied in
-// the softmax pass (brgemm has no alpha).
-constexpr int kPackN = 64;
+// rows interleaved ([K/2][N][2]). The gather writes K^T and V in that layout directly, zero-padded:
+// K^T per tile of kKeys keys as [D/2][width][2] (width: kKeys, or the last tile's keys rounded up
+// to kKeyPad), so S of a whole tile is one call; V as [keys/2][n][2] per block of n <= kDimBlock
+// head dims. The softmax scale is applied in the softmax pass (brgemm has no alpha).
+constexpr int kKeyPad = 32;
+constexpr int kDimBlock = 64;
 
 inline const uint16_t* bf16_row(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages,
                                 const c10::BFloat16* base, int head, int pos) {
@@ -366,46 +385,100 @@ inline const uint16_t* bf16_row(const Problem<c10::BFloat16>& p, const Seq& s, c
   return reinterpret_cast<const uint16_t*>(base + slot * p.slot_stride + static_cast<int64_t>(head) * p.dim);
 }
 
+#ifdef __AVX512F__
+// out[k][0..16) = rows[i][k] for a 16 x 16 block of dwords: rows i at src[i] + dp0, out rows at
+// dst + k * ld.
+inline void transpose16(const uint32_t* const* src, int dp0, uint32_t* dst, int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i)
+    r[i] = src[i] == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(src[i] + dp0);
+  for (int a = 0; a < 8; ++a) {
+    t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm512_unpackhi_epi32(r[2 * a], r[2 * a + 1]);
+  }
+  for (int b = 0; b < 4; ++b) {  // u[4b + c], lane L: column 4L + c of rows 4b..4b+3
+    r[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    r[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    r[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    r[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), q0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+    const __m512i p1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i q1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    _mm512_storeu_si512(dst + (c + 0) * ld, _mm512_shuffle_i32x4(p0, p1, 0x88));
+    _mm512_storeu_si512(dst + (c + 8) * ld, _mm512_shuffle_i32x4(p0, p1, 0xdd));
+    _mm512_storeu_si512(dst + (c + 4) * ld, _mm512_shuffle_i32x4(q0, q1, 0x88));
+    _mm512_storeu_si512(dst + (c + 12) * ld, _mm512_shuffle_i32x4(q0, q1, 0xdd));
+  }
+}
+#endif
+
+// K^T of keys [0, kmax) into tiles of kKeys: tile c (keys [c, c + width)) at kp + c * D / 2 dwords,
+// dword (dp, j) at dp * width + j; keys past kmax are 0.
+void pack_keys(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages, int head, int kmax, int kpad,
+               uint32_t* kp) {
+  const int half = p.dim / 2;
+  for (int c = 0; c < kpad; c += kKeys) {
+    const int width = std::min(kKeys, kpad - c);
+    uint32_t* tile = kp + static_cast<int64_t>(c) * half;
+    for (int j0 = 0; j0 < width; j0 += 16) {
+      const uint32_t* rows[16];
+      for (int i = 0; i < 16; ++i) {
+        const int pos = c + j0 + i;
+        rows[i] = pos < kmax ? reinterpret_cast<const uint32_t*>(bf16_row(p, s, pages, p.k, head, pos)) : nullptr;
+        if (pos + 16 < kmax) _mm_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.k, head, pos + 16)),
+                                          _MM_HINT_T0);
+      }
+      int dp = 0;
+#ifdef __AVX512F__
+      for (; dp + 16 <= half; dp += 16) transpose16(rows, dp, tile + static_cast<int64_t>(dp) * width + j0, width);
+#endif
+      for (; dp < half; ++dp)
+        for (int i = 0; i < 16; ++i) tile[static_cast<int64_t>(dp) * width + j0 + i] = rows[i] ? rows[i][dp] : 0u;
+    }
+  }
+}
+
+// V of keys [0, kpad) as [kpad/2][nb][2] per block of nb head dims starting at d0: at vp + d0 * kpad / 2.
+void pack_values(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages, int head, int kmax, int kpad,
+                 uint32_t* vp) {
+  const int D = p.dim;
+  for (int jp = 0; jp < kpad / 2; ++jp) {
+    const int j0 = 2 * jp;
+    const uint16_t* r0 = j0 < kmax ? bf16_row(p, s, pages, p.v, head, j0) : nullptr;
+    const uint16_t* r1 = j0 + 1 < kmax ? bf16_row(p, s, pages, p.v, head, j0 + 1) : nullptr;
+    if (j0 + 8 < kmax) _mm_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 8)), _MM_HINT_T0);
+    if (j0 + 9 < kmax) _mm_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 9)), _MM_HINT_T0);
+    for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+      const int nb = std::min(kDimBlock, D - d0);
+      uint32_t* dst = vp + static_cast<int64_t>(d0) * (kpad / 2) + static_cast<int64_t>(jp) * nb;
+      if (r0 == nullptr) {
+        std::memset(dst, 0, sizeof(uint32_t) * nb);
+      } else if (r1 == nullptr) {
+#pragma omp simd
+        for (int dd = 0; dd < nb; ++dd) dst[dd] = static_cast<uint32_t>(r0[d0 + dd]);
+      } else {
+#pragma omp simd
+        for (int dd = 0; dd < nb; ++dd)
+          dst[dd] = static_cast<uint32_t>(r0[d0 + dd]) | static_cast<uint32_t>(r1[d0 + dd]) << 16;
+      }
+    }
+  }
+}
+
 void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, Scratch<uint16_t>& w) {
   using at::native::cpublas::brgemm;
-  const int D = p.dim, G = p.group, half = D / 2;
+  const int D = p.dim, G = p.group;
   const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
   const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
-  const int kpad = (kmax + kPackN - 1) / kPackN * kPackN;
+  const int kpad = (kmax + kKeyPad - 1) / kKeyPad * kKeyPad;
   const int hq = p.num_kv_heads * G;
   const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
   w.k.resize(static_cast<size_t>(kpad) * D);
   w.v.resize(static_cast<size_t>(kpad) * D);
-  uint32_t* kp = reinterpret_cast<uint32_t*>(w.k.data());  // pairs of head dims as one uint32
-  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v.data());
-  for (int jb = 0; jb < kpad; jb += kPackN) {
-    uint32_t* blk = kp + static_cast<int64_t>(jb) * half;  // [D/2][kPackN]
-    for (int jj = 0; jj < kPackN; ++jj) {
-      const int pos = jb + jj;
-      if (pos < kmax) {
-        const uint32_t* r = reinterpret_cast<const uint32_t*>(bf16_row(p, s, pages, p.k, it.head, pos));
-        for (int dp = 0; dp < half; ++dp) blk[dp * kPackN + jj] = r[dp];
-      } else {
-        for (int dp = 0; dp < half; ++dp) blk[dp * kPackN + jj] = 0;
-      }
-    }
-  }
-  for (int jp = 0; jp < kpad / 2; ++jp) {
-    const int j0 = 2 * jp;
-    const uint16_t* r0 = j0 < kmax ? bf16_row(p, s, pages, p.v, it.head, j0) : nullptr;
-    const uint16_t* r1 = j0 + 1 < kmax ? bf16_row(p, s, pages, p.v, it.head, j0 + 1) : nullptr;
-    for (int d0 = 0; d0 < D; d0 += kPackN) {
-      const int nb = std::min(kPackN, D - d0);
-      uint32_t* dst = vp + static_cast<int64_t>(d0) * (kpad / 2) + static_cast<int64_t>(jp) * nb;
-      if (r0 == nullptr) {
-        std::memset(dst, 0, sizeof(uint32_t) * nb);
-        continue;
-      }
-#pragma omp simd
-      for (int dd = 0; dd < nb; ++dd)
-        dst[dd] = static_cast<uint32_t>(r0[d0 + dd]) | (r1 == nullptr ? 0u : static_cast<uint32_t>(r1[d0 + dd]) << 16);
-    }
-  }
+  pack_keys(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.k.data()));
+  pack_values(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.v.data()));
   const int max_rows = s.tokens * G;
   w.q.resize(static_cast<size_t>(max_rows) * D);
   w.o.resize(static_cast<size_t>(max_rows) * D);
@@ -433,15 +506,15 @@ void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it,
     const int kend = kend_of(s, t1, p.causal);
     for (int c = 0; c < kend; c += kKeys) {
       const int n = std::min(kKeys, kend - c);
-      const int npad = (n + kPackN - 1) / kPackN * kPackN;
+      const int width = std::min(kKeys, kpad - c);  // the packed tile's
+      const int npad = (n + kKeyPad - 1) / kKeyPad * kKeyPad;  // <= width: keys this block needs, padded
       float* sb = w.s.data();
-      for (int b = 0; b < npad; b += kPackN)
-        brgemm(R, kPackN, D, D, kPackN, kKeys, false, qb, kb + static_cast<int64_t>(c + b) * D, sb + b, true);
+      brgemm(R, npad, D, D, width, kKeys, false, qb, kb + static_cast<int64_t>(c) * D, sb, true);
       for (int r = 0; r < R; ++r)
         softmax_row<uint16_t>(sb + static_cast<int64_t>(r) * kKeys, npad, std::min(n, w.limit[r] - c), p.scale_log2,
                               w.m[r], w.l[r], w.o.data() + r * D, D, w.p.data() + static_cast<int64_t>(r) * kKeys);
-      for (int d0 = 0; d0 < D; d0 += kPackN) {
-        const int nb = std::min(kPackN, D - d0);
+      for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+        const int nb = std::min(kDimBlock, D - d0);
         brgemm(R, nb, npad, kKeys, nb, D, true, pb, vb + static_cast<int64_t>(d0) * kpad + static_cast<int64_t>(c) * nb,
                w.o.data() + d0, true);
       }
