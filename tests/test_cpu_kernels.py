@@ -141,7 +141,7 @@ def test_many_row_paths_big_chunks_equal_torch(dtype, page_size, layout, path):
     from radixserve.attention.cpu_backend import dense_min_tokens_for
 
     heads, kv_heads = HEADS[layout]
-    least = dense_min_tokens_for(dtype)
+    least = dense_min_tokens_for(dtype, path)
     qo_kv = [(300, 300), (1, 500), (261, 1200), (least, 900), (least - 1, 300), (1, 1)]
     pool, meta, q, k, v = make_case(page_size * 5 + heads + 300, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
     got, want = both(pool, meta, q, k, v, dense_path=path)

@@ -33,6 +33,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernels, one thread, 16 chunks over 2200 keys: fp32 ties at 17-32 tokens, flash wins above;
 # bf16 the kernel wins at 17 tokens, 42 vs 63 ms, flash from 32, 51 vs 69 ms).
 DENSE_MIN_TOKENS = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 32}
+# ... and to the csrc/ GEMM prefill kernel, any dtype: it beats the decode kernel from 2 new tokens
+# (one thread, 16 chunks over 2200 keys, 2 tokens: fp32 16.5 vs 44 ms, bf16 7.9 vs 17.8 ms).
+GEMM_MIN_TOKENS = 2
 
 
 # The many-row path (python -m bench kernels --modes flash,gemm): the csrc/ GEMM kernel, except bf16
@@ -43,8 +46,8 @@ def dense_path_for(dtype: torch.dtype, ext) -> str:
     return "flash" if dtype == torch.bfloat16 and not ext.bf16_brgemm() else "gemm"
 
 
-def dense_min_tokens_for(dtype: torch.dtype) -> int:
-    return DENSE_MIN_TOKENS.get(dtype, 16)
+def dense_min_tokens_for(dtype: torch.dtype, path: str = "gemm") -> int:
+    return GEMM_MIN_TOKENS if path == "gemm" else DENSE_MIN_TOKENS.get(dtype, 16)
 
 
 def supports(pool: KVPool, num_qo_heads: int) -> str | None:
@@ -67,7 +70,7 @@ class CpuAttention(AttentionBackend):
     dense_min_tokens: int | None = None
     """Ungrouped sequences with at least this many new tokens go to the many-row path; fewer
     (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
-    pool's dtype."""
+    pool's dtype and the path."""
     dense_path: str | None = None
     """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch) or "flash" (torch's flash
     kernel per sequence, :mod:`~radixserve.attention.cpu_dense`). None: :func:`dense_path_for`
@@ -98,7 +101,7 @@ class CpuAttention(AttentionBackend):
                 torch.arange(len(grouped) + 1, dtype=torch.int32),
                 plan_prefixes(metadata) if self._path == "flash" else [],
             )
-        least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype)
+        least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype, self._path)
         dense = [i for i, n in enumerate(metadata.qo_lens) if n >= least and i not in members]
         self._dense = []
         self._gemm: tuple | None = None  # _subset of the many-row sequences on the gemm path
