@@ -50,8 +50,14 @@ extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m
 
 namespace {
 
-constexpr int kRows = 128;   // query rows (tokens x heads of a group) per block, about
-constexpr int kKeys = 512;   // keys per tile of the online softmax
+#ifndef PREFILL_ROWS  // (both overridable with -D for tuning builds)
+#define PREFILL_ROWS 128
+#endif
+#ifndef PREFILL_KEYS
+#define PREFILL_KEYS 512
+#endif
+constexpr int kRows = PREFILL_ROWS;  // query rows (tokens x heads of a group) per block, about
+constexpr int kKeys = PREFILL_KEYS;  // keys per tile of the online softmax (a multiple of 32)
 constexpr int kMaxDim = 256;
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
