@@ -433,8 +433,8 @@ void pack_keys(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pag
       for (int i = 0; i < 16; ++i) {
         const int pos = c + j0 + i;
         rows[i] = pos < kmax ? reinterpret_cast<const uint32_t*>(bf16_row(p, s, pages, p.k, head, pos)) : nullptr;
-        if (pos + 16 < kmax) _mm_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.k, head, pos + 16)),
-                                          _MM_HINT_T0);
+        if (pos + 16 < kmax)
+          __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.k, head, pos + 16)), 0, 3);
       }
       int dp = 0;
 #ifdef __AVX512F__
@@ -454,8 +454,8 @@ void pack_values(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* p
     const int j0 = 2 * jp;
     const uint16_t* r0 = j0 < kmax ? bf16_row(p, s, pages, p.v, head, j0) : nullptr;
     const uint16_t* r1 = j0 + 1 < kmax ? bf16_row(p, s, pages, p.v, head, j0 + 1) : nullptr;
-    if (j0 + 8 < kmax) _mm_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 8)), _MM_HINT_T0);
-    if (j0 + 9 < kmax) _mm_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 9)), _MM_HINT_T0);
+    if (j0 + 8 < kmax) __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 8)), 0, 3);
+    if (j0 + 9 < kmax) __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 9)), 0, 3);
     for (int d0 = 0; d0 < D; d0 += kDimBlock) {
       const int nb = std::min(kDimBlock, D - d0);
       uint32_t* dst = vp + static_cast<int64_t>(d0) * (kpad / 2) + static_cast<int64_t>(jp) * nb;
