@@ -1,8 +1,10 @@
-"""One layer of CPU attention per batch shape: the csrc/ kernel alone, the kernel with the
-many-row chunks on torch's flash kernel (``CpuAttention``'s default), and the torch backend.
+"""One layer of CPU attention per batch shape: the csrc/ decode kernel alone ("kernel"), the
+kernel with the many-row chunks on torch's flash kernel ("flash"), with them on the csrc/ GEMM
+prefill kernel ("gemm", ``CpuAttention``'s default), and the torch backend ("torch").
 
 Shapes are the fleet/GSP steps' (bench model: 8 query heads, 4 KV heads, head_dim 64): decodes
-over long contexts, a fresh prefill, prefill chunks over a cached prefix. Each case is timed
+over long contexts, a fresh prefill, prefill chunks over a cached prefix, and GSP-like chunks over
+one shared cached prefix (their page tables share its pages) next to a fresh prefill. Each case is timed
 ``--repeats`` times with the modes interleaved (drift hits all alike); the median is printed,
 with the effective GFLOP/s of the attention products (4 * query rows * heads * visible keys * D).
 """
@@ -13,23 +15,27 @@ import json
 import statistics
 import time
 
-HELP = "one layer of CPU attention per batch shape: csrc/ kernel vs flash path vs torch backend"
+HELP = "one layer of CPU attention per batch shape: csrc/ decode kernel vs flash path vs csrc/ GEMM path vs torch"
 
 CASES = {
     "decode64x2200": [(1, 2200)] * 64,
     "decode1x2200": [(1, 2200)],
     "fresh2048": [(2048, 2048)],
     "extend16x128/2176": [(128, 2176)] * 16,
+    "extend16x8/2200": [(8, 2200)] * 16,
     "extend16x17/2200": [(17, 2200)] * 16,
     "extend16x32/2200": [(32, 2200)] * 16,
     "extend16x64/2200": [(64, 2200)] * 16,
     "extend4x512/1536": [(512, 1536)] * 4,
+    "gsp8x128/1152+fresh1024": [(128, 1152)] * 8 + [(1024, 1024)],
 }
+SHARED = {"gsp8x128/1152+fresh1024": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
+MODES = ("kernel", "flash", "gemm", "torch")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma list from " + ",".join(CASES))
-    parser.add_argument("--modes", default="kernel,flash,torch", help="comma list from kernel,flash,torch")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list from " + ",".join(MODES))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -37,7 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def _case(shape, dtype, page):
+def _case(shape, dtype, page, shared=(0, 0)):
     import torch
 
     from radixserve.attention.metadata import build_metadata
@@ -55,6 +61,9 @@ def _case(shape, dtype, page):
         n = -(-kv // page)
         tables.append(list(range(first, first + n)))
         first += n
+    members, tokens = shared
+    for table in tables[1:members]:  # the prefix's pages are the first sequence's
+        table[: tokens // page] = tables[0][: tokens // page]
     meta = build_metadata(tables, [kv for _, kv in shape], [qo for qo, _ in shape], page)
     t = sum(qo for qo, _ in shape)
     q = torch.randn(t, heads, dim, generator=g).to(dtype)
@@ -79,7 +88,7 @@ def run(args) -> int:
         modes = [m for m in modes if m == "torch"]
     results = {}
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
-        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size)
+        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)))
         backends = {}
         for mode in modes:
             if mode == "torch":
@@ -88,6 +97,8 @@ def run(args) -> int:
                 b = CpuAttention(pool, 64**-0.5, ext)
                 if mode == "kernel":
                     b.dense_min_tokens = 1 << 30
+                elif mode == "flash":
+                    b.dense_path = "flash"
                 backends[mode] = b
         times = {m: [] for m in backends}
         for rep in range(args.repeats + 1):

@@ -560,9 +560,23 @@ torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tenso
   return out;
 }
 
+// prefill.cpp
+std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                                             torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                                             double scale, bool causal, const std::string& bf16_gemm);
+bool bf16_brgemm();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU paged attention kernels";
   m.def("paged_attention", &paged_attention,
         "Paged attention over FlashInfer-format metadata; returns (out, lse base 2)");
+  m.def("prefill_attention", &prefill_attention,
+        "Many-row (prefill/extend) paged attention through GEMMs, same arguments and results as paged_attention; "
+        "bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else MKL), 'brgemm' or 'mkl'",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qo_indptr"), py::arg("kv_indptr"),
+        py::arg("kv_indices"), py::arg("kv_last_page_len"), py::arg("scale"), py::arg("causal"),
+        py::arg("bf16_gemm") = "auto");
+  m.def("bf16_brgemm", &bf16_brgemm, "Whether prefill_attention runs bf16 on brgemm (AMX) on this CPU");
   m.def("merge_state", &merge_state, "Merge two attention states by base-2 LSE");
 }

@@ -64,13 +64,15 @@ def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head
 KERNEL_ONLY = 1 << 30  # dense_min_tokens that keeps every chunk on the csrc/ kernel
 
 
-def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None):
+def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None, dense_path=None):
     """(cpu kernels, torch oracle) outputs of one layer; each writes the same new K/V first.
-    ``dense_min_tokens``: CpuAttention's flash-path threshold (None: its default)."""
+    ``dense_min_tokens``: CpuAttention's many-row threshold (None: its default); ``dense_path``
+    its many-row path ("gemm", "flash"; None: its default for the dtype)."""
     scale = q.shape[-1] ** -0.5
     cpu = CpuAttention(pool, scale, ext)
     if dense_min_tokens is not None:
         cpu.dense_min_tokens = dense_min_tokens
+    cpu.dense_path = dense_path
     cpu.plan(meta)
     got = cpu.forward(q, k, v, layer)
     ref_backend = TorchAttention(pool, scale)
@@ -129,42 +131,45 @@ def test_many_query_blocks_over_long_contexts_equal_torch(dtype, page_size, layo
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("path", ["gemm", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
-def test_flash_path_big_chunks_equal_torch(dtype, page_size, layout):
+def test_many_row_paths_big_chunks_equal_torch(dtype, page_size, layout, path):
     # Big chunks (the own causal part and the folded prefix part, hundreds of rows) next to small
     # ones, a chunk exactly at the flash threshold, one just below it (csrc/ kernel), and decodes.
     from radixserve.attention.cpu_backend import dense_min_tokens_for
 
     heads, kv_heads = HEADS[layout]
-    least = dense_min_tokens_for(dtype)
+    least = dense_min_tokens_for(dtype, path)
     qo_kv = [(300, 300), (1, 500), (261, 1200), (least, 900), (least - 1, 300), (1, 1)]
     pool, meta, q, k, v = make_case(page_size * 5 + heads + 300, page_size, heads, kv_heads, dtype, qo_kv=qo_kv)
-    got, want = both(pool, meta, q, k, v)
+    got, want = both(pool, meta, q, k, v, dense_path=path)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("path", ["gemm", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_level0_many_rows_equal_torch(dtype):
+def test_cascade_level0_many_rows_equal_torch(dtype, path):
     # 40 grouped decodes x 8 heads: the prefix level is one folded flash call of 160 rows per KV
     # head, next to a group of 3 and an ungrouped extend.
     qo_kv = [(1, 700)] * 40 + [(1, 400), (1, 410), (1, 420), (30, 500)]
     groups = ((0, 40, 640), (40, 3, 384))
     pool, meta, q, k, v = make_case(77, 1, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
-    got, want = both(pool, meta, q, k, v)
+    got, want = both(pool, meta, q, k, v, dense_path=path)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("path", ["gemm", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cascade_groups_equal_torch(dtype, page_size):
-    # two groups (one with an empty shared prefix), ungrouped decodes and an extend around them
-    qo_kv = [(5, 60), (1, 300), (1, 290), (1, 333), (1, 50), (1, 20), (1, 70), (9, 9)]
+def test_cascade_groups_equal_torch(dtype, page_size, path):
+    # two groups (one with an empty shared prefix), ungrouped decodes and extends around them
+    qo_kv = [(5, 60), (1, 300), (1, 290), (1, 333), (1, 50), (1, 20), (1, 70), (9, 9), (40, 400)]
     groups = ((1, 3, 256), (5, 2, 0))
     pool, meta, q, k, v = make_case(11 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
-    got, want = both(pool, meta, q, k, v)
+    got, want = both(pool, meta, q, k, v, dense_path=path)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 

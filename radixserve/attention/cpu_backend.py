@@ -3,11 +3,15 @@
 The kernels read K/V pages in place from the pool, driven by the batch's FlashInfer-format
 metadata, so nothing is gathered per layer:
 
-* every sequence that is not in a cascade group, decode and prefill chunks alike: one kernel call
-  (bottom-right causal);
+* decodes and short extends (fewer than ``dense_min_tokens`` new tokens) that are not in a
+  cascade group: one ``paged_attention`` call (bottom-right causal);
+* prefill/extend chunks of many new tokens: one ``prefill_attention`` call for all of them
+  (csrc/prefill.cpp: GEMM-shaped, cached prefix and own tokens together, bottom-right causal);
+  or, by dtype (:func:`dense_path_for`) or ``dense_path = "flash"``, torch's flash kernel per
+  sequence (:mod:`cpu_dense`);
 * cascade groups: the grouped queries against their shared prefix (one multi-query "sequence"
-  per group, not causal) and against their own suffixes, both returning base-2 LSEs, then one
-  fused merge.
+  per group, not causal: one ``prefill_attention`` call) and against their own suffixes, both
+  returning base-2 LSEs, then one fused merge.
 
 Supports float32, bfloat16 and float16 KV pools with head_dim a multiple of 16 (up to 256);
 :func:`supports` says whether a pool qualifies, and the runner falls back to the torch backend
@@ -29,10 +33,21 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernels, one thread, 16 chunks over 2200 keys: fp32 ties at 17-32 tokens, flash wins above;
 # bf16 the kernel wins at 17 tokens, 42 vs 63 ms, flash from 32, 51 vs 69 ms).
 DENSE_MIN_TOKENS = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 32}
+# ... and to the csrc/ GEMM prefill kernel, any dtype: it beats the decode kernel from 2 new tokens
+# (one thread, 16 chunks over 2200 keys, 2 tokens: fp32 16.5 vs 44 ms, bf16 7.9 vs 17.8 ms).
+GEMM_MIN_TOKENS = 2
 
 
-def dense_min_tokens_for(dtype: torch.dtype) -> int:
-    return DENSE_MIN_TOKENS.get(dtype, 16)
+# The many-row path (python -m bench kernels --modes flash,gemm): the csrc/ GEMM kernel, except bf16
+# on a CPU without AMX, where MKL's bf16 GEMM on 128-row blocks does not beat torch's flash kernel.
+
+
+def dense_path_for(dtype: torch.dtype, ext) -> str:
+    return "flash" if dtype == torch.bfloat16 and not ext.bf16_brgemm() else "gemm"
+
+
+def dense_min_tokens_for(dtype: torch.dtype, path: str = "gemm") -> int:
+    return GEMM_MIN_TOKENS if path == "gemm" else DENSE_MIN_TOKENS.get(dtype, 16)
 
 
 def supports(pool: KVPool, num_qo_heads: int) -> str | None:
@@ -53,9 +68,13 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
     dense_min_tokens: int | None = None
-    """Ungrouped sequences with at least this many new tokens go to torch's flash kernel
-    (:mod:`~radixserve.attention.cpu_dense`); fewer (decodes, short extends) to the csrc/ kernel.
-    None: :func:`dense_min_tokens_for` the pool's dtype."""
+    """Ungrouped sequences with at least this many new tokens go to the many-row path; fewer
+    (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
+    pool's dtype and the path."""
+    dense_path: str | None = None
+    """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch) or "flash" (torch's flash
+    kernel per sequence, :mod:`~radixserve.attention.cpu_dense`). None: :func:`dense_path_for`
+    the pool's dtype."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
@@ -64,9 +83,11 @@ class CpuAttention(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._flat: tuple | None = None  # (rows or None: all, qo_indptr, kv_indptr, kv_indices, last_page_len)
         self._grouped: tuple | None = None  # (rows, one query each, plan_prefixes)
+        self._path = "gemm"  # the many-row path of the planned batch (see dense_path)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
+        self._path = self.dense_path or dense_path_for(self.pool.k[0].dtype, self.ext)
         cascade = metadata.cascade
         self._flat = None
         self._grouped = None
@@ -78,11 +99,18 @@ class CpuAttention(AttentionBackend):
             self._grouped = (
                 torch.tensor([qo[i] for i in grouped], dtype=torch.long),
                 torch.arange(len(grouped) + 1, dtype=torch.int32),
-                plan_prefixes(metadata),
+                plan_prefixes(metadata) if self._path == "flash" else [],
             )
-        least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype)
+        least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype, self._path)
         dense = [i for i, n in enumerate(metadata.qo_lens) if n >= least and i not in members]
-        self._dense = plan_dense(metadata, dense)
+        self._dense = []
+        self._gemm: tuple | None = None  # _subset of the many-row sequences on the gemm path
+        if dense and self._path == "flash":
+            self._dense = plan_dense(metadata, dense)
+        elif dense:
+            self._gemm = _subset(metadata, dense)
+            if len(dense) == metadata.num_seqs:  # every row: no gather of q, no scatter of out
+                self._gemm = (None, *self._gemm[1:])
         if cascade is None and not dense:
             self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
                           metadata.kv_last_page_len)
@@ -103,10 +131,16 @@ class CpuAttention(AttentionBackend):
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         q = q.contiguous()
         attend = self.ext.paged_attention
-        if self._grouped is None and not self._dense and self._flat is not None:  # plan() set _flat then
+        if self._flat is not None and self._flat[0] is None:  # every sequence on the decode kernel
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
             return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
+        if self._gemm is not None and self._gemm[0] is None:  # all rows are many-row chunks
+            return self.ext.prefill_attention(q, k_cache, v_cache, *self._gemm[1:], self.scale, True)[0]
         out = torch.empty_like(q)
+        if self._gemm is not None:
+            rows, *index = self._gemm
+            out.index_copy_(0, rows, self.ext.prefill_attention(q.index_select(0, rows), k_cache, v_cache, *index,
+                                                                self.scale, True)[0])
         if self._flat is not None:
             rows, qo_indptr, kv_indptr, kv_indices, last = self._flat
             flat_out = attend(q.index_select(0, rows), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last,
@@ -124,12 +158,18 @@ class CpuAttention(AttentionBackend):
         qg = q.index_select(0, rows)
         out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
                               c.suffix_kv_last_page_len, self.scale, True)
-        # Level 0: each group's queries against its shared prefix, one GEMM-shaped flash call.
-        out_p = torch.zeros_like(qg)
-        lse_p = torch.full(qg.shape[:2], float("-inf"))
-        for first, end, slots in prefixes:
-            if slots is not None:
-                out_p[first:end], lse_p[first:end] = attend_prefix(qg[first:end], k_slots, v_slots, slots, self.scale)
+        # Level 0: each group's queries against its shared prefix, GEMM-shaped, not causal.
+        if self._path == "flash":
+            out_p = torch.zeros_like(qg)
+            lse_p = torch.full(qg.shape[:2], float("-inf"))
+            for first, end, slots in prefixes:
+                if slots is not None:
+                    out_p[first:end], lse_p[first:end] = attend_prefix(qg[first:end], k_slots, v_slots, slots,
+                                                                       self.scale)
+        else:
+            out_p, lse_p = self.ext.prefill_attention(qg, k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr,
+                                                      c.prefix_kv_indices, c.prefix_kv_last_page_len, self.scale,
+                                                      False)
         out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
 

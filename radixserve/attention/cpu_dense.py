@@ -2,10 +2,11 @@
 
 A chunk of many new tokens is GEMM-shaped work. torch's CPU flash attention
 (``aten::_scaled_dot_product_flash_attention_for_cpu``: blocked, vectorised, returns the
-log-sum-exp) runs it several times faster than the csrc/ kernel's sgemm-tiled path
-(``python -m bench kernels``), so :class:`~radixserve.attention.cpu_backend.CpuAttention`
-sends every ungrouped sequence with at least ``dense_min_tokens`` new tokens here, one call
-per part:
+log-sum-exp) runs it several times faster than the csrc/ decode kernel's sgemm-tiled path; the
+csrc/ GEMM prefill kernel (``csrc/prefill.cpp``) beats both (``python -m bench kernels``) and is
+:class:`~radixserve.attention.cpu_backend.CpuAttention`'s default. This flash path runs where
+``dense_path`` is "flash" (bf16 on a CPU without AMX): every ungrouped sequence with at least
+``dense_min_tokens`` new tokens comes here, one call per part:
 
 * the chunk against its own new tokens: causal (on a square the top-left and bottom-right
   masks agree), straight from the layer's q/k/v, each KV head repeated for its query heads;

@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger("radixserve")
 
 NAME = "radixserve_cpu_attention"
-SOURCES = ("attention.cpp", "layers.cpp", "linear.cpp")
+SOURCES = ("attention.cpp", "prefill.cpp", "layers.cpp", "linear.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()

@@ -1,0 +1,669 @@
+// Many-row (prefill / extend) paged attention on the CPU, GEMM-shaped, reading the KV pool in place.
+//
+// Same interface as paged_attention (attention.cpp): FlashInfer paged metadata, a per-layer cache
+// [num_pages, page_size, num_kv_heads, head_dim], bottom-right causal mask (query t of a chunk of n
+// over a context of L sees keys < L - n + t + 1) or none; returns the output and base-2 LSEs. One
+// call covers a chunk's cached prefix and its own new tokens together (no LSE merge, no K/V head
+// repetition), for every sequence of the batch, in one parallel region.
+//
+// Work: per (sequence, KV head), the query rows are the G query heads of that KV head times the
+// chunk's tokens (GQA folded into the rows, so each K/V row is read once per group), cut into
+// blocks of ~kRows rows. A work item is one (sequence, KV head) with a range of its blocks; its K/V
+// are read in place when the sequence's pages are one ascending run of slots (the pool gives the
+// leading dimension), else gathered once into a contiguous per-thread tile that all of the item's
+// blocks reuse. Per block and tile of kKeys keys: S = scale * Q K^T as one GEMM, an online softmax
+// pass over S (vectorised exp2), O += P V as one GEMM. fp32 runs MKL sgemm; bf16 runs MKL's
+// bf16 x bf16 -> fp32 GEMM (AMX where the CPU has it) with P rounded to bf16, as torch's flash
+// kernel does; fp16 is widened to fp32. Items are handed out longest first from an atomic
+// counter, so uneven chunks balance across threads. Softmax statistics and accumulation are fp32.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+// Both exported by the MKL inside torch's CPU wheels (LP64: 32-bit ints). Called inside the parallel
+// region, where MKL runs sequentially on the calling thread.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                       const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                                       int ldc);
+
+namespace {
+
+#ifndef PREFILL_ROWS  // (both overridable with -D for tuning builds)
+#define PREFILL_ROWS 128
+#endif
+#ifndef PREFILL_KEYS
+#define PREFILL_KEYS 512
+#endif
+constexpr int kRows = PREFILL_ROWS;  // query rows (tokens x heads of a group) per block, about
+constexpr int kKeys = PREFILL_KEYS;  // keys per tile of the online softmax (a multiple of 32)
+constexpr int kMaxDim = 256;
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// 2^x, x <= 0 (clamped at -126): 2^(x - n) by a degree-7 polynomial on [-0.5, 0.5] times 2^n in the
+// exponent bits (relative error ~4e-9). Written to vectorise under omp simd.
+inline float exp2_neg(float x) {
+  x = std::max(x, -126.0f);
+  const float n = std::nearbyint(x);
+  const float f = x - n;
+  float p = 1.5252733804059841e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline uint16_t to_bf16_bits(float x) {  // round to nearest even (inputs are finite)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The type the GEMMs read: bf16 stays bf16 (as raw bits), fp32 and fp16 run in fp32.
+template <typename T>
+using Compute = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, float>;
+
+template <typename T>
+inline void copy_row(const T* src, Compute<T>* dst, int d) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    std::memcpy(dst, src, sizeof(uint16_t) * d);
+  } else if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, sizeof(float) * d);
+  } else {
+#pragma omp simd
+    for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// S [m][n] (row-major, ld ldc) = alpha * A [m][k] B[n][k]^T
+inline void gemm_abt(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb, float* c,
+                     int ldc) {
+  // column-major: C^T [n][m] = B A^T
+  const char t = 'T', nn = 'N';
+  const float zero = 0.0f;
+  sgemm_(&t, &nn, &n, &m, &k, &alpha, b, &ldb, a, &lda, &zero, c, &ldc);
+}
+inline void gemm_abt(int m, int n, int k, float alpha, const uint16_t* a, int lda, const uint16_t* b, int ldb,
+                     float* c, int ldc) {
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasTrans, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
+}
+// O [m][n] (row-major, ld ldc) += A [m][k] B [k][n]
+inline void gemm_ab_acc(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
+  const char nn = 'N';
+  const float one = 1.0f;
+  sgemm_(&nn, &nn, &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+inline void gemm_ab_acc(int m, int n, int k, const uint16_t* a, int lda, const uint16_t* b, int ldb, float* c,
+                        int ldc) {
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, ldc);
+}
+
+template <typename T>
+struct Problem {
+  const T* q;
+  int64_t q_stride_t, q_stride_h;
+  const T* k;
+  const T* v;
+  int64_t slot_stride;  // elements between consecutive slots (num_kv_heads * head_dim)
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* last_page_len;
+  int page_size, num_kv_heads, group, dim;
+  float scale_log2;  // softmax scale * log2(e): scores are kept in base 2
+  bool causal;
+  T* out;
+  float* lse;
+  bool amx;  // bf16 through brgemm (run_item_amx) rather than MKL
+};
+
+struct Seq {
+  int qo_start, qo_len, kv_len;
+  int64_t first_slot;  // slot of position 0 when the positions are one ascending run of slots, else -1
+  int tokens;          // tokens per query block
+};
+
+struct Item {
+  int seq, head, b0, b1;  // query blocks [b0, b1) of (seq, KV head)
+  double cost;
+};
+
+// Per-thread buffers, grown on demand.
+template <typename C>
+struct Scratch {
+  std::vector<C> q, k, v;
+  std::vector<float> s, o, m, l;
+  std::vector<uint16_t> p;  // bf16 probabilities (bf16 only)
+  std::vector<int> limit;
+};
+
+inline int kend_of(const Seq& s, int t1, bool causal) {  // one past the last key rows before t1 see
+  return causal ? s.kv_len - s.qo_len + t1 : s.kv_len;
+}
+
+#ifdef __AVX512F__
+// 2^x for 16 lanes, x <= 0: 2^f on f = x - round(x) in [-0.5, 0.5] by a Taylor polynomial of
+// degree 6 (relative error ~1.2e-7; fp32) or 5 (~2.4e-6; bf16, whose probabilities round to 2^-9
+// anyway), scaled by 2^round(x) with vscalefps (which flushes very negative x to 0).
+template <bool kBf16>
+inline __m512 exp2_v(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p;
+  if constexpr (kBf16) {
+    p = _mm512_set1_ps(1.3333558146428443e-03f);
+  } else {
+    p = _mm512_set1_ps(1.5403530393381608e-04f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  }
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+template <bool kBf16>
+inline void store_p(float* sr, uint16_t* pb, int j, __m512 e, __mmask16 keep) {
+  if constexpr (kBf16) {
+#ifdef __AVX512BF16__
+    _mm256_mask_storeu_epi16(pb + j, keep, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+#else
+    const __m512i u = _mm512_castps_si512(e);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    _mm256_mask_storeu_epi16(pb + j, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+  } else {
+    _mm512_mask_storeu_ps(sr + j, keep, e);
+  }
+}
+
+// Row max of scale * sr[0, valid) (and m_in), then sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in
+// pb) and their sum; entries [valid, n) become 0. Returns the sum; m_out is the new running max.
+template <bool kBf16>
+inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+  const int full = valid & ~15;
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+  if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
+  const float m = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
+  m_out = m;
+  const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int j = 0; j < full; j += 16) {
+    const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vs, vm));
+    vsum = _mm512_add_ps(vsum, e);
+    store_p<kBf16>(sr, pb, j, e, 0xFFFF);
+  }
+  for (int j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
+    const __mmask16 live = tail_mask(valid - j);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, sr + j), vs, vm)));
+    vsum = _mm512_add_ps(vsum, e);
+    store_p<kBf16>(sr, pb, j, e, tail_mask(n - j));
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+#endif
+
+// Softmax pass over one tile for row r: updates max/sum, rescales the row's output, leaves the
+// probabilities (0 past the row's last visible key) in p (fp32 in place, or bf16 in pb).
+template <typename C>
+inline void softmax_row(float* sr, int n, int valid, float scale, float& m, float& l, float* orow, int D,
+                        uint16_t* pb) {
+  if (valid <= 0) {  // the whole tile is past this row's causal bound
+    if constexpr (std::is_same_v<C, uint16_t>) std::memset(pb, 0, sizeof(uint16_t) * n);
+    else std::memset(sr, 0, sizeof(float) * n);
+    return;
+  }
+  float m_new, sum = 0.0f;
+#ifdef __AVX512F__
+  sum = exp_row<std::is_same_v<C, uint16_t>>(sr, n, valid, scale, m, m_new, pb);
+#else
+  float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+  for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+  m_new = std::max(m, mx * scale);
+  if constexpr (std::is_same_v<C, uint16_t>) {
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < valid; ++j) {
+      const float e = exp2_neg(sr[j] * scale - m_new);
+      sum += e;
+      pb[j] = to_bf16_bits(e);
+    }
+    std::memset(pb + valid, 0, sizeof(uint16_t) * (n - valid));
+  } else {
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < valid; ++j) {
+      const float e = exp2_neg(sr[j] * scale - m_new);
+      sr[j] = e;
+      sum += e;
+    }
+    std::memset(sr + valid, 0, sizeof(float) * (n - valid));
+  }
+#endif
+  if (m_new != m) {
+    const float alpha = m == kNegInf ? 0.0f : exp2_neg(m - m_new);
+    l *= alpha;
+    if (m != kNegInf) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) orow[d] *= alpha;
+    }
+    m = m_new;
+  }
+  l += sum;
+}
+
+template <typename T>
+void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<Compute<T>>& w) {
+  using C = Compute<T>;
+  const int D = p.dim, G = p.group;
+  const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
+  const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
+  const int hq = p.num_kv_heads * G;
+  // K/V of keys [0, kmax): in place when the slots run in order, else gathered once for all blocks.
+  const C* kb;
+  const C* vb;
+  int ld;
+  if (s.first_slot >= 0 && !std::is_same_v<T, c10::Half>) {
+    const int64_t off = s.first_slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+    kb = reinterpret_cast<const C*>(p.k + off);
+    vb = reinterpret_cast<const C*>(p.v + off);
+    ld = static_cast<int>(p.slot_stride);
+  } else {
+    if (w.k.size() < static_cast<size_t>(kmax) * D) {
+      w.k.resize(static_cast<size_t>(kmax) * D);
+      w.v.resize(static_cast<size_t>(kmax) * D);
+    }
+    const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+    for (int pos = 0; pos < kmax; ++pos) {
+      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+      copy_row(p.k + off, w.k.data() + static_cast<int64_t>(pos) * D, D);
+      copy_row(p.v + off, w.v.data() + static_cast<int64_t>(pos) * D, D);
+    }
+    kb = w.k.data();
+    vb = w.v.data();
+    ld = D;
+  }
+  const int max_rows = s.tokens * G;
+  w.q.resize(static_cast<size_t>(max_rows) * D);
+  w.o.resize(static_cast<size_t>(max_rows) * D);
+  w.s.resize(static_cast<size_t>(max_rows) * kKeys);
+  w.m.resize(max_rows);
+  w.l.resize(max_rows);
+  w.limit.resize(max_rows);
+  if constexpr (std::is_same_v<C, uint16_t>) w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+  for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
+    const int t1 = std::min(t_hi, t0 + s.tokens);
+    const int R = (t1 - t0) * G;
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
+        w.m[r] = kNegInf;
+        w.l[r] = 0.0f;
+        w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;  // keys < limit are visible
+      }
+    std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
+    const int kend = kend_of(s, t1, p.causal);
+    for (int c = 0; c < kend; c += kKeys) {
+      const int n = std::min(kKeys, kend - c);
+      float* sb = w.s.data();
+      gemm_abt(R, n, D, p.scale_log2, w.q.data(), D, kb + static_cast<int64_t>(c) * ld, ld, sb, kKeys);
+      for (int r = 0; r < R; ++r) {
+        const int valid = std::min(n, w.limit[r] - c);
+        uint16_t* pb = std::is_same_v<C, uint16_t> ? w.p.data() + static_cast<int64_t>(r) * kKeys : nullptr;
+        softmax_row<C>(sb + static_cast<int64_t>(r) * kKeys, n, valid, 1.0f, w.m[r], w.l[r], w.o.data() + r * D, D,
+                       pb);
+      }
+      const C* pm;
+      if constexpr (std::is_same_v<C, uint16_t>) pm = w.p.data();
+      else pm = sb;
+      gemm_ab_acc(R, D, n, pm, kKeys, vb + static_cast<int64_t>(c) * ld, ld, w.o.data(), D);
+    }
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
+        const float* orow = w.o.data() + r * D;
+        T* dst = p.out + row * D;
+        if (w.l[r] > 0.0f) {
+          const float inv = 1.0f / w.l[r];
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(orow[d] * inv);
+          p.lse[row] = w.m[r] + std::log2(w.l[r]);
+        } else {  // no key visible (an empty context): output 0, LSE -inf
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
+          p.lse[row] = kNegInf;
+        }
+      }
+  }
+}
+
+// bf16 through oneDNN's brgemm ukernel (torch's at::native::cpublas::brgemm: AMX tiles), where
+// cpublas::could_pack says the CPU has it. Its B operand is VNNI-packed: pairs of consecutive K
+// rows interleaved ([K/2][N][2]). The gather writes K^T and V in that layout directly, zero-padded:
+// K^T per tile of kKeys keys as [D/2][width][2] (width: kKeys, or the last tile's keys rounded up
+// to kKeyPad), so S of a whole tile is one call; V as [keys/2][n][2] per block of n <= kDimBlock
+// head dims. The softmax scale is applied in the softmax pass (brgemm has no alpha).
+constexpr int kKeyPad = 32;
+constexpr int kDimBlock = 64;
+
+inline const uint16_t* bf16_row(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages,
+                                const c10::BFloat16* base, int head, int pos) {
+  const int64_t slot = s.first_slot >= 0 ? s.first_slot + pos
+                                         : static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size +
+                                               pos % p.page_size;
+  return reinterpret_cast<const uint16_t*>(base + slot * p.slot_stride + static_cast<int64_t>(head) * p.dim);
+}
+
+#ifdef __AVX512F__
+// out[k][0..16) = rows[i][k] for a 16 x 16 block of dwords: rows i at src[i] + dp0, out rows at
+// dst + k * ld.
+inline void transpose16(const uint32_t* const* src, int dp0, uint32_t* dst, int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i)
+    r[i] = src[i] == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(src[i] + dp0);
+  for (int a = 0; a < 8; ++a) {
+    t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm512_unpackhi_epi32(r[2 * a], r[2 * a + 1]);
+  }
+  for (int b = 0; b < 4; ++b) {  // u[4b + c], lane L: column 4L + c of rows 4b..4b+3
+    r[4 * b + 0] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    r[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    r[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    r[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), q0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+    const __m512i p1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i q1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    _mm512_storeu_si512(dst + (c + 0) * ld, _mm512_shuffle_i32x4(p0, p1, 0x88));
+    _mm512_storeu_si512(dst + (c + 8) * ld, _mm512_shuffle_i32x4(p0, p1, 0xdd));
+    _mm512_storeu_si512(dst + (c + 4) * ld, _mm512_shuffle_i32x4(q0, q1, 0x88));
+    _mm512_storeu_si512(dst + (c + 12) * ld, _mm512_shuffle_i32x4(q0, q1, 0xdd));
+  }
+}
+#endif
+
+// K^T of keys [0, kmax) into tiles of kKeys: tile c (keys [c, c + width)) at kp + c * D / 2 dwords,
+// dword (dp, j) at dp * width + j; keys past kmax are 0.
+void pack_keys(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages, int head, int kmax, int kpad,
+               uint32_t* kp) {
+  const int half = p.dim / 2;
+  for (int c = 0; c < kpad; c += kKeys) {
+    const int width = std::min(kKeys, kpad - c);
+    uint32_t* tile = kp + static_cast<int64_t>(c) * half;
+    for (int j0 = 0; j0 < width; j0 += 16) {
+      const uint32_t* rows[16];
+      for (int i = 0; i < 16; ++i) {
+        const int pos = c + j0 + i;
+        rows[i] = pos < kmax ? reinterpret_cast<const uint32_t*>(bf16_row(p, s, pages, p.k, head, pos)) : nullptr;
+        if (pos + 16 < kmax)
+          __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.k, head, pos + 16)), 0, 3);
+      }
+      int dp = 0;
+#ifdef __AVX512F__
+      for (; dp + 16 <= half; dp += 16) transpose16(rows, dp, tile + static_cast<int64_t>(dp) * width + j0, width);
+#endif
+      for (; dp < half; ++dp)
+        for (int i = 0; i < 16; ++i) tile[static_cast<int64_t>(dp) * width + j0 + i] = rows[i] ? rows[i][dp] : 0u;
+    }
+  }
+}
+
+// V of keys [0, kpad) as [kpad/2][nb][2] per block of nb head dims starting at d0: at vp + d0 * kpad / 2.
+void pack_values(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages, int head, int kmax, int kpad,
+                 uint32_t* vp) {
+  const int D = p.dim;
+  for (int jp = 0; jp < kpad / 2; ++jp) {
+    const int j0 = 2 * jp;
+    const uint16_t* r0 = j0 < kmax ? bf16_row(p, s, pages, p.v, head, j0) : nullptr;
+    const uint16_t* r1 = j0 + 1 < kmax ? bf16_row(p, s, pages, p.v, head, j0 + 1) : nullptr;
+    if (j0 + 8 < kmax) __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 8)), 0, 3);
+    if (j0 + 9 < kmax) __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.v, head, j0 + 9)), 0, 3);
+    for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+      const int nb = std::min(kDimBlock, D - d0);
+      uint32_t* dst = vp + static_cast<int64_t>(d0) * (kpad / 2) + static_cast<int64_t>(jp) * nb;
+      if (r0 == nullptr) {
+        std::memset(dst, 0, sizeof(uint32_t) * nb);
+      } else if (r1 == nullptr) {
+#pragma omp simd
+        for (int dd = 0; dd < nb; ++dd) dst[dd] = static_cast<uint32_t>(r0[d0 + dd]);
+      } else {
+#pragma omp simd
+        for (int dd = 0; dd < nb; ++dd)
+          dst[dd] = static_cast<uint32_t>(r0[d0 + dd]) | static_cast<uint32_t>(r1[d0 + dd]) << 16;
+      }
+    }
+  }
+}
+
+void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, Scratch<uint16_t>& w) {
+  using at::native::cpublas::brgemm;
+  const int D = p.dim, G = p.group;
+  const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
+  const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
+  const int kpad = (kmax + kKeyPad - 1) / kKeyPad * kKeyPad;
+  const int hq = p.num_kv_heads * G;
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  w.k.resize(static_cast<size_t>(kpad) * D);
+  w.v.resize(static_cast<size_t>(kpad) * D);
+  pack_keys(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.k.data()));
+  pack_values(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.v.data()));
+  const int max_rows = s.tokens * G;
+  w.q.resize(static_cast<size_t>(max_rows) * D);
+  w.o.resize(static_cast<size_t>(max_rows) * D);
+  w.s.resize(static_cast<size_t>(max_rows) * kKeys);
+  w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+  w.m.resize(max_rows);
+  w.l.resize(max_rows);
+  w.limit.resize(max_rows);
+  const at::BFloat16* qb = reinterpret_cast<const at::BFloat16*>(w.q.data());
+  const at::BFloat16* kb = reinterpret_cast<const at::BFloat16*>(w.k.data());
+  const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(w.v.data());
+  const at::BFloat16* pb = reinterpret_cast<const at::BFloat16*>(w.p.data());
+  for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
+    const int t1 = std::min(t_hi, t0 + s.tokens);
+    const int R = (t1 - t0) * G;
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
+        w.m[r] = kNegInf;
+        w.l[r] = 0.0f;
+        w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;
+      }
+    std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
+    const int kend = kend_of(s, t1, p.causal);
+    for (int c = 0; c < kend; c += kKeys) {
+      const int n = std::min(kKeys, kend - c);
+      const int width = std::min(kKeys, kpad - c);  // the packed tile's
+      const int npad = (n + kKeyPad - 1) / kKeyPad * kKeyPad;  // <= width: keys this block needs, padded
+      float* sb = w.s.data();
+      brgemm(R, npad, D, D, width, kKeys, false, qb, kb + static_cast<int64_t>(c) * D, sb, true);
+      for (int r = 0; r < R; ++r)
+        softmax_row<uint16_t>(sb + static_cast<int64_t>(r) * kKeys, npad, std::min(n, w.limit[r] - c), p.scale_log2,
+                              w.m[r], w.l[r], w.o.data() + r * D, D, w.p.data() + static_cast<int64_t>(r) * kKeys);
+      for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+        const int nb = std::min(kDimBlock, D - d0);
+        brgemm(R, nb, npad, kKeys, nb, D, true, pb, vb + static_cast<int64_t>(d0) * kpad + static_cast<int64_t>(c) * nb,
+               w.o.data() + d0, true);
+      }
+    }
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
+        const float* orow = w.o.data() + r * D;
+        c10::BFloat16* dst = p.out + row * D;
+        const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
+        p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
+      }
+  }
+}
+
+template <typename T>
+void run(const Problem<T>& p, int num_seqs) {
+  const int G = p.group;
+  const int threads = at::get_num_threads();
+  std::vector<Seq> seqs(num_seqs);
+  int64_t blocks_total = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    Seq& s = seqs[i];
+    s.qo_start = p.qo_indptr[i];
+    s.qo_len = p.qo_indptr[i + 1] - s.qo_start;
+    const int pages = p.kv_indptr[i + 1] - p.kv_indptr[i];
+    s.kv_len = pages == 0 ? 0 : (pages - 1) * p.page_size + p.last_page_len[i];
+    const int32_t* table = p.kv_indices + p.kv_indptr[i];
+    bool run = pages > 0;
+    for (int j = 1; run && j < pages; ++j) run = table[j] == table[0] + j;
+    s.first_slot = run ? static_cast<int64_t>(table[0]) * p.page_size : -1;
+    s.tokens = std::max(1, std::min(s.qo_len, (kRows + G - 1) / G));
+    blocks_total += (s.qo_len + s.tokens - 1) / s.tokens;
+  }
+  // One item per (sequence, KV head) when there are enough of them to keep every thread busy;
+  // otherwise each pair's blocks are split into ranges (each range gathers its own K/V).
+  const int64_t pairs = static_cast<int64_t>(num_seqs) * p.num_kv_heads;
+  const int64_t want = 3LL * threads;
+  std::vector<Item> items;
+  for (int i = 0; i < num_seqs; ++i) {
+    const Seq& s = seqs[i];
+    if (s.qo_len == 0) continue;
+    const int nb = (s.qo_len + s.tokens - 1) / s.tokens;
+    int ranges = 1;
+    if (threads > 1 && pairs < want) ranges = static_cast<int>(std::min<int64_t>(nb, (want + pairs - 1) / pairs));
+    const int per = (nb + ranges - 1) / ranges;
+    for (int h = 0; h < p.num_kv_heads; ++h)
+      for (int b0 = 0; b0 < nb; b0 += per) {
+        const int b1 = std::min(nb, b0 + per);
+        double cost = 0;
+        for (int b = b0; b < b1; ++b) {
+          const int t1 = std::min(s.qo_len, (b + 1) * s.tokens);
+          cost += static_cast<double>(t1 - b * s.tokens) * std::max(1, kend_of(s, t1, p.causal));
+        }
+        items.push_back({i, h, b0, b1, cost});
+      }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  bool amx = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) amx = p.amx;
+  at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
+    Scratch<Compute<T>> w;
+    for (int64_t i = next++; i < n_items; i = next++) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (amx) {
+          run_item_amx(p, seqs[items[i].seq], items[i], w);
+          continue;
+        }
+      }
+      run_item(p, seqs[items[i].seq], items[i], w);
+    }
+    if (amx) at::native::cpublas::brgemm_release(true);
+  });
+}
+
+void check_index(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt32 && t.dim() == 1 && t.is_contiguous(),
+              name, " must be a contiguous 1-D int32 CPU tensor");
+}
+
+}  // namespace
+
+// q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; returns (out [T, Hq, D], lse [T, Hq] fp32).
+std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                                             torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                                             double scale, bool causal, const std::string& bf16_gemm) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
+              "q must be a CPU [T, Hq, D] tensor, last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache/v_cache must be contiguous [pages, page_size, Hkv, D] tensors of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the KV cache must have one dtype");
+  check_index(qo_indptr, "qo_indptr");
+  check_index(kv_indptr, "kv_indptr");
+  check_index(kv_indices, "kv_indices");
+  check_index(kv_last_page_len, "kv_last_page_len");
+  const int num_seqs = qo_indptr.size(0) - 1;
+  TORCH_CHECK(kv_indptr.size(0) == num_seqs + 1 && kv_last_page_len.size(0) == num_seqs, "metadata sizes disagree");
+  const int hq = q.size(1), D = q.size(2);
+  const int hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= kMaxDim,
+              "head_dim must match, be a multiple of 16 and <= 256");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(qo_indptr[num_seqs].item<int>() == q.size(0), "qo_indptr[-1] must equal the number of query rows");
+  const int page_size = k_cache.size(1);
+  const int32_t* qo = qo_indptr.data_ptr<int32_t>();
+  const int32_t* kvp = kv_indptr.data_ptr<int32_t>();
+  const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
+  for (int i = 0; i < num_seqs; ++i) {  // the kernel indexes by these: check them once
+    const int pages = kvp[i + 1] - kvp[i];
+    const int kv_len = pages == 0 ? 0 : (pages - 1) * page_size + last[i];
+    TORCH_CHECK(pages >= 0 && (pages == 0 || (last[i] >= 1 && last[i] <= page_size)), "bad kv_last_page_len");
+    TORCH_CHECK(qo[i + 1] >= qo[i] && (!causal || qo[i + 1] - qo[i] <= kv_len),
+                "a causal sequence needs qo_len <= kv_len");
+  }
+  auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
+  auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
+  if (q.size(0) == 0) return {out, lse};
+  TORCH_CHECK(bf16_gemm == "auto" || bf16_gemm == "brgemm" || bf16_gemm == "mkl",
+              "bf16_gemm must be 'auto', 'brgemm' or 'mkl', not '", bf16_gemm, "'");
+  const bool packs = at::native::cpublas::could_pack(at::kBFloat16);
+  TORCH_CHECK(packs || bf16_gemm != "brgemm", "bf16_gemm 'brgemm' needs a CPU with AMX (cpublas::could_pack)");
+  const bool use_amx = bf16_gemm != "mkl" && packs;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      Problem<scalar_t> p{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
+                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          static_cast<int64_t>(hkv) * D, qo, kvp, kv_indices.data_ptr<int32_t>(), last, page_size,
+                          hkv, hq / hkv, D, static_cast<float>(scale * 1.4426950408889634), causal,
+                          out.data_ptr<scalar_t>(), lse.data_ptr<float>(), use_amx};
+      run(p, num_seqs);
+    }
+  });
+  return {out, lse};
+}
+
+// Whether bf16 runs on brgemm (AMX) here.
+bool bf16_brgemm() { return at::native::cpublas::could_pack(at::kBFloat16); }
