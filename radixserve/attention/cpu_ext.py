@@ -56,6 +56,20 @@ def build_dir() -> Path:
     return root / "ext" / tag
 
 
+def ops(namespace: str, probe: str):
+    """``torch.ops.<namespace>`` of the extension's TORCH_LIBRARY ops, or None when the extension
+    is unavailable or its build lacks ``probe`` (``hasattr(torch.ops, name)`` is always true, so
+    the op itself is looked up)."""
+    if load() is None:
+        return None
+    try:
+        ns = getattr(torch.ops, namespace)
+        getattr(ns, probe)
+    except (AttributeError, RuntimeError):
+        return None
+    return ns
+
+
 def load():
     """The compiled module, or None (with one warning) when it cannot be built."""
     with _lock:
@@ -87,7 +101,7 @@ def _build_lock(directory: Path):
 
 def _build():
     if os.environ.get("RADIXSERVE_NO_EXT"):
-        log.info("CPU attention kernels disabled by RADIXSERVE_NO_EXT; using the torch backend")
+        log.info("CPU kernels disabled by RADIXSERVE_NO_EXT; using the torch backend and torch ops")
         return None
     sources = [csrc_dir() / s for s in SOURCES]
     try:
@@ -101,9 +115,9 @@ def _build():
         directory.mkdir(parents=True, exist_ok=True)
         built = any(directory.glob(f"{NAME}*.so"))
         if not built:
-            log.warning("building the CPU attention kernels in %s (once per machine; about a minute)...", directory)
+            log.warning("building the CPU kernels in %s (once per machine; 1-2 minutes)...", directory)
         else:
-            log.info("loading the CPU attention kernels from %s (rebuilt if csrc/ changed)", directory)
+            log.info("loading the CPU kernels from %s (rebuilt if csrc/ changed)", directory)
         start = time.perf_counter()
         with _build_lock(directory):
             module = cpp_extension.load(
@@ -112,9 +126,9 @@ def _build():
             )
         elapsed = time.perf_counter() - start
         if not built or elapsed > 5:
-            log.warning("built the CPU attention kernels in %.1f s", elapsed)
+            log.warning("built the CPU kernels in %.1f s", elapsed)
         return module
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, once, loudly
-        log.warning("CPU attention kernels unavailable (%s: %s); using the torch attention backend",
+        log.warning("CPU kernels unavailable (%s: %s); using the torch attention backend and torch ops",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return None

@@ -25,20 +25,14 @@ def kernels():
     if not _ops:
         from radixserve.attention import cpu_ext
 
-        ops = None
-        if cpu_ext.load() is not None:
-            try:
-                ops = torch.ops.radixserve_layers
-                ops.add_rms_norm  # noqa: B018 - raises if the loaded build predates csrc/layers.cpp
-            except (AttributeError, RuntimeError):
-                ops = None
-        _ops.append(ops)
+        _ops.append(cpu_ext.ops("radixserve_layers", "add_rms_norm"))
     return _ops[0]
 
 
 def _use_kernel(x: torch.Tensor):
-    ops = _ops[0] if _ops else kernels()
-    return ops if ops is not None and x.is_cpu and x.dtype in _KERNEL_DTYPES else None
+    if not x.is_cpu or x.dtype not in _KERNEL_DTYPES:
+        return None  # (a CUDA model never loads, let alone builds, the CPU extension)
+    return _ops[0] if _ops else kernels()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:

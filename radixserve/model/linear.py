@@ -34,8 +34,8 @@ def kernel():
         from radixserve.attention import cpu_ext
 
         op, limits = None, {}
-        if cpu_ext.load() is not None and hasattr(torch.ops, "radixserve_linear"):
-            ns = torch.ops.radixserve_linear
+        ns = cpu_ext.ops("radixserve_linear", "linear")
+        if ns is not None:
             op = ns.linear
             if ns.supports_bf16():
                 limits[torch.bfloat16] = MAX_ROWS if ns.supports_amx() else MAX_ROWS_VECTOR
@@ -55,14 +55,14 @@ def max_rows(dtype: torch.dtype) -> int:
 
 def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # cheapest tests first: this runs for every layer of every step (about 2 us in all)
-    if weight.dtype not in _KERNEL_DTYPES or x.dtype != weight.dtype:
-        return False
+    if weight.dtype not in _KERNEL_DTYPES or x.dtype != weight.dtype or not (x.is_cpu and weight.is_cpu):
+        return False  # (a CUDA model never loads, let alone builds, the CPU extension)
     if _state.get("op") is None and kernel() is None:
         return False
     rows = x.numel()
     if rows == 0 or rows > _state["limits"].get(weight.dtype, 0) * x.shape[-1]:  # type: ignore[attr-defined]
         return False
-    if not (x.is_cpu and weight.is_cpu) or weight.dim() != 2 or weight.stride(-1) != 1:
+    if weight.dim() != 2 or weight.stride(-1) != 1:
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no backward
 
@@ -84,8 +84,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def logits(x: torch.Tensor, output_embedding: torch.Tensor) -> torch.Tensor:
-    """Float32 logits ``x @ output_embedding.T`` (the tied or untied lm_head)."""
-    return linear(x, output_embedding, fp32_out=True)
+    """Float32 logits ``x @ output_embedding.T`` (the tied or untied lm_head).
+
+    Rounded to the model's dtype first, whichever path runs: F.linear rounds bf16 logits, so the
+    kernel's unrounded fp32 sums would make greedy ties break differently with the batch size."""
+    return linear(x, output_embedding).float()
 
 
 class Linear(nn.Linear):
