@@ -35,7 +35,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 #include <immintrin.h>
 #endif
 
@@ -92,7 +92,7 @@ inline void tile_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 #define RADIXSERVE_HAVE_FP16 1
 
 inline __m512 load_half(const uint16_t* p, __mmask16 mask) {

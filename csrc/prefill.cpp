@@ -35,7 +35,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,8 @@ namespace {
 #endif
 constexpr int kRows = PREFILL_ROWS;  // query rows (tokens x heads of a group) per block, about
 constexpr int kKeys = PREFILL_KEYS;  // keys per tile of the online softmax (a multiple of 32)
+static_assert(kRows >= 1, "PREFILL_ROWS must be at least 1");
+static_assert(kKeys >= 32 && kKeys % 32 == 0, "PREFILL_KEYS must be a positive multiple of 32 (AMX tiles, key packing)");
 constexpr int kMaxDim = 256;
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -170,7 +172,7 @@ inline int kend_of(const Seq& s, int t1, bool causal) {  // one past the last ke
   return causal ? s.kv_len - s.qo_len + t1 : s.kv_len;
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 // 2^x for 16 lanes, x <= 0: 2^f on f = x - round(x) in [-0.5, 0.5] by a Taylor polynomial of
 // degree 6 (relative error ~1.2e-7; fp32) or 5 (~2.4e-6; bf16, whose probabilities round to 2^-9
 // anyway), scaled by 2^round(x) with vscalefps (which flushes very negative x to 0).
@@ -251,7 +253,7 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
     return;
   }
   float m_new, sum = 0.0f;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
   sum = exp_row<std::is_same_v<C, uint16_t>>(sr, n, valid, scale, m, m_new, pb);
 #else
   float mx = kNegInf;
@@ -391,7 +393,7 @@ inline const uint16_t* bf16_row(const Problem<c10::BFloat16>& p, const Seq& s, c
   return reinterpret_cast<const uint16_t*>(base + slot * p.slot_stride + static_cast<int64_t>(head) * p.dim);
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 // out[k][0..16) = rows[i][k] for a 16 x 16 block of dwords: rows i at src[i] + dp0, out rows at
 // dst + k * ld.
 inline void transpose16(const uint32_t* const* src, int dp0, uint32_t* dst, int64_t ld) {
@@ -437,7 +439,7 @@ void pack_keys(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pag
           __builtin_prefetch(reinterpret_cast<const char*>(bf16_row(p, s, pages, p.k, head, pos + 16)), 0, 3);
       }
       int dp = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
       for (; dp + 16 <= half; dp += 16) transpose16(rows, dp, tile + static_cast<int64_t>(dp) * width + j0, width);
 #endif
       for (; dp < half; ++dp)
