@@ -48,7 +48,8 @@ class Shape:
 
     def __init__(self, cfg: dict):
         hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-        heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads  # (absent: multi-head attention)
         self.head_dim = cfg.get("head_dim") or hidden // heads
         inter = cfg["intermediate_size"]
         q, kv = heads * self.head_dim, kv_heads * self.head_dim
