@@ -18,6 +18,8 @@
 
 #include <torch/extension.h>
 
+#include "paged_common.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -28,12 +30,6 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-
-// Fortran BLAS sgemm, exported by the MKL inside torch's CPU wheels. Called from inside the
-// parallel region, where MKL runs sequentially on the calling thread.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
 
 namespace {
 
@@ -475,11 +471,6 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
   });
 }
 
-void check_index(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt32 && t.dim() == 1 && t.is_contiguous(),
-              name, " must be a contiguous 1-D int32 CPU tensor");
-}
-
 }  // namespace
 
 // q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; returns (out [T, Hq, D], lse [T, Hq] fp32).
@@ -487,23 +478,9 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            torch::Tensor qo_indptr, torch::Tensor kv_indptr,
                                            torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                            double scale, bool causal) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU [T, Hq, D] tensor, last dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache/v_cache must be contiguous [pages, page_size, Hkv, D] tensors of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the KV cache must have one dtype");
-  check_index(qo_indptr, "qo_indptr");
-  check_index(kv_indptr, "kv_indptr");
-  check_index(kv_indices, "kv_indices");
-  check_index(kv_last_page_len, "kv_last_page_len");
-  const int num_seqs = qo_indptr.size(0) - 1;
-  TORCH_CHECK(kv_indptr.size(0) == num_seqs + 1 && kv_last_page_len.size(0) == num_seqs, "metadata sizes disagree");
-  const int hq = q.size(1), D = q.size(2);
-  const int hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= kMaxDim, "head_dim must match, be a multiple of 16 and <= 256");
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(qo_indptr[num_seqs].item<int>() == q.size(0), "qo_indptr[-1] must equal the number of query rows");
+  const radixserve::PagedShape shape = radixserve::check_paged_inputs(
+      q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kMaxDim);
+  const int num_seqs = shape.num_seqs, hq = shape.hq, hkv = shape.hkv, D = shape.head_dim;
   auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
   auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
   if (q.size(0) == 0) return {out, lse};

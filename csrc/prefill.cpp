@@ -19,6 +19,8 @@
 
 #include <torch/extension.h>
 
+#include "paged_common.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
@@ -39,11 +41,7 @@
 #include <immintrin.h>
 #endif
 
-// Both exported by the MKL inside torch's CPU wheels (LP64: 32-bit ints). Called inside the parallel
-// region, where MKL runs sequentially on the calling thread.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
+// cblas_gemm_bf16bf16f32 is exported by the MKL inside torch's CPU wheels, like sgemm_.
 extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
                                        const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                                        int ldc);
@@ -170,6 +168,37 @@ struct Scratch {
 
 inline int kend_of(const Seq& s, int t1, bool causal) {  // one past the last key rows before t1 see
   return causal ? s.kv_len - s.qo_len + t1 : s.kv_len;
+}
+
+// Size the per-block buffers for up to ``max_rows`` query rows (tokens x heads of a group).
+template <typename C>
+void size_block(Scratch<C>& w, int max_rows, int D) {
+  w.q.resize(static_cast<size_t>(max_rows) * D);
+  w.o.resize(static_cast<size_t>(max_rows) * D);
+  w.s.resize(static_cast<size_t>(max_rows) * kKeys);
+  if constexpr (std::is_same_v<C, uint16_t>) w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+  w.m.resize(max_rows);
+  w.l.resize(max_rows);
+  w.limit.resize(max_rows);
+}
+
+// Start a block of query tokens [t0, t1) of one (sequence, KV head): copy its rows into w.q with
+// GQA folded (row (t - t0) * G + g is query head head * G + g of token t), reset their softmax
+// state and output, and set each row's visible-key limit. Returns the number of rows.
+template <typename T, typename C>
+int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t1, int G, Scratch<C>& w) {
+  const int D = p.dim;
+  const int R = (t1 - t0) * G;
+  for (int t = t0; t < t1; ++t)
+    for (int g = 0; g < G; ++g) {
+      const int r = (t - t0) * G + g;
+      copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
+      w.m[r] = kNegInf;
+      w.l[r] = 0.0f;
+      w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;  // keys < limit are visible
+    }
+  std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
+  return R;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
@@ -322,26 +351,10 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<Compute
     vb = w.v.data();
     ld = D;
   }
-  const int max_rows = s.tokens * G;
-  w.q.resize(static_cast<size_t>(max_rows) * D);
-  w.o.resize(static_cast<size_t>(max_rows) * D);
-  w.s.resize(static_cast<size_t>(max_rows) * kKeys);
-  w.m.resize(max_rows);
-  w.l.resize(max_rows);
-  w.limit.resize(max_rows);
-  if constexpr (std::is_same_v<C, uint16_t>) w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+  size_block(w, s.tokens * G, D);
   for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
     const int t1 = std::min(t_hi, t0 + s.tokens);
-    const int R = (t1 - t0) * G;
-    for (int t = t0; t < t1; ++t)
-      for (int g = 0; g < G; ++g) {
-        const int r = (t - t0) * G + g;
-        copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
-        w.m[r] = kNegInf;
-        w.l[r] = 0.0f;
-        w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;  // keys < limit are visible
-      }
-    std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
+    const int R = start_block(p, s, it, t0, t1, G, w);
     const int kend = kend_of(s, t1, p.causal);
     for (int c = 0; c < kend; c += kKeys) {
       const int n = std::min(kKeys, kend - c);
@@ -487,30 +500,14 @@ void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it,
   w.v.resize(static_cast<size_t>(kpad) * D);
   pack_keys(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.k.data()));
   pack_values(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.v.data()));
-  const int max_rows = s.tokens * G;
-  w.q.resize(static_cast<size_t>(max_rows) * D);
-  w.o.resize(static_cast<size_t>(max_rows) * D);
-  w.s.resize(static_cast<size_t>(max_rows) * kKeys);
-  w.p.resize(static_cast<size_t>(max_rows) * kKeys);
-  w.m.resize(max_rows);
-  w.l.resize(max_rows);
-  w.limit.resize(max_rows);
+  size_block(w, s.tokens * G, D);
   const at::BFloat16* qb = reinterpret_cast<const at::BFloat16*>(w.q.data());
   const at::BFloat16* kb = reinterpret_cast<const at::BFloat16*>(w.k.data());
   const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(w.v.data());
   const at::BFloat16* pb = reinterpret_cast<const at::BFloat16*>(w.p.data());
   for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
     const int t1 = std::min(t_hi, t0 + s.tokens);
-    const int R = (t1 - t0) * G;
-    for (int t = t0; t < t1; ++t)
-      for (int g = 0; g < G; ++g) {
-        const int r = (t - t0) * G + g;
-        copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
-        w.m[r] = kNegInf;
-        w.l[r] = 0.0f;
-        w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;
-      }
-    std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
+    const int R = start_block(p, s, it, t0, t1, G, w);
     const int kend = kend_of(s, t1, p.causal);
     for (int c = 0; c < kend; c += kKeys) {
       const int n = std::min(kKeys, kend - c);
@@ -602,11 +599,6 @@ void run(const Problem<T>& p, int num_seqs) {
   });
 }
 
-void check_index(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt32 && t.dim() == 1 && t.is_contiguous(),
-              name, " must be a contiguous 1-D int32 CPU tensor");
-}
-
 }  // namespace
 
 // q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; returns (out [T, Hq, D], lse [T, Hq] fp32).
@@ -614,26 +606,10 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
                                              torch::Tensor qo_indptr, torch::Tensor kv_indptr,
                                              torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                              double scale, bool causal, const std::string& bf16_gemm) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
-              "q must be a CPU [T, Hq, D] tensor, last dim contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache/v_cache must be contiguous [pages, page_size, Hkv, D] tensors of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the KV cache must have one dtype");
-  check_index(qo_indptr, "qo_indptr");
-  check_index(kv_indptr, "kv_indptr");
-  check_index(kv_indices, "kv_indices");
-  check_index(kv_last_page_len, "kv_last_page_len");
-  const int num_seqs = qo_indptr.size(0) - 1;
-  TORCH_CHECK(kv_indptr.size(0) == num_seqs + 1 && kv_last_page_len.size(0) == num_seqs, "metadata sizes disagree");
-  const int hq = q.size(1), D = q.size(2);
-  const int hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= kMaxDim,
-              "head_dim must match, be a multiple of 16 and <= 256");
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(qo_indptr[num_seqs].item<int>() == q.size(0), "qo_indptr[-1] must equal the number of query rows");
-  const int page_size = k_cache.size(1);
+  const radixserve::PagedShape shape = radixserve::check_paged_inputs(
+      q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kMaxDim);
+  const int num_seqs = shape.num_seqs, hq = shape.hq, hkv = shape.hkv, D = shape.head_dim;
+  const int page_size = shape.page_size;
   const int32_t* qo = qo_indptr.data_ptr<int32_t>();
   const int32_t* kvp = kv_indptr.data_ptr<int32_t>();
   const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
