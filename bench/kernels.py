@@ -99,6 +99,8 @@ def run(args) -> int:
                     b.dense_min_tokens = 1 << 30
                 elif mode == "flash":
                     b.dense_path = "flash"
+                elif mode == "gemm":
+                    b.dense_path = "gemm"
                 backends[mode] = b
         times = {m: [] for m in backends}
         for rep in range(args.repeats + 1):

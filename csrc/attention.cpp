@@ -550,7 +550,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over FlashInfer-format metadata; returns (out, lse base 2)");
   m.def("prefill_attention", &prefill_attention,
         "Many-row (prefill/extend) paged attention through GEMMs, same arguments and results as paged_attention; "
-        "bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else MKL), 'brgemm' or 'mkl'",
+        "bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else widened to fp32), 'brgemm' or 'fp32'",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qo_indptr"), py::arg("kv_indptr"),
         py::arg("kv_indices"), py::arg("kv_last_page_len"), py::arg("scale"), py::arg("causal"),
         py::arg("bf16_gemm") = "auto");

@@ -8,14 +8,22 @@
 //
 // Work: per (sequence, KV head), the query rows are the G query heads of that KV head times the
 // chunk's tokens (GQA folded into the rows, so each K/V row is read once per group), cut into
-// blocks of ~kRows rows. A work item is one (sequence, KV head) with a range of its blocks; its K/V
-// are read in place when the sequence's pages are one ascending run of slots (the pool gives the
-// leading dimension), else gathered once into a contiguous per-thread tile that all of the item's
-// blocks reuse. Per block and tile of kKeys keys: S = scale * Q K^T as one GEMM, an online softmax
-// pass over S (vectorised exp2), O += P V as one GEMM. fp32 runs MKL sgemm; bf16 runs MKL's
-// bf16 x bf16 -> fp32 GEMM (AMX where the CPU has it) with P rounded to bf16, as torch's flash
-// kernel does; fp16 is widened to fp32. Items are handed out longest first from an atomic
-// counter, so uneven chunks balance across threads. Softmax statistics and accumulation are fp32.
+// blocks of ~kRows rows. A work item is one (sequence, KV head) with a range of its blocks; its
+// keys are prepared once for all of the item's blocks. Per block and tile of kKeys keys:
+// S = Q K^T, an online softmax pass over S (vectorised exp2, scores in base 2), O += P V.
+// Items are handed out longest first from an atomic counter, so uneven chunks balance across
+// threads. Softmax statistics and accumulation are fp32.
+//
+// Two paths:
+// - fp32 compute (fp32; fp16 and bf16 widened to fp32 where bf16 has no AMX): register-blocked
+//   AVX-512 micro-kernels. K^T is packed once per item into tiles of [D][keys] (16 x 16
+//   transposes, widening as it goes), S is a 12-row x 32-key block of FMAs over D, and P V reads
+//   V rows in place when the sequence's slots are one ascending run (else gathered once), a 6-row
+//   x 64-dim block of FMAs per key. Each row block stops at its last visible key, so the causal
+//   diagonal tiles cost about half. MKL's sgemm on the same small blocks spent much of its time
+//   re-packing both operands on every call. Without AVX-512 the blocks go to MKL's sgemm.
+// - bf16 on AMX: oneDNN's brgemm (run_item_amx), K^T and V packed into VNNI blocks, P rounded to
+//   bf16 as torch's flash kernel does.
 
 #include <torch/extension.h>
 
@@ -41,11 +49,6 @@
 #include <immintrin.h>
 #endif
 
-// cblas_gemm_bf16bf16f32 is exported by the MKL inside torch's CPU wheels, like sgemm_.
-extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                                       const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
-                                       int ldc);
-
 namespace {
 
 #ifndef PREFILL_ROWS  // (both overridable with -D for tuning builds)
@@ -59,7 +62,6 @@ constexpr int kKeys = PREFILL_KEYS;  // keys per tile of the online softmax (a m
 static_assert(kRows >= 1, "PREFILL_ROWS must be at least 1");
 static_assert(kKeys >= 32 && kKeys % 32 == 0, "PREFILL_KEYS must be a positive multiple of 32 (AMX tiles, key packing)");
 constexpr int kMaxDim = 256;
-constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 2^x, x <= 0 (clamped at -126): 2^(x - n) by a degree-7 polynomial on [-0.5, 0.5] times 2^n in the
@@ -88,22 +90,19 @@ inline uint16_t to_bf16_bits(float x) {  // round to nearest even (inputs are fi
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// The type the GEMMs read: bf16 stays bf16 (as raw bits), fp32 and fp16 run in fp32.
-template <typename T>
-using Compute = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, float>;
-
-template <typename T>
-inline void copy_row(const T* src, Compute<T>* dst, int d) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    std::memcpy(dst, src, sizeof(uint16_t) * d);
-  } else if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, sizeof(float) * d);
+// Copy (and widen) d values of a row: bf16 bits stay bf16 for the AMX path, everything else
+// becomes fp32.
+template <typename T, typename C>
+inline void copy_row(const T* src, C* dst, int d) {
+  if constexpr (sizeof(T) == sizeof(C)) {
+    std::memcpy(dst, src, sizeof(C) * d);
   } else {
 #pragma omp simd
     for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
 
+// The fallback of builds without AVX-512: MKL sgemm (run sequentially inside the parallel region).
 // S [m][n] (row-major, ld ldc) = alpha * A [m][k] B[n][k]^T
 inline void gemm_abt(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb, float* c,
                      int ldc) {
@@ -112,19 +111,11 @@ inline void gemm_abt(int m, int n, int k, float alpha, const float* a, int lda, 
   const float zero = 0.0f;
   sgemm_(&t, &nn, &n, &m, &k, &alpha, b, &ldb, a, &lda, &zero, c, &ldc);
 }
-inline void gemm_abt(int m, int n, int k, float alpha, const uint16_t* a, int lda, const uint16_t* b, int ldb,
-                     float* c, int ldc) {
-  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasTrans, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
-}
 // O [m][n] (row-major, ld ldc) += A [m][k] B [k][n]
 inline void gemm_ab_acc(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
   const char nn = 'N';
   const float one = 1.0f;
   sgemm_(&nn, &nn, &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
-}
-inline void gemm_ab_acc(int m, int n, int k, const uint16_t* a, int lda, const uint16_t* b, int ldb, float* c,
-                        int ldc) {
-  cblas_gemm_bf16bf16f32(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k, 1.0f, a, lda, b, ldb, 1.0f, c, ldc);
 }
 
 template <typename T>
@@ -319,76 +310,6 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
   l += sum;
 }
 
-template <typename T>
-void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<Compute<T>>& w) {
-  using C = Compute<T>;
-  const int D = p.dim, G = p.group;
-  const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
-  const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
-  const int hq = p.num_kv_heads * G;
-  // K/V of keys [0, kmax): in place when the slots run in order, else gathered once for all blocks.
-  const C* kb;
-  const C* vb;
-  int ld;
-  if (s.first_slot >= 0 && !std::is_same_v<T, c10::Half>) {
-    const int64_t off = s.first_slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-    kb = reinterpret_cast<const C*>(p.k + off);
-    vb = reinterpret_cast<const C*>(p.v + off);
-    ld = static_cast<int>(p.slot_stride);
-  } else {
-    if (w.k.size() < static_cast<size_t>(kmax) * D) {
-      w.k.resize(static_cast<size_t>(kmax) * D);
-      w.v.resize(static_cast<size_t>(kmax) * D);
-    }
-    const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
-    for (int pos = 0; pos < kmax; ++pos) {
-      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
-      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-      copy_row(p.k + off, w.k.data() + static_cast<int64_t>(pos) * D, D);
-      copy_row(p.v + off, w.v.data() + static_cast<int64_t>(pos) * D, D);
-    }
-    kb = w.k.data();
-    vb = w.v.data();
-    ld = D;
-  }
-  size_block(w, s.tokens * G, D);
-  for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
-    const int t1 = std::min(t_hi, t0 + s.tokens);
-    const int R = start_block(p, s, it, t0, t1, G, w);
-    const int kend = kend_of(s, t1, p.causal);
-    for (int c = 0; c < kend; c += kKeys) {
-      const int n = std::min(kKeys, kend - c);
-      float* sb = w.s.data();
-      gemm_abt(R, n, D, p.scale_log2, w.q.data(), D, kb + static_cast<int64_t>(c) * ld, ld, sb, kKeys);
-      for (int r = 0; r < R; ++r) {
-        const int valid = std::min(n, w.limit[r] - c);
-        uint16_t* pb = std::is_same_v<C, uint16_t> ? w.p.data() + static_cast<int64_t>(r) * kKeys : nullptr;
-        softmax_row<C>(sb + static_cast<int64_t>(r) * kKeys, n, valid, 1.0f, w.m[r], w.l[r], w.o.data() + r * D, D,
-                       pb);
-      }
-      const C* pm;
-      if constexpr (std::is_same_v<C, uint16_t>) pm = w.p.data();
-      else pm = sb;
-      gemm_ab_acc(R, D, n, pm, kKeys, vb + static_cast<int64_t>(c) * ld, ld, w.o.data(), D);
-    }
-    for (int t = t0; t < t1; ++t)
-      for (int g = 0; g < G; ++g) {
-        const int r = (t - t0) * G + g;
-        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
-        const float* orow = w.o.data() + r * D;
-        T* dst = p.out + row * D;
-        if (w.l[r] > 0.0f) {
-          const float inv = 1.0f / w.l[r];
-          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(orow[d] * inv);
-          p.lse[row] = w.m[r] + std::log2(w.l[r]);
-        } else {  // no key visible (an empty context): output 0, LSE -inf
-          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
-          p.lse[row] = kNegInf;
-        }
-      }
-  }
-}
-
 // bf16 through oneDNN's brgemm ukernel (torch's at::native::cpublas::brgemm: AMX tiles), where
 // cpublas::could_pack says the CPU has it. Its B operand is VNNI-packed: pairs of consecutive K
 // rows interleaved ([K/2][N][2]). The gather writes K^T and V in that layout directly, zero-padded:
@@ -537,6 +458,245 @@ void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it,
   }
 }
 
+// -- the fp32-compute path ---------------------------------------------------------------------
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
+constexpr int kQkRows = 12;  // S block: 12 rows x 32 keys = 24 accumulators
+constexpr int kPvRows = 6;   // P V block: 6 rows x 64 dims = 24 accumulators
+constexpr int kPvKeys = 128;  // keys per pass of P V, so the V rows of a pass stay in L1
+
+// S[r][j0 + 16x] = sum_d Q[r][d] KT[d][j0 + 16x] for RB rows and NB vectors of 16 keys. kt is
+// the tile at column j0 (row stride width), q rows of D values, s rows of lds.
+template <int RB, int NB>
+inline void qk_block(const float* q, int D, const float* kt, int width, float* s, int lds) {
+  __m512 acc[RB][NB];
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+    for (int x = 0; x < NB; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 b[NB];
+#pragma GCC unroll 2
+    for (int x = 0; x < NB; ++x) b[x] = _mm512_loadu_ps(kt + static_cast<int64_t>(d) * width + 16 * x);
+#pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const __m512 a = _mm512_set1_ps(q[r * D + d]);
+#pragma GCC unroll 2
+      for (int x = 0; x < NB; ++x) acc[r][x] = _mm512_fmadd_ps(a, b[x], acc[r][x]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+    for (int x = 0; x < NB; ++x) _mm512_storeu_ps(s + static_cast<int64_t>(r) * lds + 16 * x, acc[r][x]);
+}
+
+template <int NB>
+inline void qk_rows(int rb, const float* q, int D, const float* kt, int width, float* s, int lds) {
+  switch (rb) {  // the row tail of a block
+    case 1: return qk_block<1, NB>(q, D, kt, width, s, lds);
+    case 2: return qk_block<2, NB>(q, D, kt, width, s, lds);
+    case 3: return qk_block<3, NB>(q, D, kt, width, s, lds);
+    case 4: return qk_block<4, NB>(q, D, kt, width, s, lds);
+    case 5: return qk_block<5, NB>(q, D, kt, width, s, lds);
+    case 6: return qk_block<6, NB>(q, D, kt, width, s, lds);
+    case 7: return qk_block<7, NB>(q, D, kt, width, s, lds);
+    case 8: return qk_block<8, NB>(q, D, kt, width, s, lds);
+    case 9: return qk_block<9, NB>(q, D, kt, width, s, lds);
+    case 10: return qk_block<10, NB>(q, D, kt, width, s, lds);
+    case 11: return qk_block<11, NB>(q, D, kt, width, s, lds);
+    default: return qk_block<12, NB>(q, D, kt, width, s, lds);
+  }
+}
+
+// O[r][16x] += sum_j P[r][j] V[j][16x], j < nk, for RB rows and NV vectors of 16 dims.
+template <int RB, int NV>
+inline void pv_block(const float* pm, int ldp, int nk, const float* v, int64_t ldv, float* o, int D) {
+  __m512 acc[RB][NV];
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < NV; ++x) acc[r][x] = _mm512_loadu_ps(o + r * D + 16 * x);
+  for (int j = 0; j < nk; ++j) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int x = 0; x < NV; ++x) b[x] = _mm512_loadu_ps(v + j * ldv + 16 * x);
+#pragma GCC unroll 6
+    for (int r = 0; r < RB; ++r) {
+      const __m512 a = _mm512_set1_ps(pm[static_cast<int64_t>(r) * ldp + j]);
+#pragma GCC unroll 4
+      for (int x = 0; x < NV; ++x) acc[r][x] = _mm512_fmadd_ps(a, b[x], acc[r][x]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < NV; ++x) _mm512_storeu_ps(o + r * D + 16 * x, acc[r][x]);
+}
+
+template <int RB>
+inline void pv_dims(const float* pm, int ldp, int nk, const float* v, int64_t ldv, float* o, int D) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_block<RB, 4>(pm, ldp, nk, v + d0, ldv, o + d0, D);
+  switch ((D - d0) / 16) {  // head_dim is a multiple of 16
+    case 1: return pv_block<RB, 1>(pm, ldp, nk, v + d0, ldv, o + d0, D);
+    case 2: return pv_block<RB, 2>(pm, ldp, nk, v + d0, ldv, o + d0, D);
+    case 3: return pv_block<RB, 3>(pm, ldp, nk, v + d0, ldv, o + d0, D);
+    default: return;
+  }
+}
+
+inline void pv_rows(int rb, const float* pm, int ldp, int nk, const float* v, int64_t ldv, float* o, int D) {
+  switch (rb) {
+    case 1: return pv_dims<1>(pm, ldp, nk, v, ldv, o, D);
+    case 2: return pv_dims<2>(pm, ldp, nk, v, ldv, o, D);
+    case 3: return pv_dims<3>(pm, ldp, nk, v, ldv, o, D);
+    case 4: return pv_dims<4>(pm, ldp, nk, v, ldv, o, D);
+    case 5: return pv_dims<5>(pm, ldp, nk, v, ldv, o, D);
+    default: return pv_dims<6>(pm, ldp, nk, v, ldv, o, D);
+  }
+}
+
+// K^T of keys [0, kmax) into tiles of kKeys keys, widened to fp32: tile c (keys [c, c + width),
+// width = min(kKeys, kpad - c)) at kt + c * D, value (d, j) at d * width + j; keys past kmax are 0.
+// kpad: kmax rounded up to 16.
+template <typename T>
+void pack_keys_f32(const Problem<T>& p, const Seq& s, const int32_t* pages, int head, int kmax, int kpad,
+                   float* kt, float* rows16) {
+  const int D = p.dim;
+  for (int c = 0; c < kpad; c += kKeys) {
+    const int width = std::min(kKeys, kpad - c);
+    float* tile = kt + static_cast<int64_t>(c) * D;
+    for (int j0 = 0; j0 < width; j0 += 16) {
+      const uint32_t* rows[16];
+      for (int i = 0; i < 16; ++i) {
+        const int pos = c + j0 + i;
+        if (pos >= kmax) {
+          rows[i] = nullptr;
+          continue;
+        }
+        const int64_t slot = s.first_slot >= 0 ? s.first_slot + pos
+                                               : static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size +
+                                                     pos % p.page_size;
+        const T* src = p.k + slot * p.slot_stride + static_cast<int64_t>(head) * D;
+        if constexpr (std::is_same_v<T, float>) {
+          rows[i] = reinterpret_cast<const uint32_t*>(src);
+        } else {
+          copy_row(src, rows16 + i * D, D);
+          rows[i] = reinterpret_cast<const uint32_t*>(rows16 + i * D);
+        }
+      }
+      for (int dp = 0; dp < D; dp += 16)
+        transpose16(rows, dp, reinterpret_cast<uint32_t*>(tile + static_cast<int64_t>(dp) * width + j0), width);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>& w) {
+  const int D = p.dim, G = p.group;
+  const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
+  const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
+  const int hq = p.num_kv_heads * G;
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  // V of keys [0, kmax) (and K for the sgemm fallback): in place when fp32 and the slots run in
+  // order, else gathered (widened) once for all blocks.
+  const float* kb = nullptr;
+  const float* vb;
+  int64_t ld;
+  constexpr bool kF32 = std::is_same_v<T, float>;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  constexpr bool kMicro = true;
+#else
+  constexpr bool kMicro = false;
+#endif
+  if (kF32 && s.first_slot >= 0) {
+    const int64_t off = s.first_slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+    kb = reinterpret_cast<const float*>(p.k + off);
+    vb = reinterpret_cast<const float*>(p.v + off);
+    ld = p.slot_stride;
+  } else {
+    if (w.v.size() < static_cast<size_t>(kmax) * D) w.v.resize(static_cast<size_t>(kmax) * D);
+    if (!kMicro && w.k.size() < static_cast<size_t>(kmax) * D) w.k.resize(static_cast<size_t>(kmax) * D);
+    for (int pos = 0; pos < kmax; ++pos) {
+      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
+      copy_row(p.v + off, w.v.data() + static_cast<int64_t>(pos) * D, D);
+      if (!kMicro) copy_row(p.k + off, w.k.data() + static_cast<int64_t>(pos) * D, D);
+    }
+    kb = w.k.data();
+    vb = w.v.data();
+    ld = D;
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  (void)kb;  // (the micro-kernels read K through the packed K^T)
+  const int kpad = (kmax + 15) / 16 * 16;
+  if (w.k.size() < static_cast<size_t>(kpad) * D + 16 * static_cast<size_t>(D))
+    w.k.resize(static_cast<size_t>(kpad) * D + 16 * static_cast<size_t>(D));
+  float* kt = w.k.data();  // K^T tiles, then 16 rows of scratch for the widening
+  pack_keys_f32(p, s, pages, it.head, kmax, kpad, kt, kt + static_cast<int64_t>(kpad) * D);
+  const float softmax_scale = p.scale_log2;  // the micro-kernels compute Q K^T unscaled
+#else
+  const float softmax_scale = 1.0f;  // sgemm applies it as alpha
+#endif
+  size_block(w, s.tokens * G, D);
+  for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
+    const int t1 = std::min(t_hi, t0 + s.tokens);
+    const int R = start_block(p, s, it, t0, t1, G, w);
+    const int kend = kend_of(s, t1, p.causal);
+    for (int c = 0; c < kend; c += kKeys) {
+      const int n = std::min(kKeys, kend - c);
+      float* sb = w.s.data();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      const int width = std::min(kKeys, kpad - c);
+      const float* tile = kt + static_cast<int64_t>(c) * D;
+      for (int r0 = 0; r0 < R; r0 += kQkRows) {  // each row block up to its last visible key
+        const int rb = std::min(kQkRows, R - r0);
+        const int cols = (std::clamp(w.limit[r0 + rb - 1] - c, 0, n) + 15) / 16 * 16;
+        int j0 = 0;
+        for (; j0 + 32 <= cols; j0 += 32)
+          qk_rows<2>(rb, w.q.data() + static_cast<int64_t>(r0) * D, D, tile + j0, width, sb + r0 * kKeys + j0, kKeys);
+        if (j0 < cols)
+          qk_rows<1>(rb, w.q.data() + static_cast<int64_t>(r0) * D, D, tile + j0, width, sb + r0 * kKeys + j0, kKeys);
+      }
+#else
+      gemm_abt(R, n, D, p.scale_log2, w.q.data(), D, kb + c * ld, static_cast<int>(ld), sb, kKeys);
+#endif
+      for (int r = 0; r < R; ++r)
+        softmax_row<float>(sb + static_cast<int64_t>(r) * kKeys, n, std::min(n, w.limit[r] - c), softmax_scale, w.m[r],
+                           w.l[r], w.o.data() + r * D, D, nullptr);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      for (int k0 = 0; k0 < n; k0 += kPvKeys) {  // P is 0 past each row's last visible key
+        for (int r0 = 0; r0 < R; r0 += kPvRows) {
+          const int rb = std::min(kPvRows, R - r0);
+          const int nk = std::clamp(w.limit[r0 + rb - 1] - c - k0, 0, std::min(kPvKeys, n - k0));
+          if (nk > 0)
+            pv_rows(rb, sb + static_cast<int64_t>(r0) * kKeys + k0, kKeys, nk, vb + (c + k0) * ld, ld,
+                    w.o.data() + static_cast<int64_t>(r0) * D, D);
+        }
+      }
+#else
+      gemm_ab_acc(R, D, n, sb, kKeys, vb + c * ld, static_cast<int>(ld), w.o.data(), D);
+#endif
+    }
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
+        const float* orow = w.o.data() + r * D;
+        T* dst = p.out + row * D;
+        if (w.l[r] > 0.0f) {
+          const float inv = 1.0f / w.l[r];
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(orow[d] * inv);
+          p.lse[row] = w.m[r] + std::log2(w.l[r]);
+        } else {  // no key visible (an empty context): output 0, LSE -inf
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
+          p.lse[row] = kNegInf;
+        }
+      }
+  }
+}
+
 template <typename T>
 void run(const Problem<T>& p, int num_seqs) {
   const int G = p.group;
@@ -585,11 +745,12 @@ void run(const Problem<T>& p, int num_seqs) {
   bool amx = false;
   if constexpr (std::is_same_v<T, c10::BFloat16>) amx = p.amx;
   at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
-    Scratch<Compute<T>> w;
+    Scratch<float> w;
+    Scratch<uint16_t> wb;  // (the AMX path's; stays empty otherwise)
     for (int64_t i = next++; i < n_items; i = next++) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (amx) {
-          run_item_amx(p, seqs[items[i].seq], items[i], w);
+          run_item_amx(p, seqs[items[i].seq], items[i], wb);
           continue;
         }
       }
@@ -623,11 +784,11 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
   auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
   auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
   if (q.size(0) == 0) return {out, lse};
-  TORCH_CHECK(bf16_gemm == "auto" || bf16_gemm == "brgemm" || bf16_gemm == "mkl",
-              "bf16_gemm must be 'auto', 'brgemm' or 'mkl', not '", bf16_gemm, "'");
+  TORCH_CHECK(bf16_gemm == "auto" || bf16_gemm == "brgemm" || bf16_gemm == "fp32",
+              "bf16_gemm must be 'auto', 'brgemm' or 'fp32', not '", bf16_gemm, "'");
   const bool packs = at::native::cpublas::could_pack(at::kBFloat16);
   TORCH_CHECK(packs || bf16_gemm != "brgemm", "bf16_gemm 'brgemm' needs a CPU with AMX (cpublas::could_pack)");
-  const bool use_amx = bf16_gemm != "mkl" && packs;
+  const bool use_amx = bf16_gemm != "fp32" && packs;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 is not supported");

@@ -65,10 +65,10 @@ def test_prefill_kernel_empty_context_and_lse_against_torch():
     torch.testing.assert_close(lse[2:], ref_lse.view(2, 4, 2).permute(1, 0, 2).reshape(4, 4), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gemm", ["mkl", "brgemm"])
+@pytest.mark.parametrize("gemm", ["fp32", "brgemm"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim):
-    # bf16 runs on MKL's bf16 GEMM or on brgemm (AMX, VNNI-packed K/V in column blocks of 64: a
+    # bf16 runs widened to fp32 (the micro-kernels) or on brgemm (AMX, VNNI-packed K/V in column blocks of 64: a
     # head_dim of 80 leaves a partial block)
     if gemm == "brgemm" and not ext.bf16_brgemm():
         pytest.skip("no AMX: brgemm is not available on this CPU")

@@ -7,8 +7,7 @@ metadata, so nothing is gathered per layer:
   cascade group: one ``paged_attention`` call (bottom-right causal);
 * prefill/extend chunks of many new tokens: one ``prefill_attention`` call for all of them
   (csrc/prefill.cpp: GEMM-shaped, cached prefix and own tokens together, bottom-right causal);
-  or, by dtype (:func:`dense_path_for`) or ``dense_path = "flash"``, torch's flash kernel per
-  sequence (:mod:`cpu_dense`);
+  or, with ``dense_path = "flash"``, torch's flash kernel per sequence (:mod:`cpu_dense`);
 * cascade groups: the grouped queries against their shared prefix (one multi-query "sequence"
   per group, not causal: one ``prefill_attention`` call) and against their own suffixes, both
   returning base-2 LSEs, then one fused merge.
@@ -38,14 +37,6 @@ DENSE_MIN_TOKENS = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 32}
 GEMM_MIN_TOKENS = 2
 
 
-# The many-row path (python -m bench kernels --modes flash,gemm): the csrc/ GEMM kernel, except bf16
-# on a CPU without AMX, where MKL's bf16 GEMM on 128-row blocks does not beat torch's flash kernel.
-
-
-def dense_path_for(dtype: torch.dtype, ext) -> str:
-    return "flash" if dtype == torch.bfloat16 and not ext.bf16_brgemm() else "gemm"
-
-
 def dense_min_tokens_for(dtype: torch.dtype, path: str = "gemm") -> int:
     return GEMM_MIN_TOKENS if path == "gemm" else DENSE_MIN_TOKENS.get(dtype, 16)
 
@@ -72,9 +63,10 @@ class CpuAttention(AttentionBackend):
     (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
     pool's dtype and the path."""
     dense_path: str | None = None
-    """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch) or "flash" (torch's flash
-    kernel per sequence, :mod:`~radixserve.attention.cpu_dense`). None: :func:`dense_path_for`
-    the pool's dtype."""
+    """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch; the default for every
+    dtype: bf16 runs on AMX tiles, or widened to fp32 on the AVX-512 micro-kernels where the CPU
+    has no AMX, 115 vs 49 GFLOP/s for torch's flash kernel there, one thread, 16 x 128 over 2176
+    keys) or "flash" (torch's flash kernel per sequence, :mod:`~radixserve.attention.cpu_dense`)."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool
@@ -87,7 +79,7 @@ class CpuAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._meta = metadata
-        self._path = self.dense_path or dense_path_for(self.pool.k[0].dtype, self.ext)
+        self._path = self.dense_path or "gemm"
         cascade = metadata.cascade
         self._flat = None
         self._grouped = None
