@@ -15,15 +15,19 @@ from radixserve.attention.torch_backend import TorchAttention
 from radixserve.kv.pool import KVPool
 
 
-def run_attention(pool, q, k, v, tables, kv_lens, page_size, groups=()):
+def run_attention(pool, q, k, v, tables, kv_lens, page_size, groups=(), qo_lens=None):
     backend = TorchAttention(pool, scale=q.shape[-1] ** -0.5)
-    backend.plan(build_metadata(tables, kv_lens, [1] * len(tables), page_size, groups=groups))
+    qo_lens = qo_lens or [1] * len(tables)
+    backend.plan(build_metadata(tables, kv_lens, qo_lens, page_size, groups=groups))
     return backend.forward(q, k, v, layer=0)
 
 
+@pytest.mark.parametrize("extends", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_cascade_equals_flat(page_size, seed):
+def test_cascade_equals_flat(page_size, seed, extends):
+    # with extends: group members (and ungrouped sequences) have several new tokens, all after
+    # the shared prefix, each attending to the prefix and to its own suffix causally
     rng = random.Random(seed)
     heads, kv_heads, dim = rng.choice([(4, 2, 16), (8, 8, 8), (6, 1, 16)])
     pool = KVPool(num_layers=1, num_pages=4096 // page_size, page_size=page_size,
@@ -32,26 +36,42 @@ def test_cascade_equals_flat(page_size, seed):
     pool.k[0].normal_(generator=g)
     pool.v[0].normal_(generator=g)
 
-    tables, kv_lens, groups = [], [], []
+    tables, kv_lens, qo_lens, groups = [], [], [], []
     for _ in range(rng.randint(1, 4)):  # groups, each with its own shared prefix (maybe empty)
         prefix_pages = pool.alloc(rng.choice([0, 1, 3, 17]))
         members = rng.randint(1, 5)
         groups.append((len(tables), members, len(prefix_pages) * page_size))
         for _ in range(members):
-            suffix = rng.randint(1, 3 * page_size + 5)  # includes the new token
+            suffix = rng.randint(1, 3 * page_size + 5)  # includes the new tokens
             tables.append(prefix_pages + pool.alloc(-(-suffix // page_size)))
             kv_lens.append(len(prefix_pages) * page_size + suffix)
-    for _ in range(rng.randint(0, 3)):  # ungrouped decodes alongside
+            qo_lens.append(rng.randint(1, suffix) if extends else 1)
+    for _ in range(rng.randint(0, 3)):  # ungrouped sequences alongside
         n = rng.randint(1, 40)
         tables.append(pool.alloc(-(-n // page_size)))
         kv_lens.append(n)
+        qo_lens.append(rng.randint(1, n) if extends else 1)
 
-    q = torch.randn(len(tables), heads, dim, generator=g)
-    k = torch.randn(len(tables), kv_heads, dim, generator=g)
-    v = torch.randn(len(tables), kv_heads, dim, generator=g)
-    flat = run_attention(pool, q, k, v, tables, kv_lens, page_size)
-    cascade = run_attention(pool, q, k, v, tables, kv_lens, page_size, groups)
+    rows = sum(qo_lens)
+    q = torch.randn(rows, heads, dim, generator=g)
+    k = torch.randn(rows, kv_heads, dim, generator=g)
+    v = torch.randn(rows, kv_heads, dim, generator=g)
+    flat = run_attention(pool, q, k, v, tables, kv_lens, page_size, qo_lens=qo_lens)
+    cascade = run_attention(pool, q, k, v, tables, kv_lens, page_size, groups, qo_lens=qo_lens)
     torch.testing.assert_close(cascade, flat, atol=1e-5, rtol=0)
+
+
+def test_cascade_metadata_of_extends():
+    # rows per group and per member; new tokens that reach into the shared prefix are refused
+    tables = [[0, 1, 2], [0, 1, 3], [4]]
+    meta = build_metadata(tables, [11, 12, 3], [3, 4, 2], 4, groups=[(0, 2, 8)])
+    c = meta.cascade
+    assert c.prefix_qo_indptr.tolist() == [0, 7] and c.suffix_qo_indptr.tolist() == [0, 3, 7]
+    assert c.suffix_kv_indptr.tolist() == [0, 1, 2] and c.suffix_kv_last_page_len.tolist() == [3, 4]
+    assert not c.decodes_only
+    assert build_metadata(tables, [11, 12, 3], [1, 1, 2], 4, groups=[(0, 2, 8)]).cascade.decodes_only
+    with pytest.raises(AssertionError, match="follow its shared prefix"):
+        build_metadata(tables, [11, 12, 3], [3, 5, 2], 4, groups=[(0, 2, 8)])
 
 
 def test_empty_kv_sets_merge_as_no_ops():
@@ -80,6 +100,16 @@ def test_greedy_tokens_unchanged_with_cascade(llama_dir):
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == reference
     assert engine.stats()["cascade_steps"] > 0
+    # extends in groups: the first request caches the system prompt, then the others' tails (3 to
+    # 31 new tokens) run as one cascade group over it, on the backend that takes extends
+    assert engine.runner.attention.cascade_extends
+    engine = Engine(llama_dir, kv_cache_tokens=4096, cascade_min_shared_tokens=1, debug_checks=True)
+    seen = []
+    plan = engine.runner.attention.plan
+    engine.runner.attention.plan = lambda meta: (seen.append(meta.cascade), plan(meta))[1]
+    assert [o.token_ids for o in engine.generate(prompts[:1], params)] == reference[:1]
+    assert [o.token_ids for o in engine.generate(prompts[1:], params)] == reference[1:]
+    assert any(c is not None and not c.decodes_only for c in seen)
     off = Engine(llama_dir, kv_cache_tokens=4096, cascade_min_shared_tokens=None)
     off.generate(prompts, params)
     assert off.stats()["cascade_steps"] == 0

@@ -173,6 +173,20 @@ def test_cascade_groups_equal_torch(dtype, page_size, path):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("path", ["gemm", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cascade_groups_with_extends_equal_torch(dtype, page_size, path):
+    # groups of extend chunks and decodes over a shared prefix (level 1 on the GEMM kernel,
+    # bottom-right causal in each suffix), a group of extends only, ungrouped sequences around
+    qo_kv = [(5, 60), (17, 400), (1, 290), (130, 420), (1, 300), (8, 80), (33, 70), (9, 9), (40, 400)]
+    groups = ((1, 4, 256), (5, 2, 32))
+    pool, meta, q, k, v = make_case(17 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
+    assert not meta.cascade.decodes_only
+    got, want = both(pool, meta, q, k, v, dense_path=path)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 def test_empty_context_and_lse_base2():
     # non-causal level with an empty KV set: out 0, lse -inf; otherwise lse equals the torch one
     pool, _, q, _, _ = make_case(5, 16, 4, 2, torch.float32, qo_kv=[(1, 64)])

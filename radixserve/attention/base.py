@@ -22,6 +22,11 @@ class AttentionBackend(ABC):
     prefix tokens: the engine's default (``cascade_min_shared_tokens="auto"``). 16384 is the torch
     backend's break-even in ``python -m bench cascade --backend torch`` (8 x 2048: 1.48x; 4 x 1024: 0.80x)."""
 
+    cascade_extends: bool = False
+    """Whether cascade groups may hold extend chunks (several new tokens after the shared prefix)
+    as well as decodes. Where true, a step's extends over a common cached prefix (agents' next
+    turns under one system prompt) attend to it in one GEMM-shaped level-0 call per group."""
+
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None: ...
 

@@ -8,9 +8,12 @@ metadata, so nothing is gathered per layer:
 * prefill/extend chunks of many new tokens: one ``prefill_attention`` call for all of them
   (csrc/prefill.cpp: GEMM-shaped, cached prefix and own tokens together, bottom-right causal);
   or, with ``dense_path = "flash"``, torch's flash kernel per sequence (:mod:`cpu_dense`);
-* cascade groups: the grouped queries against their shared prefix (one multi-query "sequence"
-  per group, not causal: one ``prefill_attention`` call) and against their own suffixes, both
-  returning base-2 LSEs, then one fused merge.
+* cascade groups (decodes and extend chunks over a shared cached prefix): every new token of a
+  group against the shared prefix (one multi-query "sequence" per group, not causal: one
+  ``prefill_attention`` call, so the prefix's K/V are packed once per group and KV head, not once
+  per member) and each member's tokens against its own suffix (the decode kernel when all are
+  decodes, else the GEMM kernel, bottom-right causal), both returning base-2 LSEs, then one fused
+  merge.
 
 Supports float32, bfloat16 and float16 KV pools with head_dim a multiple of 16 (up to 256);
 :func:`supports` says whether a pool qualifies, and the runner falls back to the torch backend
@@ -58,6 +61,7 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
+    cascade_extends = True
     dense_min_tokens: int | None = None
     """Ungrouped sequences with at least this many new tokens go to the many-row path; fewer
     (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
@@ -74,7 +78,7 @@ class CpuAttention(AttentionBackend):
         self.ext = ext
         self._meta: AttentionMetadata | None = None
         self._flat: tuple | None = None  # (rows or None: all, qo_indptr, kv_indptr, kv_indices, last_page_len)
-        self._grouped: tuple | None = None  # (rows, one query each, plan_prefixes)
+        self._grouped: tuple | None = None  # (rows, every member a decode, plan_prefixes)
         self._path = "gemm"  # the many-row path of the planned batch (see dense_path)
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -89,8 +93,8 @@ class CpuAttention(AttentionBackend):
             members = set(grouped)
             qo = metadata.qo_indptr.tolist()
             self._grouped = (
-                torch.tensor([qo[i] for i in grouped], dtype=torch.long),
-                torch.arange(len(grouped) + 1, dtype=torch.int32),
+                torch.tensor([r for i in grouped for r in range(qo[i], qo[i + 1])], dtype=torch.long),
+                cascade.decodes_only,  # level 1 on the decode kernel, else on the GEMM kernel (causal)
                 plan_prefixes(metadata) if self._path == "flash" else [],
             )
         least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype, self._path)
@@ -143,12 +147,14 @@ class CpuAttention(AttentionBackend):
             out[first:end] = attend_dense(seq, q, k, v, k_slots, v_slots, self.scale, self.ext.merge_state)
         if self._grouped is None:
             return out
-        rows, one_each, prefixes = self._grouped
+        rows, decodes_only, prefixes = self._grouped
         c = meta.cascade
         if c is None:
             raise InvariantError("cascade groups planned without cascade metadata")
         qg = q.index_select(0, rows)
-        out_s, lse_s = attend(qg, k_cache, v_cache, one_each, c.suffix_kv_indptr, c.suffix_kv_indices,
+        # Level 1: each member's new tokens against its own suffix, bottom-right causal.
+        suffix = attend if decodes_only else self.ext.prefill_attention
+        out_s, lse_s = suffix(qg, k_cache, v_cache, c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices,
                               c.suffix_kv_last_page_len, self.scale, True)
         # Level 0: each group's queries against its shared prefix, GEMM-shaped, not causal.
         if self._path == "flash":

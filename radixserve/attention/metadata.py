@@ -11,9 +11,11 @@ A sequence's KV length is ``(pages - 1) * page_size + last_page_len`` and covers
 prefix plus its new tokens; the new tokens are its *last* ``qo_len`` KV positions (the causal
 mask is aligned bottom-right). Every backend consumes exactly this.
 
-Optionally, runs of decode sequences that share a cached prefix form *cascade groups*: level 0
-holds each group's shared prefix once (FlashInfer's multi-level cascade format, one entry per
-group), level 1 each grouped sequence's own suffix.
+Optionally, runs of sequences that share a cached prefix form *cascade groups*: level 0 holds
+each group's shared prefix once (FlashInfer's multi-level cascade format, one entry per group;
+every new token of the group attends to all of it), level 1 each grouped sequence's own suffix
+(its new tokens bottom-right causal, as in the flat format). Members are decodes, or on backends
+with ``cascade_extends`` also extend chunks whose new tokens all follow the shared prefix.
 """
 
 from __future__ import annotations
@@ -30,13 +32,19 @@ import torch
 class CascadeMetadata:
     groups: tuple[tuple[int, int, int], ...]
     """(first sequence, number of sequences, shared prefix tokens) per group."""
-    prefix_qo_indptr: torch.Tensor  # [G+1] queries per group (one per grouped sequence)
+    prefix_qo_indptr: torch.Tensor  # [G+1] query rows per group (its members' new tokens)
     prefix_kv_indptr: torch.Tensor  # [G+1]
     prefix_kv_indices: torch.Tensor  # shared prefix pages, once per group
     prefix_kv_last_page_len: torch.Tensor  # [G]
-    suffix_kv_indptr: torch.Tensor  # [S+1] over the S grouped sequences, in batch order
+    suffix_qo_indptr: torch.Tensor  # [S+1] query rows of the S grouped sequences, in batch order
+    suffix_kv_indptr: torch.Tensor  # [S+1]
     suffix_kv_indices: torch.Tensor
     suffix_kv_last_page_len: torch.Tensor  # [S]
+
+    @property
+    def decodes_only(self) -> bool:
+        """Whether every grouped sequence has one new token."""
+        return int(self.suffix_qo_indptr[-1]) == len(self.suffix_qo_indptr) - 1
 
 
 @dataclass(frozen=True)
@@ -73,9 +81,9 @@ def build_metadata(
 
     ``page_tables[i]`` must hold at least ``ceil(kv_lens[i] / page_size)`` pages; extra pages
     are ignored. ``groups`` lists cascade groups as (first sequence, count, prefix tokens): the
-    sequences are consecutive decodes whose page tables agree on the first
-    ``prefix / page_size`` pages (``prefix`` a multiple of ``page_size``, below every kv_len;
-    0 is allowed and attends to nothing at level 0).
+    sequences are consecutive, their page tables agree on the first ``prefix / page_size`` pages
+    (``prefix`` a multiple of ``page_size``; 0 is allowed and attends to nothing at level 0), and
+    each one's new tokens follow the prefix (``kv_len - qo_len >= prefix``).
     """
     assert len(page_tables) == len(kv_lens) == len(qo_lens)
     pieces: list[Sequence[int]] = []
@@ -124,19 +132,20 @@ def _cascade(page_tables, kv_lens, qo_lens, page_size, groups, device) -> Cascad
     prefix_indices: list[int] = []
     prefix_indptr, prefix_qo, prefix_last = [0], [0], []
     suffix_indices: list[int] = []
-    suffix_indptr, suffix_last = [0], []
+    suffix_qo, suffix_indptr, suffix_last = [0], [0], []
     for first, count, prefix in groups:
         assert prefix >= 0 and prefix % page_size == 0, (prefix, page_size)
         shared = page_tables[first][: prefix // page_size]
         prefix_indices.extend(shared)
         prefix_indptr.append(len(prefix_indices))
-        prefix_qo.append(prefix_qo[-1] + count)
+        prefix_qo.append(prefix_qo[-1] + sum(qo_lens[first : first + count]))
         prefix_last.append(page_size)
         for i in range(first, first + count):
-            assert qo_lens[i] == 1 and kv_lens[i] > prefix, "cascade groups hold decodes past the prefix"
+            assert kv_lens[i] - qo_lens[i] >= prefix, "a cascade group's new tokens must follow its shared prefix"
             assert list(page_tables[i][: prefix // page_size]) == list(shared), "group members must share pages"
             num_pages = -(-kv_lens[i] // page_size)
             suffix_indices.extend(page_tables[i][prefix // page_size : num_pages])
+            suffix_qo.append(suffix_qo[-1] + qo_lens[i])
             suffix_indptr.append(len(suffix_indices))
             suffix_last.append(kv_lens[i] - (num_pages - 1) * page_size)
 
@@ -149,6 +158,7 @@ def _cascade(page_tables, kv_lens, qo_lens, page_size, groups, device) -> Cascad
         prefix_kv_indptr=i32(prefix_indptr),
         prefix_kv_indices=i32(prefix_indices),
         prefix_kv_last_page_len=i32(prefix_last),
+        suffix_qo_indptr=i32(suffix_qo),
         suffix_kv_indptr=i32(suffix_indptr),
         suffix_kv_indices=i32(suffix_indices),
         suffix_kv_last_page_len=i32(suffix_last),

@@ -13,12 +13,14 @@ from radixserve.kv.pool import KVPool, SlotView
 
 class TorchAttention(AttentionBackend):
     """Decode tokens are attended in one padded, masked SDPA call; prefill chunks one by one;
-    cascade groups (decodes sharing a cached prefix) attend to the prefix once per group and to
-    their own suffixes, merged by log-sum-exp.
+    cascade groups (decodes and extend chunks sharing a cached prefix) attend to the prefix once
+    per group and to their own suffixes (each token its causal part), merged by log-sum-exp.
 
     ``plan`` turns the shared page metadata into gather indices and masks once per batch; every
     layer then reuses them.
     """
+
+    cascade_extends = True  # (the oracle of the CPU kernels, which take extends in groups)
 
     def __init__(self, pool: KVPool, scale: float):
         self.pool = pool
@@ -42,15 +44,21 @@ class TorchAttention(AttentionBackend):
         if metadata.cascade is not None:
             cascade_rows: list[int] = []
             suffixes: list[torch.Tensor] = []
+            visible: list[int] = []
             for first, count, prefix in metadata.cascade.groups:
                 members = range(first, first + count)
                 grouped.update(members)
-                local = torch.arange(len(cascade_rows), len(cascade_rows) + count, device=device)
-                cascade_rows += [qo_indptr[i] for i in members]
-                suffixes += [slots(i)[prefix:] for i in members]
+                start = len(cascade_rows)
+                for i in members:
+                    qo_len, suffix = metadata.qo_lens[i], slots(i)[prefix:]
+                    cascade_rows += range(qo_indptr[i], qo_indptr[i + 1])
+                    suffixes += [suffix] * qo_len
+                    # bottom-right causal within the suffix: token t of n sees len - n + t + 1 keys
+                    visible += range(len(suffix) - qo_len + 1, len(suffix) + 1)
+                local = torch.arange(start, len(cascade_rows), device=device)
                 self._groups.append((local, slots(first)[:prefix]))
             self._cascade_rows = torch.tensor(cascade_rows, dtype=torch.long, device=device)
-            self._suffix_slots, self._suffix_mask = _padded(suffixes, device)
+            self._suffix_slots, self._suffix_mask = _padded(suffixes, device, visible)
 
         decode = [i for i, n in enumerate(metadata.qo_lens) if n == 1 and i not in grouped]
         self._decode_rows = torch.tensor([qo_indptr[i] for i in decode], dtype=torch.long, device=device)
@@ -59,7 +67,7 @@ class TorchAttention(AttentionBackend):
 
         self._prefills = []
         for i, (qo_len, kv_len) in enumerate(zip(metadata.qo_lens, metadata.kv_lens)):
-            if qo_len == 1:
+            if qo_len == 1 or i in grouped:
                 continue
             mask = None
             if qo_len != kv_len:  # bottom-right causal: query r sees kv positions <= r + kv_len - qo_len
@@ -116,13 +124,15 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def _padded(slot_lists: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot lists padded into one [n, max_len] gather table, and the mask [n, 1, 1, max_len]."""
+def _padded(slot_lists: list[torch.Tensor], device, visible: list[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot lists padded into one [n, max_len] gather table, and the mask [n, 1, 1, max_len] of
+    each row's first ``visible[row]`` slots (default: all of its list)."""
     max_len = max(len(s) for s in slot_lists)
     table = torch.zeros(len(slot_lists), max_len, dtype=torch.long, device=device)
     for row, s in enumerate(slot_lists):
         table[row, : len(s)] = s
-    lens = torch.tensor([len(s) for s in slot_lists], device=device)
+    lens = torch.tensor(visible if visible is not None else [len(s) for s in slot_lists], device=device)
     return table, (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
 
 

@@ -56,10 +56,12 @@ class _NullFreer:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, *, cascade_min_shared_tokens: int | None = None):
+    def __init__(self, config: EngineConfig, cache: CacheManager, *, cascade_min_shared_tokens: int | None = None,
+                 cascade_extends: bool = False):
         self.config = config
         self.cache = cache
         self.cascade_min_shared_tokens = cascade_min_shared_tokens  # None: no cascade groups
+        self.cascade_extends = cascade_extends  # groups may hold extend chunks, not only decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunk = config.max_prefill_chunk or config.max_batched_tokens
@@ -122,12 +124,14 @@ class Scheduler:
         return items, failed
 
     def _cascade_groups(self, items: list[ScheduledItem]) -> tuple[list[ScheduledItem], list[tuple[int, int, int]]]:
-        """Put decodes that share a long cached prefix next to each other, as cascade groups."""
+        """Put decodes (and, where the backend takes them, extend chunks) that share a long cached
+        prefix next to each other, as cascade groups. A request's locked tree node is part of what
+        it has computed, so its new tokens always follow the prefix its group shares."""
         threshold = self.cascade_min_shared_tokens
         if threshold is None:
             return items, []
-        decodes = [item.req for item in items if item.num_tokens == 1]
-        found = self.cache.shared_prefix_groups(decodes, threshold) if len(decodes) > 1 else []
+        members = [item.req for item in items if item.num_tokens == 1 or self.cascade_extends]
+        found = self.cache.shared_prefix_groups(members, threshold) if len(members) > 1 else []
         if not found:
             return items, []
         by_req = {id(item.req): item for item in items}
