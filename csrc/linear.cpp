@@ -24,14 +24,22 @@
 // fp32: MKL's packed GEMM (cblas_sgemm_pack / cblas_sgemm_compute, exported by the MKL inside
 // torch's x86 wheels, like sgemm_). torch's fp32 F.linear hands W to sgemm, which re-packs all of
 // W into its blocked layout on every call; at decode-sized batches (tens of rows) that copy costs
-// as much as the product. pack_fp32(W) packs W once ([N, K] fp32, last dimension contiguous)
-// into a uint8 tensor: a 64-byte header (a magic tag, N, K, the packed size) then MKL's packed B
-// = W^T, starting 64-byte aligned. packed_linear(x, packed, n, k, bias) is y = x W^T (+ b) from
-// it: x [M, K] fp32 (rows may be strided, the last dimension contiguous), y [M, N] fp32. With a
-// bias, y starts as the bias rows and MKL adds the product (beta = 1), as torch's addmm does.
-// For M >= 16 the results are bit-identical to F.linear (the same MKL kernels); below, sgemm
-// takes another path and the sums differ in the last bits, so the Python side keeps F.linear
-// there. The packed copy is as large as W: it doubles an fp32 model's weight memory.
+// as much as the product. pack_fp32(W, rows) packs W once ([N, K] fp32, last dimension
+// contiguous) into a uint8 tensor: a 64-byte header (a magic tag, N, K, rows, the packed size and
+// the packed data's address) then MKL's packed B = W^T, starting 64-byte aligned.
+// packed_linear(x, packed, n, k, bias) is y = x W^T (+ b) from it: x [M, K] fp32 (rows may be
+// strided, the last dimension contiguous), y [M, N] fp32, any M. With a bias, y starts as the
+// bias rows and MKL adds the product (beta = 1), as torch's addmm does.
+// - rows is the m MKL packs for: it picks the blocking (the size does not depend on it). Packed
+//   for 16 rows, products of 2048 rows ran 1.6-2.7x slower than F.linear here; packed for 256
+//   (the default), 1.03-1.65x faster than F.linear at every M from 16 to 2048 (bench shapes).
+// - The packed data must not move: MKL's docs say its metadata depends on its address. The
+//   header keeps that address and packed_linear refuses a moved (copied) buffer.
+// - Results equal F.linear's bit for bit only where MKL adds the K products in sgemm's order: it
+//   depends on the shape, M and the thread count (never below 16 rows here; at 16-2048 rows the
+//   bench model's K=512 weights always, its K=1408 one never). radixserve/model/linear.py checks.
+// - The packed copy is as large as W in resident memory (MKL's size has ~7.6 MiB more per matrix
+//   that is never touched), so it doubles an fp32 model's weight memory.
 
 #include <torch/extension.h>
 
@@ -426,21 +434,18 @@ constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCbl
               kCblasBMatrix = 162;
 constexpr int64_t kPackHeader = 64;  // bytes before the packed data (keeps it 64-byte aligned)
 constexpr int64_t kPackAlign = 64;
-// The m passed to the pack calls. Packing B does not depend on it (MKL's packed size and layout are
-// the same for every m, checked by tests/test_linear_kernel.py at several row counts); one value
-// keeps pack and size check consistent.
-constexpr int kPackRows = 16;
-constexpr char kPackMagic[8] = {'R', 'S', 'P', 'A', 'C', 'K', '1', '\0'};
+constexpr char kPackMagic[8] = {'R', 'S', 'P', 'A', 'C', 'K', '2', '\0'};
 
 struct PackHeader {
   char magic[8];
-  int64_t n, k, bytes;
+  int64_t n, k, rows, bytes;
+  uint64_t address;  // of the packed data when packed: MKL's packed data must not move
 };
 static_assert(sizeof(PackHeader) <= kPackHeader, "the header must fit its 64 bytes");
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 
-torch::Tensor pack_fp32(const torch::Tensor& weight) {
+torch::Tensor pack_fp32(const torch::Tensor& weight, int64_t rows) {
   TORCH_CHECK(weight.device().is_cpu(), "pack_fp32: weight must be a CPU tensor");
   TORCH_CHECK(weight.scalar_type() == at::kFloat, "pack_fp32: weight must be float32, got ", weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2, "pack_fp32: weight must be [N, K], got ", weight.sizes());
@@ -452,8 +457,9 @@ torch::Tensor pack_fp32(const torch::Tensor& weight) {
   TORCH_CHECK(ld >= K, "pack_fp32: weight rows overlap (row stride ", weight.stride(0), " < K=", K, ")");
   TORCH_CHECK(N <= kIntMax && K <= kIntMax && ld <= kIntMax, "pack_fp32: weight ", weight.sizes(), " (row stride ",
               ld, ") exceeds MKL's 32-bit sizes");
-  const auto bytes = static_cast<int64_t>(cblas_sgemm_pack_get_size(kCblasBMatrix, kPackRows, static_cast<int>(N),
-                                                                     static_cast<int>(K)));
+  TORCH_CHECK(rows > 0 && rows <= kIntMax, "pack_fp32: rows must be positive, got ", rows);
+  const auto bytes = static_cast<int64_t>(cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(rows),
+                                                                     static_cast<int>(N), static_cast<int>(K)));
   TORCH_CHECK(bytes > 0, "pack_fp32: MKL returned no packed size for ", weight.sizes());
   // over-allocate, then start the result at a 64-byte boundary (torch's CPU allocator aligns to 64
   // already; this does not rely on it)
@@ -466,11 +472,14 @@ torch::Tensor pack_fp32(const torch::Tensor& weight) {
   std::memcpy(header.magic, kPackMagic, sizeof(kPackMagic));
   header.n = N;
   header.k = K;
+  header.rows = rows;
   header.bytes = bytes;
+  header.address = reinterpret_cast<uint64_t>(base + kPackHeader);
   std::memset(base, 0, kPackHeader);
   std::memcpy(base, &header, sizeof(header));
-  cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, kPackRows, static_cast<int>(N), static_cast<int>(K),
-                   1.0f, weight.data_ptr<float>(), static_cast<int>(ld), reinterpret_cast<float*>(base + kPackHeader));
+  cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, static_cast<int>(rows), static_cast<int>(N),
+                   static_cast<int>(K), 1.0f, weight.data_ptr<float>(), static_cast<int>(ld),
+                   reinterpret_cast<float*>(base + kPackHeader));
   return packed;
 }
 
@@ -493,8 +502,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
               "] weight, not [", n, ", ", k, "]");
   TORCH_CHECK(packed.numel() == kPackHeader + header.bytes, "packed_linear: packed has ", packed.numel(),
               " bytes, expected ", kPackHeader + header.bytes);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % kPackAlign == 0,
-              "packed_linear: packed must start 64-byte aligned");
+  TORCH_CHECK(header.address == reinterpret_cast<uint64_t>(base + kPackHeader),
+              "packed_linear: packed was copied or moved since pack_fp32 made it (MKL's packed data cannot move; "
+              "pack the weight again)");
   const int64_t M = x.size(0);
   TORCH_CHECK(x.stride(1) == 1 || k == 1,
               "packed_linear: the last dimension of x must be contiguous (got strides ", x.strides(), ")");
@@ -523,9 +533,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // Registered as torch ops (the extension's one PYBIND11_MODULE lives in attention.cpp):
 // torch.ops.radixserve_linear.linear(x, weight, bias, fp32_out), .supports_bf16(), .supports_fp16(),
-// and for fp32 .pack_fp32(weight) and .packed_linear(x, packed, n, k, bias).
+// and for fp32 .pack_fp32(weight, rows=256) and .packed_linear(x, packed, n, k, bias).
 TORCH_LIBRARY(radixserve_linear, m) {
-  m.def("pack_fp32(Tensor weight) -> Tensor", &pack_fp32);
+  m.def("pack_fp32(Tensor weight, int rows=256) -> Tensor", &pack_fp32);  // (rows: see the top of the file)
   m.def("packed_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias) -> Tensor", &packed_linear);
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out, int impl=0) -> Tensor", &small_m_linear);
   m.def("supports_amx() -> bool", &supports_amx);
