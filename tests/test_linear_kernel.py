@@ -291,6 +291,21 @@ def test_packed_op_equals_f_linear_bit_exactly_from_16_rows(fresh_state, bias):
 
 
 @needs_ext
+def test_packed_op_any_pack_rows_computes_any_row_count(fresh_state):
+    """pack_fp32's rows picks MKL's blocking, not what can be computed: every packing serves every M."""
+    g = torch.Generator().manual_seed(14)
+    for n, k in [(37, 53), (64, 700)]:
+        w = torch.randn(n, k, generator=g)
+        for rows in (1, 16, 2048):
+            p = packed().pack_fp32(w, rows)
+            for m in (1, 16, 100, 600):
+                x = torch.randn(m, k, generator=g)
+                ref = F.linear(x, w)
+                torch.testing.assert_close(packed().packed_linear(x, p, n, k, None), ref, rtol=1e-5,
+                                           atol=1e-5 * float(ref.abs().max()))
+
+
+@needs_ext
 def test_packed_op_strided_rows_and_weight_views(fresh_state):
     """x rows and W rows may be strided views; nothing past K is read."""
     g = torch.Generator().manual_seed(11)
@@ -340,6 +355,10 @@ def test_packed_op_refuses_bad_input_clearly(fresh_state):
         ops.packed_linear(x, w, 20, 24, None)
     with pytest.raises(RuntimeError, match="bytes, expected"):
         ops.packed_linear(x, p[:-64].clone(), 20, 24, None)
+    with pytest.raises(RuntimeError, match="copied or moved"):  # MKL's packed data cannot move
+        ops.packed_linear(x, p.clone(), 20, 24, None)
+    with pytest.raises(RuntimeError, match="rows must be positive"):
+        ops.pack_fp32(w, 0)
     with pytest.raises(RuntimeError, match="bias must be a float32"):
         ops.packed_linear(x, p, 20, 24, torch.zeros(21))
     with pytest.raises(RuntimeError, match="bias must be a float32"):
@@ -379,13 +398,14 @@ def test_linear_dispatch_packs_fp32_from_16_rows(spy):
             x = torch.randn(*shape, generator=g)
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         assert spy.packs == 0 and spy.calls == []
-        for shape in [(16, 53), (100, 53), (4, 5, 53), (2, 300, 53)]:
+        for shape in [(16, 53), (100, 53), (4, 5, 53), (2, 256, 53), (lin.PACKED_MAX_ROWS + 1, 53)]:
             x = torch.randn(*shape, generator=g)
             y = layer(x)
             assert y.shape == (*shape[:-1], 37)
             assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
-        # packed once (then checked against F.linear at PROBE_ROWS rows), reused
-        assert spy.packs == 1 and spy.calls == [*lin.PROBE_ROWS, 16, 100, 20, 600]
+        # packed once (then checked against F.linear at PROBE_ROWS rows), reused; more than
+        # PACKED_MAX_ROWS rows: F.linear
+        assert spy.packs == 1 and spy.calls == [*lin.PROBE_ROWS, 16, 100, 20, 512]
         del spy.calls[:]
         xt = torch.randn(20, 106, generator=g)[:, ::2]  # a strided last dimension: made contiguous
         assert torch.equal(layer(xt), F.linear(xt, layer.weight, layer.bias)) and spy.calls == [20]
@@ -432,6 +452,14 @@ def test_packed_copy_follows_the_weight(spy):
         assert torch.equal(layer(x), stale) and not torch.equal(stale, F.linear(x, layer.weight))
         layer.packed.clear()
         assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 6
+    # another thread count: packed again (MKL's order may depend on it)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3 - min(threads, 2))
+        with torch.inference_mode():
+            assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 7
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_ext
@@ -532,6 +560,7 @@ def test_fp32_engine_tokens_equal_with_and_without_packing(llama_dir, spy, monke
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     packed_tokens = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
     assert spy.calls and min(spy.calls) >= lin.PACKED_MIN_ROWS, "the fp32 prefill did not use the packed path"
+    assert max(spy.calls) <= lin.PACKED_MAX_ROWS
     monkeypatch.setitem(lin._state, "packed", None)
     plain = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
     assert packed_tokens == plain

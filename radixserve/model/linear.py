@@ -9,8 +9,8 @@ when the weight is bf16 (or fp16), on the CPU, and the extension is built; every
 GEMM wins; autograd; no extension) goes to ``F.linear``. :func:`logits` is the same for the
 tied output embedding, with float32 logits written by the kernel directly.
 
-fp32 weights on the CPU take MKL's packed GEMM instead for batches of at least
-:data:`PACKED_MIN_ROWS` rows: torch's fp32 ``F.linear`` re-packs the whole weight on every call,
+fp32 weights on the CPU take MKL's packed GEMM instead for batches of :data:`PACKED_MIN_ROWS` to
+:data:`PACKED_MAX_ROWS` rows: torch's fp32 ``F.linear`` re-packs the whole weight on every call,
 which at tens of rows costs as much as the product. Each :class:`Linear` (and the model's output
 embedding, through :class:`PackedWeight`) keeps MKL's packed copy of its weight
 (``torch.ops.radixserve_linear.pack_fp32``), built at first use and rebuilt whenever the weight
@@ -23,16 +23,19 @@ as the weight in resident memory, so it doubles the weight memory of an fp32 mod
 once); MKL also reserves about 7.6 MiB of address space per packed weight that it never touches.
 
 Bit-equality with ``F.linear``: only where MKL's packed kernels add the K products in the same
-order as sgemm's, which depends on the shape and the thread count. Measured here: below 16 rows
-never; at 16 rows and more the bench model's K = 512 weights are identical, but its down_proj
-(K = 1408) and every real-model shape tried (K >= 896) differ by a few ulps (~5e-7 of the
-largest output). ``RADIXSERVE_PACKED_LINEAR`` (read once per process) chooses:
+order as sgemm's, which depends on the shape, the row count and the thread count. Measured here
+(2 threads; weights packed for 256 rows): below 16 rows never; at 16-2048 rows the bench model's
+K = 512 weights always, but its down_proj (K = 1408) and every real-model shape tried (K >= 896)
+never, by a few ulps (~5e-7 of the largest output). ``RADIXSERVE_PACKED_LINEAR`` (read once per
+process) chooses:
 
 - ``exact`` (the default; also ``1``): each weight's packed copy is checked against ``F.linear``
-  at :data:`PROBE_ROWS` rows when it is made (and again when the thread count changes); a weight
-  whose results differ keeps ``F.linear`` (the copy is dropped), so fp32 results do not change
-  (as far as that check can tell: it cannot try every row count).
-- ``all``: every fp32 weight uses its packed copy at >= :data:`PACKED_MIN_ROWS` rows, accepting
+  at :data:`PROBE_ROWS` rows when it is made (it is remade when the thread count changes); a
+  weight whose results differ keeps ``F.linear`` (the copy is dropped), so fp32 results do not
+  change (as far as that check can tell: it cannot try every row count). On real models (K >=
+  896) this keeps every weight on ``F.linear``: the speed-up needs ``all``.
+- ``all``: every fp32 weight uses its packed copy (at :data:`PACKED_MIN_ROWS` to
+  :data:`PACKED_MAX_ROWS` rows), accepting
   last-bit differences from ``F.linear`` for some shapes.
 - ``0`` (or ``off``): no packed copies; every fp32 product is ``F.linear``.
 """
@@ -62,13 +65,17 @@ MAX_ROWS_VECTOR = 4
 # every shape tried), and fp32 output is compared token for token with transformers' greedy
 # output by the correctness tests, so those batches (decode steps of up to 15 requests) stay on
 # F.linear, although packing would be faster there too (bench model, 2 threads, M=4: 0.18 ms ->
-# 0.10 ms). From 16 rows on, shapes like the bench model's K=512 ones are bit-identical (checked at
-# 16-2049 rows); others are not (see the module docstring and PROBE_ROWS).
+# 0.10 ms). From 16 rows on, some shapes are bit-identical and others not (module docstring).
 PACKED_MIN_ROWS = 16
+# Most rows sent to it: sgemm's own packing of W is amortized over many rows, and at 2 threads
+# (bench shapes, weights packed for 256 rows) the packed path was 1.10-1.22x faster at 256 rows,
+# 1.00-1.08x at 512, 0.96-1.04x at 1024 and 0.94-1.00x at 2048; prefill-sized batches keep F.linear.
+PACKED_MAX_ROWS = 512
 # Row counts at which the "exact" policy compares a new packed copy with F.linear (random inputs:
-# a different summation order shows in some of the outputs). Where they agree, they agreed at
-# every row count >= 16 tried (16-2049), for a given thread count.
-PROBE_ROWS = (16, 64)
+# a different summation order shows in some of the outputs). With weights packed for 256 rows
+# (pack_fp32's default) a shape agreed at all of 16-2048 rows or at none here; 17 is there because
+# other packings disagreed at odd row counts only.
+PROBE_ROWS = (16, 17, 64)
 POLICIES = ("off", "exact", "all")
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -173,15 +180,15 @@ class PackedWeight:
         self._entry = None
 
     @staticmethod
-    def _key(weight: torch.Tensor, exact: bool) -> tuple:
-        # the thread count too under "exact": MKL's summation order can depend on it
-        return (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(),
-                torch.get_num_threads() if exact else 0)
+    def _key(weight: torch.Tensor) -> tuple:
+        # the thread count too: MKL's summation order can depend on it, and MKL's docs advise
+        # packing and computing with the same number of threads
+        return (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), torch.get_num_threads())
 
     def get(self, weight: torch.Tensor, ops) -> torch.Tensor | None:
         exact = packed_policy() == "exact"
         entry = self._entry
-        key = self._key(weight, exact)
+        key = self._key(weight)
         if entry is not None and entry[0]() is weight and entry[1] == key:
             return entry[2]
         self._entry = None  # free the stale copy before packing the new one
@@ -195,9 +202,9 @@ class PackedWeight:
                          "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)", *weight.shape)
         elif not _state.get("packed_logged"):
             _state["packed_logged"] = True
-            log.info("fp32 linear layers: keeping MKL-packed copies of the weights for batches of >= %d rows, "
+            log.info("fp32 linear layers: keeping MKL-packed copies of the weights for batches of %d-%d rows, "
                      "about as large as the weights (up to twice the fp32 weight memory); "
-                     "RADIXSERVE_PACKED_LINEAR=0 turns this off", PACKED_MIN_ROWS)
+                     "RADIXSERVE_PACKED_LINEAR=0 turns this off", PACKED_MIN_ROWS, PACKED_MAX_ROWS)
         self._entry = (weakref.ref(weight), key, packed)
         return packed
 
@@ -218,7 +225,7 @@ def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
         return False  # (F.linear refuses or converts it, as before)
     k = x.shape[-1] if x.dim() else 0
-    if k == 0 or x.numel() < PACKED_MIN_ROWS * k:
+    if k == 0 or not PACKED_MIN_ROWS * k <= x.numel() <= PACKED_MAX_ROWS * k:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k or weight.is_inference():
         return False  # (an inference tensor has no version counter to key the packed copy on)
@@ -247,8 +254,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            fp32_out: bool = False, packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (cast to float32 when ``fp32_out``) through the small-M kernel
     when it applies. With ``fp32_out`` the kernel writes its fp32 sums without a bf16 rounding.
-    With ``packed`` (the cache of ``weight``'s packed copy), fp32 batches of at least
-    :data:`PACKED_MIN_ROWS` rows run MKL's packed GEMM (see the module docstring)."""
+    With ``packed`` (the cache of ``weight``'s packed copy), fp32 batches of
+    :data:`PACKED_MIN_ROWS` to :data:`PACKED_MAX_ROWS` rows run MKL's packed GEMM (see the module
+    docstring)."""
     if packed is not None and _packed_usable(x, weight, bias):
         y = _packed_linear(x, weight, bias, packed)
         if y is not None:
