@@ -5,7 +5,9 @@ Modes (same random weights, same inputs):
                SiLU, mul and the residual adds as separate torch ops
   fused-torch  fused qkv_proj / gate_up_proj GEMMs, the torch fallbacks of radixserve.model.fused
                (what RADIXSERVE_NO_EXT=1 runs)
-  fused        fused GEMMs and the csrc/layers.cpp kernels (the default)
+  fused        fused GEMMs and the csrc/layers.cpp kernels (the default); fp32 GEMMs of >= 16
+               rows on MKL's packed weights (radixserve.model.linear, RADIXSERVE_PACKED_LINEAR)
+  fused-unpacked  the same with every GEMM on F.linear (fp32 only; RADIXSERVE_PACKED_LINEAR=0)
 Attention itself is the same in all modes and left out: a stub stores K/V into a pool layer
 (``index_copy_``, as the CPU backend does) and returns q. Timed ``--repeats`` times with the modes
 interleaved; the median per layer forward is printed, the ratio old / fused, and how far each
@@ -21,7 +23,7 @@ import time
 
 HELP = "one decoder layer (no attention) at M tokens: main's unfused layer vs fused GEMMs + kernels"
 
-MODES = ("old", "fused-torch", "fused")
+MODES = ("old", "fused-torch", "fused-unpacked", "fused")
 
 
 def add_arguments(parser) -> None:
@@ -103,6 +105,7 @@ def run(args) -> int:
     from transformers import LlamaConfig
 
     from radixserve.model import fused
+    from radixserve.model import linear as lin
     from radixserve.model.llama import ArchSpec, DecoderLayer, ForwardBatch, RotaryEmbedding
 
     torch.set_num_threads(args.threads)
@@ -121,7 +124,8 @@ def run(args) -> int:
     layer = layer.to(dtype).eval()
     old = _old_layer(layer)
     kernels = fused.kernels()
-    modes = [m for m in MODES if m != "fused" or kernels is not None]
+    packed = lin.packed_ops() if dtype == torch.float32 and kernels is not None else None
+    modes = [m for m in MODES if (m != "fused" or kernels is not None) and (m != "fused-unpacked" or packed is not None)]
     if kernels is None:
         print("csrc/ kernels unavailable: timing old and fused-torch only", file=sys.stderr)
 
@@ -153,11 +157,13 @@ def run(args) -> int:
         with torch.inference_mode():
             for rep in range(args.repeats + 1):
                 for mode in modes:
-                    fused._ops[:] = [kernels if mode == "fused" else None]
+                    fused._ops[:] = [kernels if mode in ("fused", "fused-unpacked") else None]
+                    lin._state["packed"] = packed if mode == "fused" else None  # (fused-torch: no extension)
                     t = call(mode, outputs if rep == 0 else None)
                     if rep:  # the first round warms up (and checks that the modes agree)
                         times[mode].append(t)
         fused._ops[:] = [kernels]
+        lin._state["packed"] = packed
         results[m] = {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
         diffs[m] = {mode: float((outputs[mode] - outputs["old"]).abs().max()) for mode in modes if mode != "old"}
         print(f"  M={m} done", file=sys.stderr, flush=True)
@@ -168,10 +174,13 @@ def run(args) -> int:
     print(f"one decoder layer without attention, {args.dtype}, {args.threads} thread(s), hidden {args.hidden}, "
           f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, intermediate {args.intermediate}, "
           f"median of {args.repeats}")
-    print(f"{'M':>6}" + "".join(f"{mode + ' (ms)':>17}" for mode in modes) + f"{'old/fused':>11}")
+    unpacked = "fused-unpacked" in modes
+    print(f"{'M':>6}" + "".join(f"{mode + ' (ms)':>21}" for mode in modes) + f"{'old/fused':>11}"
+          + (f"{'unpacked/fused':>16}" if unpacked else ""))
     for m, r in results.items():
         best = r.get("fused", r["fused-torch"])
-        print(f"{m:>6}" + "".join(f"{r[mode]:>17.3f}" for mode in modes) + f"{r['old'] / best:>10.2f}x")
+        print(f"{m:>6}" + "".join(f"{r[mode]:>21.3f}" for mode in modes) + f"{r['old'] / best:>10.2f}x"
+              + (f"{r['fused-unpacked'] / best:>15.2f}x" if unpacked else ""))
     worst = {mode: max(d[mode] for d in diffs.values()) for mode in modes if mode != "old"}
     print("largest |output - old| over the batches: " + ", ".join(f"{mode} {v:.2e}" for mode, v in worst.items()))
     return 0

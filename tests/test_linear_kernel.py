@@ -179,15 +179,15 @@ def test_fallback_without_the_extension(monkeypatch):
     assert lin._state["op"] is None
 
 
-def test_fp32_is_always_f_linear(monkeypatch):
-    """fp32 stays on MKL and never even loads the extension."""
+def test_fp32_few_rows_is_always_f_linear(monkeypatch):
+    """fp32 below PACKED_MIN_ROWS stays on F.linear and never even loads the extension."""
     monkeypatch.setattr(lin, "_state", {})
     layer = lin.Linear(24, 10)
-    x = torch.randn(1, 24)
+    x = torch.randn(lin.PACKED_MIN_ROWS - 1, 24)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-        assert torch.equal(lin.logits(x, layer.weight), F.linear(x, layer.weight))
-    assert "op" not in lin._state
+        assert torch.equal(lin.logits(x, layer.weight, lin.PackedWeight()), F.linear(x, layer.weight))
+    assert "op" not in lin._state and "packed" not in lin._state and "policy" not in lin._state
 
 
 def test_state_dict_is_nn_linears():
@@ -243,3 +243,324 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys):
     if lin.kernel() is not None:
         assert result["linear"] == "kernel" and result["decode_step_f_linear_ms"] > 0
         assert all(r["kernel_ms"] > 0 and r["dispatched"] for r in result["gemv"])
+
+
+# ---- fp32: MKL's packed GEMM (torch.ops.radixserve_linear.pack_fp32 / packed_linear) ----
+
+def packed():
+    ns = lin.packed_ops()
+    assert ns is not None, "the extension built but torch.ops.radixserve_linear.pack_fp32 is missing"
+    return ns
+
+
+# (N, K): K and N not multiples of 16 (and K below one vector), and the bench model's K=512 shapes,
+# all of which add in sgemm's order on this machine at >= 16 rows
+EXACT_SHAPES = [(37, 53), (300, 17), (96, 100), (40, 512), (1024, 512)]
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """The packed path on with the default policy, whatever the environment says."""
+    monkeypatch.setitem(lin._state, "policy", "exact")
+    monkeypatch.delitem(lin._state, "packed", raising=False)
+    yield
+    lin._state.pop("packed", None)
+
+
+@needs_ext
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_op_equals_f_linear_bit_exactly_from_16_rows(fresh_state, bias):
+    g = torch.Generator().manual_seed(10)
+    for n, k in EXACT_SHAPES:
+        w = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        p = packed().pack_fp32(w)
+        assert p.dtype == torch.uint8 and p.dim() == 1 and p.data_ptr() % 64 == 0
+        for m in (16, 17, 64, 300):
+            x = torch.randn(m, k, generator=g)
+            y = packed().packed_linear(x, p, n, k, b)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert torch.equal(y, F.linear(x, w, b)), (n, k, m)
+        # fewer rows: another MKL path, equal up to fp32 rounding
+        for m in (0, 1, 2, 5, 15):
+            x = torch.randn(m, k, generator=g)
+            ref = F.linear(x, w, b)
+            y = packed().packed_linear(x, p, n, k, b)
+            assert y.shape == (m, n)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * max(1.0, float(ref.abs().max()) if m else 1.0))
+
+
+@needs_ext
+def test_packed_op_any_pack_rows_computes_any_row_count(fresh_state):
+    """pack_fp32's rows picks MKL's blocking, not what can be computed: every packing serves every M."""
+    g = torch.Generator().manual_seed(14)
+    for n, k in [(37, 53), (64, 700)]:
+        w = torch.randn(n, k, generator=g)
+        for rows in (1, 16, 2048):
+            p = packed().pack_fp32(w, rows)
+            for m in (1, 16, 100, 600):
+                x = torch.randn(m, k, generator=g)
+                ref = F.linear(x, w)
+                torch.testing.assert_close(packed().packed_linear(x, p, n, k, None), ref, rtol=1e-5,
+                                           atol=1e-5 * float(ref.abs().max()))
+
+
+@needs_ext
+def test_packed_op_strided_rows_and_weight_views(fresh_state):
+    """x rows and W rows may be strided views; nothing past K is read."""
+    g = torch.Generator().manual_seed(11)
+    xb = torch.randn(40, 90, generator=g)
+    wb = torch.randn(33, 80, generator=g)
+    x, w = xb[:, 5:58], wb[:, 2:55]  # K = 53
+    assert not x.is_contiguous() and not w.is_contiguous()
+    ref = F.linear(x, w)
+    p = packed().pack_fp32(w)
+    xb[:, 58:] = float("inf")
+    wb[:, 55:] = float("nan")  # after packing: the pack read W then; x is read now
+    assert torch.equal(packed().packed_linear(x, p, 33, 53, None), ref)
+    # a bias that is a strided view
+    bb = torch.randn(66, generator=g)
+    assert torch.equal(packed().packed_linear(x, p, 33, 53, bb[::2]), F.linear(x, w, bb[::2]))
+
+
+@needs_ext
+def test_packed_op_refuses_bad_input_clearly(fresh_state):
+    ops = packed()
+    w = torch.randn(20, 24)
+    p = ops.pack_fp32(w)
+    x = torch.randn(16, 24)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        ops.pack_fp32(w.bfloat16())
+    with pytest.raises(RuntimeError, match=r"weight must be \[N, K\]"):
+        ops.pack_fp32(w[None])
+    with pytest.raises(RuntimeError, match="last dimension of weight"):
+        ops.pack_fp32(torch.randn(24, 20).t())
+    with pytest.raises(RuntimeError, match="empty weight"):
+        ops.pack_fp32(torch.randn(0, 24))
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        ops.packed_linear(x.bfloat16(), p, 20, 24, None)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, K\]"):
+        ops.packed_linear(x[None], p, 20, 24, None)
+    with pytest.raises(RuntimeError, match="x has K=25 but the packed weight has k=24"):
+        ops.packed_linear(torch.randn(16, 25), p, 20, 24, None)
+    with pytest.raises(RuntimeError, match=r"holds a \[20, 24\] weight, not \[20, 25\]"):
+        ops.packed_linear(torch.randn(16, 25), p, 20, 25, None)
+    with pytest.raises(RuntimeError, match=r"holds a \[20, 24\] weight, not \[21, 24\]"):
+        ops.packed_linear(x, p, 21, 24, None)
+    with pytest.raises(RuntimeError, match="last dimension of x"):
+        ops.packed_linear(torch.randn(24, 16).t(), p, 20, 24, None)
+    with pytest.raises(RuntimeError, match="bad header"):
+        ops.packed_linear(x, torch.zeros_like(p), 20, 24, None)
+    with pytest.raises(RuntimeError, match="uint8 tensor pack_fp32 returned"):
+        ops.packed_linear(x, w, 20, 24, None)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.packed_linear(x, p[:-64].clone(), 20, 24, None)
+    with pytest.raises(RuntimeError, match="copied or moved"):  # MKL's packed data cannot move
+        ops.packed_linear(x, p.clone(), 20, 24, None)
+    with pytest.raises(RuntimeError, match="rows must be positive"):
+        ops.pack_fp32(w, 0)
+    with pytest.raises(RuntimeError, match="bias must be a float32"):
+        ops.packed_linear(x, p, 20, 24, torch.zeros(21))
+    with pytest.raises(RuntimeError, match="bias must be a float32"):
+        ops.packed_linear(x, p, 20, 24, torch.zeros(20).double())
+    # the good call still works after all that
+    assert torch.equal(ops.packed_linear(x, p, 20, 24, None), F.linear(x, w))
+
+
+class _Spy:
+    """Stands in for torch.ops.radixserve_linear in lin._state["packed"], counting calls."""
+
+    def __init__(self, real):
+        self.real, self.packs, self.calls = real, 0, []
+
+    def pack_fp32(self, w):
+        self.packs += 1
+        return self.real.pack_fp32(w)
+
+    def packed_linear(self, x, p, n, k, b):
+        self.calls.append(x.shape[0])
+        return self.real.packed_linear(x, p, n, k, b)
+
+
+@pytest.fixture
+def spy(fresh_state, monkeypatch):
+    s = _Spy(packed())
+    monkeypatch.setitem(lin._state, "packed", s)
+    return s
+
+
+@needs_ext
+def test_linear_dispatch_packs_fp32_from_16_rows(spy):
+    layer = lin.Linear(53, 37, bias=True)
+    g = torch.Generator().manual_seed(12)
+    with torch.inference_mode():
+        for shape in [(1, 53), (15, 53), (3, 5, 53)]:  # < 16 rows: F.linear, nothing packed
+            x = torch.randn(*shape, generator=g)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert spy.packs == 0 and spy.calls == []
+        for shape in [(16, 53), (100, 53), (4, 5, 53), (2, 256, 53), (lin.PACKED_MAX_ROWS + 1, 53)]:
+            x = torch.randn(*shape, generator=g)
+            y = layer(x)
+            assert y.shape == (*shape[:-1], 37)
+            assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
+        # packed once (then checked against F.linear at PROBE_ROWS rows), reused; more than
+        # PACKED_MAX_ROWS rows: F.linear
+        assert spy.packs == 1 and spy.calls == [*lin.PROBE_ROWS, 16, 100, 20, 512]
+        del spy.calls[:]
+        xt = torch.randn(20, 106, generator=g)[:, ::2]  # a strided last dimension: made contiguous
+        assert torch.equal(layer(xt), F.linear(xt, layer.weight, layer.bias)) and spy.calls == [20]
+    # autograd: F.linear (no backward through the op), and no pack made for it
+    x = torch.randn(20, 53, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and spy.calls == [20] and spy.packs == 1
+    # bf16 weights: never the packed path
+    with torch.inference_mode():
+        layer.bfloat16()(torch.randn(20, 53).bfloat16())
+    assert spy.calls == [20]
+
+
+@needs_ext
+def test_packed_copy_follows_the_weight(spy):
+    """In-place writes (the loader's copy_ into views, under no_grad or inference mode), a new
+    parameter (tensor-parallel sharding) and .data assignment all repack; the test would fail
+    on a stale copy: the old weights give other outputs."""
+    layer = lin.Linear(40, 30, bias=False)
+    x = torch.randn(20, 40)
+    with torch.inference_mode():
+        before = layer(x)
+        assert spy.packs == 1
+        layer(x)
+        assert spy.packs == 1
+    with torch.no_grad():
+        layer.weight.narrow(0, 3, 5).mul_(-2.0)  # through a view, as the loader writes
+    with torch.inference_mode():
+        after = layer(x)
+        assert spy.packs == 2 and not torch.equal(after, before)
+        assert torch.equal(after, F.linear(x, layer.weight))
+        layer.weight.add_(1.0)  # in inference mode (a normal tensor: still versioned)
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 3
+    layer.weight = torch.nn.Parameter(torch.randn(12, 40), requires_grad=False)  # a new parameter, new shape
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 4
+    layer.weight.data = torch.randn(12, 40)  # new storage under the same parameter
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 5
+        # writes through .data bypass the version counter: the documented limit, and what a stale
+        # copy looks like (this is the check that the comparisons above can fail)
+        stale = layer(x)
+        layer.weight.data.mul_(3.0)
+        assert torch.equal(layer(x), stale) and not torch.equal(stale, F.linear(x, layer.weight))
+        layer.packed.clear()
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 6
+    # another thread count: packed again (MKL's order may depend on it)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3 - min(threads, 2))
+        with torch.inference_mode():
+            assert torch.equal(layer(x), F.linear(x, layer.weight)) and spy.packs == 7
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_ext
+def test_exact_policy_keeps_f_linear_for_shapes_that_differ(spy, monkeypatch):
+    """Under "exact" a weight whose packed products differ from F.linear (here: made to look so)
+    keeps F.linear, checked once per weight version; "all" packs it anyway; off never packs."""
+    layer = lin.Linear(24, 20)
+    x = torch.randn(32, 24)
+    checks = []
+
+    def differs(weight, p, ops):
+        checks.append(tuple(weight.shape))
+        return False
+
+    monkeypatch.setattr(lin, "_bit_identical", differs)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert checks == [(20, 24)] and spy.packs == 1 and spy.calls == []
+    assert layer.packed._entry is not None and layer.packed._entry[2] is None  # the copy was dropped
+    monkeypatch.setitem(lin._state, "policy", "all")
+    layer.packed.clear()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert checks == [(20, 24)] and spy.calls == [32]
+    monkeypatch.setitem(lin._state, "policy", "off")
+    monkeypatch.delitem(lin._state, "packed")
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert lin._state["packed"] is None and spy.calls == [32]
+
+
+@needs_ext
+def test_exact_policy_probe_agrees_with_the_real_comparison(fresh_state):
+    """The probe says "identical" exactly when the packed products equal F.linear's (here at 16-300
+    rows), on an identical shape and on one that differs on this machine (if any does)."""
+    g = torch.Generator().manual_seed(13)
+    for n, k in [(40, 512), (512, 1408)]:
+        w = torch.randn(n, k, generator=g)
+        p = packed().pack_fp32(w)
+        same = all(torch.equal(packed().packed_linear(x, p, n, k, None), F.linear(x, w))
+                   for x in (torch.randn(m, k, generator=g) for m in (16, 33, 300)))
+        assert lin._bit_identical(w, p, packed()) == same, (n, k)
+        layer = lin.Linear(k, n, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        with torch.inference_mode():
+            x = torch.randn(20, k, generator=g)
+            assert torch.equal(layer(x), F.linear(x, w))
+        assert (layer.packed._entry[2] is not None) == same
+
+
+@needs_ext
+def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir):
+    import copy
+    import pickle
+
+    from radixserve.model.loader import load_model
+
+    emb = torch.randn(300, 48)
+    h = torch.randn(20, 48)
+    pw = lin.PackedWeight()
+    with torch.inference_mode():
+        out = lin.logits(h, emb, pw)
+    assert out.dtype == torch.float32 and torch.equal(out, F.linear(h, emb)) and spy.calls[-1] == 20
+
+    layer = lin.Linear(16, 8)
+    with torch.inference_mode():
+        layer(torch.randn(16, 16))
+    assert spy.packs == 2 and layer.packed._entry[2] is not None
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"] and list(layer.buffers()) == []
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):  # copies start unpacked
+        assert clone.packed._entry is None and torch.equal(clone.weight, layer.weight)
+
+    model = load_model(llama_dir).model
+    names = set(model.state_dict())
+    with torch.inference_mode():
+        from radixserve.model import fused  # noqa: F401  (the layers' kernels, as the engine runs them)
+
+        x = torch.randn(20, model.config.hidden_size)
+        model.model.layers[0].mlp(x)
+        lin.logits(x, model.output_embedding, model.output_packed)
+    assert set(model.state_dict()) == names and all("packed" not in n for n in names)
+    assert {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()} >= names
+    assert model.output_packed._entry[2] is not None
+
+
+@needs_ext
+def test_fp32_engine_tokens_equal_with_and_without_packing(llama_dir, spy, monkeypatch):
+    """The fp32 engine prefills through the packed path and its greedy tokens are the same as with
+    F.linear everywhere (the tiny model's shapes are bit-identical here)."""
+    from conftest import random_prompts
+
+    from radixserve import Engine, SamplingParams
+
+    prompts = random_prompts([40, 9, 70, 25, 3], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    packed_tokens = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
+    assert spy.calls and min(spy.calls) >= lin.PACKED_MIN_ROWS, "the fp32 prefill did not use the packed path"
+    assert max(spy.calls) <= lin.PACKED_MAX_ROWS
+    monkeypatch.setitem(lin._state, "packed", None)
+    plain = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
+    assert packed_tokens == plain

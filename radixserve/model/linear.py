@@ -8,13 +8,49 @@ when the weight is bf16 (or fp16), on the CPU, and the extension is built; every
 (fp32, which MKL already runs at the bandwidth floor; prefill-sized batches, where oneDNN's
 GEMM wins; autograd; no extension) goes to ``F.linear``. :func:`logits` is the same for the
 tied output embedding, with float32 logits written by the kernel directly.
+
+fp32 weights on the CPU take MKL's packed GEMM instead for batches of :data:`PACKED_MIN_ROWS` to
+:data:`PACKED_MAX_ROWS` rows: torch's fp32 ``F.linear`` re-packs the whole weight on every call,
+which at tens of rows costs as much as the product. Each :class:`Linear` (and the model's output
+embedding, through :class:`PackedWeight`) keeps MKL's packed copy of its weight
+(``torch.ops.radixserve_linear.pack_fp32``), built at first use and rebuilt whenever the weight
+changes: it is keyed on the weight tensor itself, its storage and its version counter, so
+``param.copy_(...)`` (the loader), ``param.data = ...`` and new parameters (tensor-parallel
+sharding) all repack. Only writes through ``param.data`` bypass the version counter: after
+those call :meth:`PackedWeight.clear` (or write through the parameter under ``torch.no_grad``).
+The packed copy is not a parameter or buffer (``state_dict`` is unchanged). It is about as large
+as the weight in resident memory, so it doubles the weight memory of an fp32 model (logged
+once); MKL also reserves about 7.6 MiB of address space per packed weight that it never touches.
+
+Bit-equality with ``F.linear``: only where MKL's packed kernels add the K products in the same
+order as sgemm's, which depends on the shape, the row count and the thread count. Measured here
+(2 threads; weights packed for 256 rows): below 16 rows never; at 16-2048 rows the bench model's
+K = 512 weights always, but its down_proj (K = 1408) and every real-model shape tried (K >= 896)
+never, by a few ulps (~5e-7 of the largest output). ``RADIXSERVE_PACKED_LINEAR`` (read once per
+process) chooses:
+
+- ``exact`` (the default; also ``1``): each weight's packed copy is checked against ``F.linear``
+  at :data:`PROBE_ROWS` rows when it is made (it is remade when the thread count changes); a
+  weight whose results differ keeps ``F.linear`` (the copy is dropped), so fp32 results do not
+  change (as far as that check can tell: it cannot try every row count). On real models (K >=
+  896) this keeps every weight on ``F.linear``: the speed-up needs ``all``.
+- ``all``: every fp32 weight uses its packed copy (at :data:`PACKED_MIN_ROWS` to
+  :data:`PACKED_MAX_ROWS` rows), accepting
+  last-bit differences from ``F.linear`` for some shapes.
+- ``0`` (or ``off``): no packed copies; every fp32 product is ``F.linear``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("radixserve")
 
 # Most rows sent to the kernel, from `python -m bench roofline --gemv` (the bench model's shapes,
 # weights from memory, 1 thread): bf16 on AMX tiles is 1.4-2.4x faster than oneDNN at 1-16 rows
@@ -23,6 +59,24 @@ from torch import nn
 # at 1-4 rows, slower from 8.
 MAX_ROWS = 32
 MAX_ROWS_VECTOR = 4
+
+# Fewest rows sent to MKL's packed fp32 GEMM. Below 16 rows F.linear's sgemm takes another MKL
+# path whose sums differ from the packed kernels' in the last bits (~4e-5 relative at 4 rows, on
+# every shape tried), and fp32 output is compared token for token with transformers' greedy
+# output by the correctness tests, so those batches (decode steps of up to 15 requests) stay on
+# F.linear, although packing would be faster there too (bench model, 2 threads, M=4: 0.18 ms ->
+# 0.10 ms). From 16 rows on, some shapes are bit-identical and others not (module docstring).
+PACKED_MIN_ROWS = 16
+# Most rows sent to it: sgemm's own packing of W is amortized over many rows, and at 2 threads
+# (bench shapes, weights packed for 256 rows) the packed path was 1.10-1.22x faster at 256 rows,
+# 1.00-1.08x at 512, 0.96-1.04x at 1024 and 0.94-1.00x at 2048; prefill-sized batches keep F.linear.
+PACKED_MAX_ROWS = 512
+# Row counts at which the "exact" policy compares a new packed copy with F.linear (random inputs:
+# a different summation order shows in some of the outputs). With weights packed for 256 rows
+# (pack_fp32's default) a shape agreed at all of 16-2048 rows or at none here; 17 is there because
+# other packings disagreed at odd row counts only.
+PROBE_ROWS = (16, 17, 64)
+POLICIES = ("off", "exact", "all")
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _state: dict[str, object] = {}
@@ -67,10 +121,146 @@ def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no backward
 
 
+def packed_policy() -> str:
+    """``RADIXSERVE_PACKED_LINEAR`` as one of :data:`POLICIES` (read once per process)."""
+    if "policy" not in _state:
+        raw = os.environ.get("RADIXSERVE_PACKED_LINEAR", "exact").strip().lower()
+        policy = {"0": "off", "off": "off", "false": "off", "no": "off",
+                  "1": "exact", "": "exact", "exact": "exact", "all": "all"}.get(raw)
+        if policy is None:
+            log.warning("RADIXSERVE_PACKED_LINEAR=%r is not one of 0, exact, all; using exact", raw)
+            policy = "exact"
+        _state["policy"] = policy
+    return _state["policy"]  # type: ignore[return-value]
+
+
+def packed_ops():
+    """``torch.ops.radixserve_linear`` when the packed fp32 path is on (the extension is built with
+    ``pack_fp32`` and ``RADIXSERVE_PACKED_LINEAR`` is not 0), else None."""
+    if "packed" not in _state:
+        ns = None
+        if packed_policy() == "off":
+            log.info("RADIXSERVE_PACKED_LINEAR=0: fp32 linear layers use F.linear (no packed weights)")
+        else:
+            from radixserve.attention import cpu_ext
+
+            ns = cpu_ext.ops("radixserve_linear", "pack_fp32")
+        _state["packed"] = ns
+    return _state["packed"]
+
+
+def _bit_identical(weight: torch.Tensor, packed: torch.Tensor, ops) -> bool:
+    """Whether the packed copy's products equal F.linear's bit for bit at :data:`PROBE_ROWS` rows."""
+    n, k = weight.shape
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in PROBE_ROWS:
+            x = torch.randn(m, k, generator=g)
+            if not torch.equal(ops.packed_linear(x, packed, n, k, None), F.linear(x, weight)):
+                return False
+    return True
+
+
+class PackedWeight:
+    """MKL's packed copy of one fp32 weight, rebuilt when the weight changes.
+
+    Not a tensor attribute of the module (so not in ``state_dict``, ``parameters()`` or what
+    ``Module.to`` moves). :meth:`get` returns the packed tensor for ``weight`` (None: use
+    ``F.linear``), packing it when the cached copy was made from another tensor, another storage
+    or shape, or before the weight's last in-place write (its ``_version``). Copies and pickles
+    start empty."""
+
+    def __init__(self) -> None:
+        # (weakref to the weight, key, packed or None): replaced whole, so a concurrent reader
+        # never pairs one weight's key with another's packed copy
+        self._entry: tuple | None = None
+
+    def clear(self) -> None:
+        """Drop the packed copy (its memory); the next :meth:`get` repacks."""
+        self._entry = None
+
+    @staticmethod
+    def _key(weight: torch.Tensor) -> tuple:
+        # the thread count too: MKL's summation order can depend on it, and MKL's docs advise
+        # packing and computing with the same number of threads
+        return (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride(), torch.get_num_threads())
+
+    def get(self, weight: torch.Tensor, ops) -> torch.Tensor | None:
+        exact = packed_policy() == "exact"
+        entry = self._entry
+        key = self._key(weight)
+        if entry is not None and entry[0]() is weight and entry[1] == key:
+            return entry[2]
+        self._entry = None  # free the stale copy before packing the new one
+        packed = ops.pack_fp32(weight.detach())
+        if exact and not _bit_identical(weight, packed, ops):
+            packed = None
+            shapes: set = _state.setdefault("inexact_shapes", set())  # type: ignore[assignment]
+            if tuple(weight.shape) not in shapes:
+                shapes.add(tuple(weight.shape))
+                log.info("fp32 linear %dx%d: MKL's packed GEMM is not bit-identical to F.linear at this shape; "
+                         "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)", *weight.shape)
+        elif not _state.get("packed_logged"):
+            _state["packed_logged"] = True
+            log.info("fp32 linear layers: keeping MKL-packed copies of the weights for batches of %d-%d rows, "
+                     "about as large as the weights (up to twice the fp32 weight memory); "
+                     "RADIXSERVE_PACKED_LINEAR=0 turns this off", PACKED_MIN_ROWS, PACKED_MAX_ROWS)
+        self._entry = (weakref.ref(weight), key, packed)
+        return packed
+
+    def __deepcopy__(self, memo) -> PackedWeight:
+        return PackedWeight()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._entry = None
+
+
+def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # cheapest tests first; batches below PACKED_MIN_ROWS never load the extension
+    if weight.dtype != torch.float32 or x.dtype != torch.float32 or not (x.is_cpu and weight.is_cpu):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
+        return False  # (F.linear refuses or converts it, as before)
+    k = x.shape[-1] if x.dim() else 0
+    if k == 0 or not PACKED_MIN_ROWS * k <= x.numel() <= PACKED_MAX_ROWS * k:
+        return False
+    if weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k or weight.is_inference():
+        return False  # (an inference tensor has no version counter to key the packed copy on)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # no backward through the packed op
+    return packed_ops() is not None
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   packed: PackedWeight) -> torch.Tensor | None:
+    """The packed product, or None when this weight keeps F.linear (not bit-identical)."""
+    ops = packed_ops()
+    buf = packed.get(weight, ops)
+    if buf is None:
+        return None
+    n, k = weight.shape
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return ops.packed_linear(x, buf, n, k, bias)
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return ops.packed_linear(rows, buf, n, k, bias).view(*x.shape[:-1], n)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           fp32_out: bool = False) -> torch.Tensor:
+           fp32_out: bool = False, packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (cast to float32 when ``fp32_out``) through the small-M kernel
-    when it applies. With ``fp32_out`` the kernel writes its fp32 sums without a bf16 rounding."""
+    when it applies. With ``fp32_out`` the kernel writes its fp32 sums without a bf16 rounding.
+    With ``packed`` (the cache of ``weight``'s packed copy), fp32 batches of
+    :data:`PACKED_MIN_ROWS` to :data:`PACKED_MAX_ROWS` rows run MKL's packed GEMM (see the module
+    docstring)."""
+    if packed is not None and _packed_usable(x, weight, bias):
+        y = _packed_linear(x, weight, bias, packed)
+        if y is not None:
+            return y
     if _usable(x, weight):
         op = _state["op"]
         if x.dim() == 2 and x.stride(-1) == 1:  # the decode case: no reshaping
@@ -83,16 +273,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.float() if fp32_out else y
 
 
-def logits(x: torch.Tensor, output_embedding: torch.Tensor) -> torch.Tensor:
-    """Float32 logits ``x @ output_embedding.T`` (the tied or untied lm_head).
+def logits(x: torch.Tensor, output_embedding: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:
+    """Float32 logits ``x @ output_embedding.T`` (the tied or untied lm_head); ``packed``: the
+    cache of the embedding's packed fp32 copy (the caller's, kept as long as the model).
 
     Rounded to the model's dtype first, whichever path runs: F.linear rounds bf16 logits, so the
     kernel's unrounded fp32 sums would make greedy ties break differently with the batch size."""
-    return linear(x, output_embedding).float()
+    return linear(x, output_embedding, packed=packed).float()
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose forward uses :func:`linear` (the kernel for small bf16/fp16 batches)."""
+    """``nn.Linear`` whose forward uses :func:`linear`: the kernel for small bf16/fp16 batches,
+    MKL's packed GEMM (over a packed copy of the weight, :attr:`packed`) for larger fp32 ones."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()  # a plain attribute: not a parameter, buffer or submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, packed=self.packed)

@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.model import fused
-from radixserve.model.linear import Linear, logits
+from radixserve.model.linear import Linear, PackedWeight, logits
 
 
 @dataclass
@@ -202,6 +202,8 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the packed fp32 copy of output_embedding (tied or not; radixserve.model.linear), not a parameter
+        self.output_packed = PackedWeight()
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -216,7 +218,7 @@ class CausalLM(nn.Module):
             pending = layer(x, pending, batch)
         rows = batch.logits_rows
         x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
-        return logits(x, self.output_embedding)
+        return logits(x, self.output_embedding, self.output_packed)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a Hugging Face checkpoint stores, by its name, as a view of our parameters.
