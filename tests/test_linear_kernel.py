@@ -200,9 +200,10 @@ def test_state_dict_is_nn_linears():
 
 @needs_ext
 def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatch):
-    """bf16 greedy tokens with the kernel vs with F.linear: the sums are added in another order,
-    so near-ties may flip; most requests must agree token for token (measured: 10 of 12 here,
-    before the logits were rounded alike on both paths)."""
+    """bf16 greedy tokens with the fast paths (the small-M kernel; without AMX also the widened
+    packed GEMM) vs with F.linear everywhere: the sums are added in another order, so near-ties may
+    flip; most requests must agree token for token (measured: 10 of 12 here, before the logits
+    were rounded alike on both paths)."""
     from conftest import random_prompts
 
     from radixserve import Engine, SamplingParams
@@ -217,9 +218,17 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
         return real(*args)
 
     monkeypatch.setitem(lin._state, "op", spy)
+    widened = _Spy(packed())
+    monkeypatch.setitem(lin._state, "packed", widened)
     with_kernel = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
-    assert calls and max(calls) <= lin.max_rows(torch.bfloat16), "the bf16 decode steps did not use the kernel"
+    assert all(n <= lin.max_rows(torch.bfloat16) for n in calls)
+    if lin.max_rows(torch.bfloat16) >= len(prompts):  # (AMX: the decode steps, 12 rows, on the kernel)
+        assert calls, "the bf16 decode steps did not use the kernel"
+    else:  # no AMX: batches of more than MAX_ROWS_VECTOR rows on the widened packed GEMM
+        assert widened.calls and min(widened.calls) > lin.MAX_ROWS_VECTOR, "bf16 batches were not widened"
     monkeypatch.setitem(lin._state, "op", None)
+    monkeypatch.setitem(lin._state, "packed", None)
+    monkeypatch.setitem(lin._state, "widen_bf16", False)
     without = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     same = sum(a == b for a, b in zip(with_kernel, without))
     tokens = sum(x == y for a, b in zip(with_kernel, without) for x, y in zip(a, b))
@@ -381,6 +390,9 @@ class _Spy:
         self.calls.append(x.shape[0])
         return self.real.packed_linear(x, p, n, k, b)
 
+    def __getattr__(self, name):  # supports_amx and the rest: the real ops
+        return getattr(self.real, name)
+
 
 @pytest.fixture
 def spy(fresh_state, monkeypatch):
@@ -413,10 +425,40 @@ def test_linear_dispatch_packs_fp32_from_16_rows(spy):
     x = torch.randn(20, 53, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and spy.calls == [20] and spy.packs == 1
-    # bf16 weights: never the packed path
+    # bf16 weights: the packed path only widened, on a CPU without AMX (test_bf16_widened_...)
+    layer.bfloat16()
     with torch.inference_mode():
-        layer.bfloat16()(torch.randn(20, 53).bfloat16())
-    assert spy.calls == [20]
+        layer(torch.randn(20, 53).bfloat16())
+    assert spy.calls == ([20, 20] if lin._widens_bf16() else [20])
+
+
+@needs_ext
+def test_bf16_widened_to_the_packed_fp32_gemm_without_amx(spy):
+    """Without AMX, bf16 batches of more than MAX_ROWS_VECTOR rows run the packed fp32 GEMM on the
+    exactly widened weight and rows, rounded to bf16 (the bf16 kernel keeps the fewer rows); with
+    AMX, bf16 never takes it."""
+    layer = lin.Linear(53, 37, bias=True).bfloat16()
+    g = torch.Generator().manual_seed(15)
+    widens = not packed().supports_amx()
+    assert lin._widens_bf16() == widens
+    emb = torch.randn(300, 53).bfloat16()  # (made outside inference mode: such tensors are never packed)
+    with torch.inference_mode():
+        for rows in (1, lin.MAX_ROWS_VECTOR, lin.MAX_ROWS_VECTOR + 1, 16, 700):
+            x = torch.randn(rows, 53, generator=g).bfloat16()
+            y = layer(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
+            if widens and rows > lin.MAX_ROWS_VECTOR:  # the same fp32 sums, rounded once
+                want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+                torch.testing.assert_close(y.float(), want.float(), atol=0, rtol=2**-8)
+            else:
+                check(y, reference(x, layer.weight, layer.bias), torch.bfloat16, False)
+        # logits too: bf16-rounded, then fp32
+        h = torch.randn(9, 53, generator=g).bfloat16()
+        out = lin.logits(h, emb, lin.PackedWeight())
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, F.linear(h.float(), emb.float()).bfloat16().float(), atol=0, rtol=2**-8)
+    expected = [lin.MAX_ROWS_VECTOR + 1, 16, 700, 9] if widens else []
+    assert spy.calls == expected and spy.packs == (2 if widens else 0)
 
 
 @needs_ext

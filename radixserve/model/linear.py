@@ -29,15 +29,24 @@ K = 512 weights always, but its down_proj (K = 1408) and every real-model shape 
 never, by a few ulps (~5e-7 of the largest output). ``RADIXSERVE_PACKED_LINEAR`` (read once per
 process) chooses:
 
-- ``exact`` (the default; also ``1``): each weight's packed copy is checked against ``F.linear``
+- ``all`` (the default; also ``1``): every fp32 weight uses its packed copy (at
+  :data:`PACKED_MIN_ROWS` to :data:`PACKED_MAX_ROWS` rows), accepting last-bit differences from
+  ``F.linear`` for some shapes. fp32 results already differ from transformers' in the last bits
+  wherever the batch differs (MKL's small-M path, the attention kernels); what the correctness
+  tests hold fixed is the greedy tokens, and those still equal transformers'.
+- ``exact``: each weight's packed copy is checked against ``F.linear``
   at :data:`PROBE_ROWS` rows when it is made (it is remade when the thread count changes); a
   weight whose results differ keeps ``F.linear`` (the copy is dropped), so fp32 results do not
   change (as far as that check can tell: it cannot try every row count). On real models (K >=
   896) this keeps every weight on ``F.linear``: the speed-up needs ``all``.
-- ``all``: every fp32 weight uses its packed copy (at :data:`PACKED_MIN_ROWS` to
-  :data:`PACKED_MAX_ROWS` rows), accepting
-  last-bit differences from ``F.linear`` for some shapes.
 - ``0`` (or ``off``): no packed copies; every fp32 product is ``F.linear``.
+
+bf16 weights on a CPU without AMX take the same packed fp32 GEMM for every batch of more than
+:data:`MAX_ROWS_VECTOR` rows (fewer go to the bf16 vector kernel): there oneDNN's bf16 GEMM (vdpbf16ps)
+runs at ~150 GFLOP/s on 2 cores against MKL fp32's ~200, so the weight is widened to fp32 once
+(exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to bf16: the
+arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation order. The
+packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX tiles).
 """
 
 from __future__ import annotations
@@ -124,12 +133,12 @@ def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def packed_policy() -> str:
     """``RADIXSERVE_PACKED_LINEAR`` as one of :data:`POLICIES` (read once per process)."""
     if "policy" not in _state:
-        raw = os.environ.get("RADIXSERVE_PACKED_LINEAR", "exact").strip().lower()
+        raw = os.environ.get("RADIXSERVE_PACKED_LINEAR", "all").strip().lower()
         policy = {"0": "off", "off": "off", "false": "off", "no": "off",
-                  "1": "exact", "": "exact", "exact": "exact", "all": "all"}.get(raw)
+                  "1": "all", "": "all", "exact": "exact", "all": "all"}.get(raw)
         if policy is None:
-            log.warning("RADIXSERVE_PACKED_LINEAR=%r is not one of 0, exact, all; using exact", raw)
-            policy = "exact"
+            log.warning("RADIXSERVE_PACKED_LINEAR=%r is not one of 0, exact, all; using all", raw)
+            policy = "all"
         _state["policy"] = policy
     return _state["policy"]  # type: ignore[return-value]
 
@@ -192,8 +201,15 @@ class PackedWeight:
         if entry is not None and entry[0]() is weight and entry[1] == key:
             return entry[2]
         self._entry = None  # free the stale copy before packing the new one
-        packed = ops.pack_fp32(weight.detach())
-        if exact and not _bit_identical(weight, packed, ops):
+        widened = weight.dtype == torch.bfloat16
+        packed = ops.pack_fp32(weight.detach().float() if widened else weight.detach())
+        if widened:
+            if not _state.get("widened_logged"):
+                _state["widened_logged"] = True
+                log.info("bf16 linear layers (no AMX on this CPU): keeping fp32 MKL-packed copies of the weights for "
+                         "batches of more than %d rows (twice the bf16 weight memory); RADIXSERVE_PACKED_LINEAR=0 "
+                         "turns this off", MAX_ROWS_VECTOR)
+        elif exact and not _bit_identical(weight, packed, ops):
             packed = None
             shapes: set = _state.setdefault("inexact_shapes", set())  # type: ignore[assignment]
             if tuple(weight.shape) not in shapes:
@@ -218,14 +234,31 @@ class PackedWeight:
         self._entry = None
 
 
+def _widens_bf16() -> bool:
+    """Whether bf16 linear layers run widened on the packed fp32 GEMM here (no AMX; see the module
+    docstring)."""
+    if "widen_bf16" not in _state:
+        ops = packed_ops()
+        _state["widen_bf16"] = ops is not None and not ops.supports_amx()
+    return _state["widen_bf16"]  # type: ignore[return-value]
+
+
 def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # cheapest tests first; batches below PACKED_MIN_ROWS never load the extension
-    if weight.dtype != torch.float32 or x.dtype != torch.float32 or not (x.is_cpu and weight.is_cpu):
+    if x.dtype != weight.dtype or not (x.is_cpu and weight.is_cpu):
         return False
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
-        return False  # (F.linear refuses or converts it, as before)
     k = x.shape[-1] if x.dim() else 0
-    if k == 0 or not PACKED_MIN_ROWS * k <= x.numel() <= PACKED_MAX_ROWS * k:
+    if weight.dtype == torch.bfloat16:
+        if k == 0 or x.numel() <= MAX_ROWS_VECTOR * k or not _widens_bf16():
+            return False
+        if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_cpu):
+            return False
+    elif weight.dtype == torch.float32:
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
+            return False  # (F.linear refuses or converts it, as before)
+        if k == 0 or not PACKED_MIN_ROWS * k <= x.numel() <= PACKED_MAX_ROWS * k:
+            return False
+    else:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k or weight.is_inference():
         return False  # (an inference tensor has no version counter to key the packed copy on)
@@ -242,6 +275,9 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if buf is None:
         return None
     n, k = weight.shape
+    if weight.dtype == torch.bfloat16:  # widened: fp32 rows in, fp32 sums rounded to bf16 out
+        fb = None if bias is None else bias.float()
+        return ops.packed_linear(x.reshape(-1, k).float(), buf, n, k, fb).view(*x.shape[:-1], n).to(x.dtype)
     if x.dim() == 2 and x.stride(-1) == 1:
         return ops.packed_linear(x, buf, n, k, bias)
     rows = x.reshape(-1, k)
