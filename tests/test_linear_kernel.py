@@ -606,3 +606,26 @@ def test_fp32_engine_tokens_equal_with_and_without_packing(llama_dir, spy, monke
     monkeypatch.setitem(lin._state, "packed", None)
     plain = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
     assert packed_tokens == plain
+
+
+@needs_ext
+def test_packed_copies_stay_within_the_memory_budget(spy, monkeypatch):
+    """Past the budget a weight keeps F.linear (no pack made); a freed copy returns its bytes."""
+    import gc
+
+    gc.collect()  # (earlier tests' copies return their bytes now, not into this test's budget)
+    a, b = lin.Linear(64, 32), lin.Linear(64, 32)
+    x = torch.randn(20, 64)
+    monkeypatch.setitem(lin._state, "pack_budget", 4 * 64 * 32 + 100)  # room for one copy
+    with torch.inference_mode():
+        assert torch.equal(a(x), F.linear(x, a.weight, a.bias))
+        assert spy.packs == 1 and lin._state["pack_budget"] == 100
+        assert torch.equal(b(x), F.linear(x, b.weight, b.bias))
+        assert spy.packs == 1 and spy.calls.count(20) == 1  # b: F.linear, nothing packed
+    a.packed.clear()  # a's copy freed: its bytes come back, and b packs on its next call
+    gc.collect()
+    assert lin._state["pack_budget"] == 4 * 64 * 32 + 100
+    b.packed.clear()
+    with torch.inference_mode():
+        assert torch.equal(b(x), F.linear(x, b.weight, b.bias))
+    assert spy.packs == 2

@@ -21,6 +21,8 @@ those call :meth:`PackedWeight.clear` (or write through the parameter under ``to
 The packed copy is not a parameter or buffer (``state_dict`` is unchanged). It is about as large
 as the weight in resident memory, so it doubles the weight memory of an fp32 model (logged
 once); MKL also reserves about 7.6 MiB of address space per packed weight that it never touches.
+All copies together stay within half the memory available when the first one was made
+(:func:`_reserve`); weights past that budget keep ``F.linear``.
 
 Bit-equality with ``F.linear``: only where MKL's packed kernels add the K products in the same
 order as sgemm's, which depends on the shape, the row count and the thread count. Measured here
@@ -170,6 +172,41 @@ def _bit_identical(weight: torch.Tensor, packed: torch.Tensor, ops) -> bool:
     return True
 
 
+def _available_memory() -> int:
+    """Bytes of memory available now (MemAvailable; MemFree where /proc/meminfo is missing)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reserve(nbytes: int) -> bool:
+    """Take ``nbytes`` from the budget of packed copies: half the memory that was available when
+    the first copy was made, so packing never takes the memory a large model needs (the copies
+    double an fp32 model's weights and triple a widened bf16 one's). Past it, weights stay on
+    F.linear, logged once."""
+    budget = _state.get("pack_budget")
+    if budget is None:
+        budget = _available_memory() // 2
+    if nbytes > budget:  # type: ignore[operator]
+        if not _state.get("budget_logged"):
+            _state["budget_logged"] = True
+            log.warning("packed weight copies: the budget (half the memory available at the first one) is spent; "
+                        "the remaining linear layers use F.linear (RADIXSERVE_PACKED_LINEAR=0 turns packing off)")
+        _state["pack_budget"] = budget
+        return False
+    _state["pack_budget"] = budget - nbytes  # type: ignore[operator]
+    return True
+
+
+def _release(nbytes: int) -> None:
+    if "pack_budget" in _state:
+        _state["pack_budget"] += nbytes  # type: ignore[operator]
+
+
 class PackedWeight:
     """MKL's packed copy of one fp32 weight, rebuilt when the weight changes.
 
@@ -202,7 +239,12 @@ class PackedWeight:
             return entry[2]
         self._entry = None  # free the stale copy before packing the new one
         widened = weight.dtype == torch.bfloat16
+        nbytes = 4 * weight.numel()  # (MKL's packed copy is about the fp32 weight's size)
+        if not _reserve(nbytes):
+            self._entry = (weakref.ref(weight), key, None)
+            return None
         packed = ops.pack_fp32(weight.detach().float() if widened else weight.detach())
+        weakref.finalize(packed, _release, nbytes)  # back to the budget when the copy is freed
         if widened:
             if not _state.get("widened_logged"):
                 _state["widened_logged"] = True
