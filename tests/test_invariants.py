@@ -80,3 +80,18 @@ def test_invariant_error_is_an_internal_error_raised_by_the_tree_check():
     tree.root.lock_ref = 2
     with pytest.raises(InvariantError, match="root"):
         tree.check_integrity()
+
+
+def test_fresh_pages_come_in_ascending_runs():
+    # the CPU kernels read a sequence's K/V in place only when its pages are one ascending run
+    import torch
+
+    from radixserve.kv.pool import KVPool
+
+    pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                  device="cpu")
+    first = pool.alloc(10)
+    assert first == list(range(10))
+    assert first + pool.alloc(1) + pool.alloc(3) == list(range(14))  # a growing sequence continues its run
+    pool.free(first)  # a freed run comes back in order
+    assert pool.alloc(10) == first

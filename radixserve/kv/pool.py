@@ -77,13 +77,18 @@ class KVPool:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
-        """``n`` free pages, or None (and nothing taken) when fewer are free."""
+        """``n`` free pages, or None (and nothing taken) when fewer are free.
+
+        From a fresh pool (or a freed run) they come in ascending order, and a sequence's later
+        pages continue the run: the CPU kernels read a sequence whose pages are one ascending run
+        of slots in place instead of gathering its K/V (csrc/prefill.cpp)."""
         if n > len(self._free):
             return None
         if n == 0:
             return []
         pages = self._free[-n:]
         del self._free[-n:]
+        pages.reverse()
         return pages
 
     def free_page_ids(self) -> list[int]:
@@ -91,7 +96,7 @@ class KVPool:
         return list(self._free)
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        self._free.extend(reversed(pages))  # (so that a freed run is handed out again in order)
 
     def k_slots(self, layer: int) -> torch.Tensor | QuantizedSlots:
         """Layer ``layer``'s K cache viewed as ``[slots, kv_heads, head_dim]``."""
