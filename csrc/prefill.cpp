@@ -310,6 +310,16 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
   l += sum;
 }
 
+// KV head ``head``'s row at position ``pos`` of a sequence, in the cache ``base`` (p.k or p.v):
+// straight from its first slot when its pages are one ascending run, else through its page table.
+template <typename T>
+inline const T* kv_row(const Problem<T>& p, const Seq& s, const int32_t* pages, const T* base, int head, int pos) {
+  const int64_t slot = s.first_slot >= 0 ? s.first_slot + pos
+                                         : static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size +
+                                               pos % p.page_size;
+  return base + slot * p.slot_stride + static_cast<int64_t>(head) * p.dim;
+}
+
 // bf16 through oneDNN's brgemm ukernel (torch's at::native::cpublas::brgemm: AMX tiles), where
 // cpublas::could_pack says the CPU has it. Its B operand is VNNI-packed: pairs of consecutive K
 // rows interleaved ([K/2][N][2]). The gather writes K^T and V in that layout directly, zero-padded:
@@ -321,10 +331,7 @@ constexpr int kDimBlock = 64;
 
 inline const uint16_t* bf16_row(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* pages,
                                 const c10::BFloat16* base, int head, int pos) {
-  const int64_t slot = s.first_slot >= 0 ? s.first_slot + pos
-                                         : static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size +
-                                               pos % p.page_size;
-  return reinterpret_cast<const uint16_t*>(base + slot * p.slot_stride + static_cast<int64_t>(head) * p.dim);
+  return reinterpret_cast<const uint16_t*>(kv_row(p, s, pages, base, head, pos));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
@@ -574,10 +581,7 @@ void pack_keys_f32(const Problem<T>& p, const Seq& s, const int32_t* pages, int 
           rows[i] = nullptr;
           continue;
         }
-        const int64_t slot = s.first_slot >= 0 ? s.first_slot + pos
-                                               : static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size +
-                                                     pos % p.page_size;
-        const T* src = p.k + slot * p.slot_stride + static_cast<int64_t>(head) * D;
+        const T* src = kv_row(p, s, pages, p.k, head, pos);
         if constexpr (std::is_same_v<T, float>) {
           rows[i] = reinterpret_cast<const uint32_t*>(src);
         } else {
@@ -619,10 +623,8 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
     if (w.v.size() < static_cast<size_t>(kmax) * D) w.v.resize(static_cast<size_t>(kmax) * D);
     if (!kMicro && w.k.size() < static_cast<size_t>(kmax) * D) w.k.resize(static_cast<size_t>(kmax) * D);
     for (int pos = 0; pos < kmax; ++pos) {
-      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
-      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-      copy_row(p.v + off, w.v.data() + static_cast<int64_t>(pos) * D, D);
-      if (!kMicro) copy_row(p.k + off, w.k.data() + static_cast<int64_t>(pos) * D, D);
+      copy_row(kv_row(p, s, pages, p.v, it.head, pos), w.v.data() + static_cast<int64_t>(pos) * D, D);
+      if (!kMicro) copy_row(kv_row(p, s, pages, p.k, it.head, pos), w.k.data() + static_cast<int64_t>(pos) * D, D);
     }
     kb = w.k.data();
     vb = w.v.data();
