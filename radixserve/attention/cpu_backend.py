@@ -69,8 +69,9 @@ class CpuAttention(AttentionBackend):
     dense_path: str | None = None
     """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch; the default for every
     dtype: bf16 runs on AMX tiles, or widened to fp32 on the AVX-512 micro-kernels where the CPU
-    has no AMX, 115 vs 49 GFLOP/s for torch's flash kernel there, one thread, 16 x 128 over 2176
-    keys) or "flash" (torch's flash kernel per sequence, :mod:`~radixserve.attention.cpu_dense`)."""
+    has no AMX, 108 vs 55 GFLOP/s for torch's flash kernel there, one thread, ``python -m bench
+    kernels --dtype bfloat16 --modes gemm,flash``, 16 x 128 over 2176 keys) or "flash" (torch's
+    flash kernel per sequence, :mod:`~radixserve.attention.cpu_dense`)."""
 
     def __init__(self, pool: KVPool, scale: float, ext):
         self.pool = pool

@@ -44,9 +44,9 @@ process) chooses:
 - ``0`` (or ``off``): no packed copies; every fp32 product is ``F.linear``.
 
 bf16 weights on a CPU without AMX take the same packed fp32 GEMM for every batch of more than
-:data:`MAX_ROWS_VECTOR` rows (fewer go to the bf16 vector kernel): there oneDNN's bf16 GEMM (vdpbf16ps)
-runs at ~150 GFLOP/s on 2 cores against MKL fp32's ~200, so the weight is widened to fp32 once
-(exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to bf16: the
+:data:`MAX_ROWS_VECTOR` rows (fewer go to the bf16 vector kernel): there oneDNN's bf16 GEMM
+(vdpbf16ps) runs at 157 GFLOP/s on 2 cores against MKL fp32's 248 (``python -m bench floor``),
+so the weight is widened to fp32 once (exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to bf16: the
 arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation order. The
 packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX tiles).
 """
