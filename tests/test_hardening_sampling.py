@@ -56,6 +56,23 @@ def test_sampler_survives_degenerate_rows():
     assert tokens[1] == 5  # +inf logit: it wins
 
 
+def test_greedy_rows_take_argmax_first_maximum():
+    """Greedy picks what torch's argmax picks, ties (the first maximum) and NaN rows included."""
+    s = sampler_mod.Sampler(0, torch.device("cpu"))
+
+    class R:
+        def __init__(self):
+            self.params, self.rid, self.generator = SamplingParams(temperature=0.0), "r", None
+            self.prompt_ids, self.output_ids, self.grammar = [1], [], None
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (32, 100), generator=g).float()  # many ties per row
+    logits[3, 7] = math.nan
+    logits[4, :] = -math.inf
+    tokens, _ = s(logits, [R() for _ in range(32)])
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
 @pytest.fixture(scope="module")
 def engine(llama_dir):
     eng = Engine(llama_dir, kv_cache_tokens=4096, max_running=16)

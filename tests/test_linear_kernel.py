@@ -629,3 +629,37 @@ def test_packed_copies_stay_within_the_memory_budget(spy, monkeypatch):
     with torch.inference_mode():
         assert torch.equal(b(x), F.linear(x, b.weight, b.bias))
     assert spy.packs == 2
+
+
+@needs_ext
+def test_engine_prepacks_every_fp32_weight_at_load(llama_dir, spy, monkeypatch):
+    """The model runner packs every linear weight and the output embedding when it is made, so no
+    served step pays for packing; serving then packs nothing more."""
+    from conftest import random_prompts
+
+    from radixserve import Engine, SamplingParams
+
+    monkeypatch.setitem(lin._state, "policy", "all")  # (the default: no copy dropped by a probe)
+
+    eng = Engine(llama_dir, kv_cache_tokens=4096)
+    model = eng.runner.model
+    layers = [m for m in model.modules() if isinstance(m, lin.Linear)]
+    assert spy.packs == len(layers) + 1  # + the output embedding
+    assert all(m.packed._entry is not None and m.packed._entry[2] is not None for m in layers)
+    assert model.output_packed._entry is not None and model.output_packed._entry[2] is not None
+    prompts = random_prompts([40, 30], seed=5)
+    eng.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert spy.calls and spy.packs == len(layers) + 1  # used, not repacked
+    eng.shutdown()
+
+
+@needs_ext
+def test_prepack_skips_what_never_packs(spy, monkeypatch):
+    model = torch.nn.Sequential(lin.Linear(32, 16), lin.Linear(16, 8))
+    with torch.inference_mode():
+        frozen = lin.Linear(32, 16)  # made under inference mode: no version counter to key on
+    assert lin.prepack(torch.nn.Sequential(frozen)) == 0 and spy.packs == 0
+    model[1].double()  # neither fp32 nor bf16
+    assert lin.prepack(model) == 1 and spy.packs == 1
+    monkeypatch.setitem(lin._state, "packed", None)  # RADIXSERVE_PACKED_LINEAR=0
+    assert lin.prepack(torch.nn.Sequential(lin.Linear(32, 16))) == 0

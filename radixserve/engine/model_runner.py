@@ -17,6 +17,7 @@ from radixserve.attention.torch_backend import TorchAttention
 from radixserve.errors import BadRequestError
 from radixserve.engine.scheduler import ScheduledItem
 from radixserve.kv.pool import KVPool
+from radixserve.model.linear import prepack
 from radixserve.model.llama import Attention, CausalLM, ForwardBatch, head_dim_of
 
 log = logging.getLogger("radixserve")
@@ -71,6 +72,8 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.attention = make_attention(attention, model, pool, device)
+        if device.type == "cpu":
+            prepack(model)  # MKL-packed weight copies now, not inside the first large batch
         _freeze_gc_once()
 
     def forward(self, items: Sequence[ScheduledItem], groups: Sequence[tuple[int, int, int]] = ()) -> ForwardOutput:

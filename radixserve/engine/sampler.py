@@ -42,7 +42,9 @@ class Sampler:
                         failed.add(row)
         if any(r.grammar is not None for r in reqs):
             logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs, failed)
-        tokens = logits.argmax(dim=-1)
+        # max(-1).indices: argmax's first-maximum (and first-NaN) index, about 3x faster on CPU
+        # ([64, 32000] fp32, 2 threads: 0.58 vs 1.60 ms)
+        tokens = logits.max(dim=-1).indices
         for row, r in enumerate(reqs):
             if not r.params.greedy and row not in failed:
                 try:
