@@ -544,6 +544,56 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
                                              double scale, bool causal, const std::string& bf16_gemm);
 bool bf16_brgemm();
 
+// Write a batch's new K and V rows into their cache slots: k_cache/v_cache [pages, page_size,
+// Hkv, D] (contiguous), slots [T] int64 (flat slot = page * page_size + offset, all distinct), k/v
+// [T, Hkv, D] with a contiguous last dimension (the strided views of the fused qkv output). One
+// pass for both, in one OpenMP region (inline for small batches): what two index_copy_ calls did,
+// without their TensorIterator setup and with the rows copied whole.
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous CPU tensors [pages, page_size, kv_heads, head_dim] of one shape");
+  const int64_t hkv = k_cache.size(2), D = k_cache.size(3), num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == hkv && k.size(2) == D && v.sizes() == k.sizes(),
+              "k and v must be [tokens, kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have a contiguous last dimension");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "k, v and the caches must share one dtype");
+  TORCH_CHECK(slots.device().is_cpu() && slots.dim() == 1 && slots.scalar_type() == torch::kInt64 &&
+                  slots.is_contiguous() && slots.size(0) == k.size(0),
+              "slots must be a contiguous int64 [tokens] tensor");
+  const int64_t T = k.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache's ", num_slots, " slots");
+  const int64_t esize = k.element_size(), row = hkv * D * esize;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks0 = k.stride(0) * esize, ks1 = k.stride(1) * esize, vs0 = v.stride(0) * esize,
+                vs1 = v.stride(1) * esize;
+  const int64_t head = D * esize;
+  // about 64 KiB of K+V per task: smaller batches copy inline, with no OpenMP region
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * row));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      char* kd = kc + sp[t] * row;
+      char* vd = vc + sp[t] * row;
+      if (ks1 == head && vs1 == head) {
+        std::memcpy(kd, kp + t * ks0, row);
+        std::memcpy(vd, vp + t * vs0, row);
+      } else {
+        for (int64_t h = 0; h < hkv; ++h) {
+          std::memcpy(kd + h * head, kp + t * ks0 + h * ks1, head);
+          std::memcpy(vd + h * head, vp + t * vs0 + h * vs1, head);
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU paged attention kernels";
   m.def("paged_attention", &paged_attention,
@@ -556,4 +606,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16_gemm") = "auto");
   m.def("bf16_brgemm", &bf16_brgemm, "Whether prefill_attention runs bf16 on brgemm (AMX) on this CPU");
   m.def("merge_state", &merge_state, "Merge two attention states by base-2 LSE");
+  m.def("store_kv", &store_kv, "Write new K/V rows [T, Hkv, D] into cache slots [T] of k_cache/v_cache (in place)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"));
 }

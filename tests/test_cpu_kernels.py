@@ -311,3 +311,58 @@ def test_the_build_lock_admits_one_builder_at_a_time(tmp_path):
         assert waited > 0.5  # it waited for the holder (a sleeping process, 1.5 s) to let go
     finally:
         holder.wait(10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    """store_kv puts each token's K/V rows in its slot, from the strided views of a fused qkv
+    output as from contiguous tensors, touching no other slot; bad input is refused clearly."""
+    pool = KVPool(num_layers=1, num_pages=9, page_size=4, num_kv_heads=2, head_dim=16, dtype=dtype, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    for t in (pool.k[0], pool.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    for tokens in (5, 300 // 16):  # (few rows: inline; the larger batch as well)
+        qkv = torch.randn(tokens, (4 + 2 * 2) * 16, generator=g).to(dtype)
+        k = qkv[:, 64:96].view(tokens, 2, 16)  # strided: a row of qkv apart
+        v = qkv[:, 96:].view(tokens, 2, 16)
+        slots = torch.randperm(36, generator=g)[:tokens]
+        want_k, want_v = pool.k_slots(0).clone(), pool.v_slots(0).clone()
+        want_k.index_copy_(0, slots, k)
+        want_v.index_copy_(0, slots, v)
+        ext.store_kv(pool.k[0], pool.v[0], slots, k, v)
+        assert torch.equal(pool.k_slots(0), want_k) and torch.equal(pool.v_slots(0), want_v)
+        heads_apart = torch.randn(tokens, 3, 16, generator=g).to(dtype)[:, ::2]  # heads not adjacent
+        ext.store_kv(pool.k[0], pool.v[0], slots, heads_apart, heads_apart.contiguous())
+        assert torch.equal(pool.k_slots(0)[slots], heads_apart) and torch.equal(pool.v_slots(0)[slots], heads_apart)
+    k = torch.zeros(2, 2, 16, dtype=dtype)
+    with pytest.raises(RuntimeError, match="outside the cache's 36 slots"):
+        ext.store_kv(pool.k[0], pool.v[0], torch.tensor([0, 36]), k, k)
+    with pytest.raises(RuntimeError, match="outside"):
+        ext.store_kv(pool.k[0], pool.v[0], torch.tensor([-1, 3]), k, k)
+    with pytest.raises(RuntimeError, match="int64"):
+        ext.store_kv(pool.k[0], pool.v[0], torch.tensor([0, 1], dtype=torch.int32), k, k)
+    with pytest.raises(RuntimeError, match="matching the cache"):
+        ext.store_kv(pool.k[0], pool.v[0], torch.tensor([0, 1]), torch.zeros(2, 3, 16, dtype=dtype), k)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        ext.store_kv(pool.k[0], pool.v[0], torch.tensor([0, 1]), k.double(), k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_q_k_v_from_a_fused_qkv_equal_contiguous(dtype):
+    """The model hands the backend q/k/v as views of one fused qkv output: the kernels read them in
+    place, with the same results as contiguous copies (every path: decode, gemm, cascade)."""
+    heads, kv_heads, dim = 8, 2, 64
+    qo_kv = [(1, 300), (33, 300), (1, 290), (17, 17), (1, 60)]
+    groups = ((0, 3, 256),)
+    for grouped in (False, True):
+        pool, meta, q, k, v = make_case(11, 16, heads, kv_heads, dtype, qo_kv=qo_kv,
+                                        groups=groups if grouped else ())
+        fused_qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        qs, ks, vs = fused_qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+        qs, ks, vs = qs.view(-1, heads, dim), ks.view(-1, kv_heads, dim), vs.view(-1, kv_heads, dim)
+        assert not qs.is_contiguous()
+        cpu = CpuAttention(pool, dim**-0.5, ext)
+        cpu.plan(meta)
+        want = cpu.forward(q, k, v, 0)
+        got = cpu.forward(qs, ks, vs, 0)
+        assert got.is_contiguous() and torch.equal(got, want)

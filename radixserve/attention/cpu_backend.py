@@ -123,17 +123,19 @@ class CpuAttention(AttentionBackend):
         k_slots, v_slots = self.pool.k_slots(layer), self.pool.v_slots(layer)
         if not isinstance(k_slots, torch.Tensor) or not isinstance(v_slots, torch.Tensor):
             raise InvariantError("the cpu backend got an int8 KV pool (make_attention picks torch for it)")
-        k_slots.index_copy_(0, meta.out_slots, k)
-        v_slots.index_copy_(0, meta.out_slots, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        q = q.contiguous()
+        self.ext.store_kv(k_cache, v_cache, meta.out_slots, k, v)
+        # q may be a strided view of the fused qkv output: the kernels read it in place (rows
+        # with a contiguous last dimension), so only torch's flash path needs a copy
+        if q.stride(-1) != 1 or self._dense:
+            q = q.contiguous()
         attend = self.ext.paged_attention
         if self._flat is not None and self._flat[0] is None:  # every sequence on the decode kernel
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
             return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
         if self._gemm is not None and self._gemm[0] is None:  # all rows are many-row chunks
             return self.ext.prefill_attention(q, k_cache, v_cache, *self._gemm[1:], self.scale, True)[0]
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # (contiguous, whatever q's strides)
         if self._gemm is not None:
             rows, *index = self._gemm
             out.index_copy_(0, rows, self.ext.prefill_attention(q.index_select(0, rows), k_cache, v_cache, *index,
