@@ -113,3 +113,24 @@ def test_greedy_tokens_unchanged_with_cascade(llama_dir):
     off = Engine(llama_dir, kv_cache_tokens=4096, cascade_min_shared_tokens=None)
     off.generate(prompts, params)
     assert off.stats()["cascade_steps"] == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_out_slots_are_each_new_tokens_slot(page_size):
+    """out_slots lists, in batch order, the KV slot of every new token: page table entry of its
+    position times the page size plus its offset, for chunks that start and end mid-page."""
+    rng = random.Random(page_size)
+    pages = list(range(2000))
+    rng.shuffle(pages)
+    tables, kv_lens, qo_lens = [], [], []
+    for _ in range(12):
+        kv = rng.randint(1, 150)
+        qo = rng.randint(1, kv)
+        n = -(-kv // page_size)
+        tables.append([pages.pop() for _ in range(n + rng.randint(0, 2))])  # extra pages are ignored
+        kv_lens.append(kv)
+        qo_lens.append(qo)
+    meta = build_metadata(tables, kv_lens, qo_lens, page_size)
+    want = [t[pos // page_size] * page_size + pos % page_size
+            for t, kv, qo in zip(tables, kv_lens, qo_lens) for pos in range(kv - qo, kv)]
+    assert meta.out_slots.dtype == torch.int64 and meta.out_slots.tolist() == want
