@@ -31,9 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixserve.runtime import prefer_passive_omp
+    from radixserve.runtime import default_omp_wait
 
-    prefer_passive_omp()  # before anything loads torch
+    default_omp_wait()  # before anything loads torch
     args = build_parser().parse_args(argv)
     return int(args.handler(args) or 0)
 

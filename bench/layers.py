@@ -9,7 +9,7 @@ Modes (same random weights, same inputs):
                rows on MKL's packed weights (radixserve.model.linear, RADIXSERVE_PACKED_LINEAR)
   fused-unpacked  the same with every GEMM on F.linear (fp32 only; RADIXSERVE_PACKED_LINEAR=0)
 Attention itself is the same in all modes and left out: a stub stores K/V into a pool layer
-(``index_copy_``, as the CPU backend does) and returns q. Timed ``--repeats`` times with the modes
+(``index_copy_``; the CPU backend now has its own ``store_kv`` kernel) and returns q. Timed ``--repeats`` times with the modes
 interleaved; the median per layer forward is printed, the ratio old / fused, and how far each
 mode's output (the residual stream after the layer) is from old's.
 """
@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
 
 
 class _StubAttention:
-    """Stores K/V like the CPU backend and returns q: the attention kernels are not what changed."""
+    """Stores K/V (with index_copy_, as the CPU backend did before store_kv) and returns q: the
+    attention kernels are not what this bench compares."""
 
     def __init__(self, k_slots, v_slots, slots):
         self.k_slots, self.v_slots, self.slots = k_slots, v_slots, slots

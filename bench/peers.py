@@ -9,7 +9,9 @@ Workloads (greedy, ignore_eos, token ids only, the bench model unless --model):
 
 Each engine runs in a child process of its own, one after the other (never both at once), with
 the same thread count; vLLM gets every core (VLLM_CPU_OMP_THREADS_BIND=0-N,
-VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its engine core in-process. Both get one warm-up request
+VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its engine core in-process. Each runs with its own OpenMP
+defaults: radixserve's short barrier spin (radixserve.runtime.default_omp_wait) is not passed
+to vLLM, which keeps libgomp's; OMP_* / GOMP_* variables you set reach both. Both get one warm-up request
 first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
 (measured the same way for both: submit -> first step that returns a token), computed prompt
 tokens (prompt - cached), then the radixserve/vLLM ratios and whether every request's tokens are
@@ -239,6 +241,11 @@ def specs(args, model: str) -> dict[str, dict]:
 
 def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if engine == "vllm":  # vLLM at its own OpenMP defaults: not radixserve's spin count (yours reach both)
+        from radixserve.runtime import defaulted_env
+
+        for key in defaulted_env():
+            env.pop(key, None)
     cmd = [python, "-m", "bench.peers", "--child", engine, "--spec", json.dumps(spec)]
     print(f"{engine} {spec['workload']} ({spec['dtype']}, {spec['threads']} threads): starting", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
@@ -329,9 +336,9 @@ def render(res: dict) -> str:
 
 
 if __name__ == "__main__":
-    from radixserve.runtime import prefer_passive_omp
+    from radixserve.runtime import default_omp_wait
 
-    prefer_passive_omp()  # as `python -m bench` does; a --child inherits it from its parent
+    default_omp_wait()  # as `python -m bench` does; a --child inherits it from its parent
     parser = argparse.ArgumentParser(prog="python -m bench.peers")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))
