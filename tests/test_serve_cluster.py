@@ -154,10 +154,15 @@ def test_malformed_and_oversized_frames_get_error_replies(cluster):
 
 
 def test_stats_command_prints_json_and_prometheus(cluster):
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "stats", cluster.address],
-                         capture_output=True, text=True, timeout=60, env=ENV)
-    assert out.returncode == 0, out.stderr
-    stats = json.loads(out.stdout)
+    deadline = time.monotonic() + 10
+    while True:  # a worker's engine stats come with its heartbeats (every 0.5 s): wait for each one's first
+        out = subprocess.run([sys.executable, "-m", "radixserve.cli", "stats", cluster.address],
+                             capture_output=True, text=True, timeout=60, env=ENV)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        if all(w["engine"] for w in stats["workers"].values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert set(stats) >= {"router", "workers"}
     router = stats["router"]
     assert {"ttft_s", "e2e_s", "queue_depth_at_arrival"} <= set(router["histograms"])
