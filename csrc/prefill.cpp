@@ -239,40 +239,20 @@ inline void store_p(float* sr, uint16_t* pb, int j, __m512 e, __mmask16 keep) {
 // pb) and their sum; entries [valid, n) become 0. Returns the sum; m_out is the new running max.
 template <bool kBf16>
 inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
-  // Independent accumulators (4 for the max, 2 for the sum): with one, each 16 scores waited on
-  // the previous max/add (4 cycles of latency), which bound the whole pass (perf: ~30% of the
-  // bf16 kernel's time sat on those two chains).
   const int full = valid & ~15;
-  __m512 mx0 = _mm512_set1_ps(kNegInf), mx1 = mx0, mx2 = mx0, mx3 = mx0;
-  int j = 0;
-  for (; j + 64 <= full; j += 64) {
-    mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sr + j));
-    mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sr + j + 16));
-    mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sr + j + 32));
-    mx3 = _mm512_max_ps(mx3, _mm512_loadu_ps(sr + j + 48));
-  }
-  for (; j < full; j += 16) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sr + j));
-  __m512 vmax = _mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3));
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
   if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
   const float m = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
   m_out = m;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
-  __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-  for (j = 0; j + 32 <= full; j += 32) {
-    const __m512 e0 = exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vs, vm));
-    const __m512 e1 = exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), vs, vm));
-    sum0 = _mm512_add_ps(sum0, e0);
-    sum1 = _mm512_add_ps(sum1, e1);
-    store_p<kBf16>(sr, pb, j, e0, 0xFFFF);
-    store_p<kBf16>(sr, pb, j + 16, e1, 0xFFFF);
-  }
-  for (; j < full; j += 16) {
+  __m512 vsum = _mm512_setzero_ps();
+  for (int j = 0; j < full; j += 16) {
     const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vs, vm));
-    sum0 = _mm512_add_ps(sum0, e);
+    vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, 0xFFFF);
   }
-  __m512 vsum = _mm512_add_ps(sum0, sum1);
-  for (j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
+  for (int j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
     const __mmask16 live = tail_mask(valid - j);
     const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, sr + j), vs, vm)));
     vsum = _mm512_add_ps(vsum, e);
