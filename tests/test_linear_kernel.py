@@ -663,3 +663,30 @@ def test_prepack_skips_what_never_packs(spy, monkeypatch):
     assert lin.prepack(model) == 1 and spy.packs == 1
     monkeypatch.setitem(lin._state, "packed", None)  # RADIXSERVE_PACKED_LINEAR=0
     assert lin.prepack(torch.nn.Sequential(lin.Linear(32, 16))) == 0
+
+
+@needs_ext
+def test_bf16_on_amx_runs_33_to_128_rows_on_prepacked_onednn(fresh_state):
+    """With AMX, bf16 batches of MAX_ROWS+1 to ONEDNN_MAX_ROWS rows use a oneDNN-prepacked copy of
+    the weight (made once, remade when the weight changes); fewer rows keep the kernel, more
+    F.linear. Results match F.linear to bf16 rounding (oneDNN may sum in another order)."""
+    if not lin._onednn_bf16():
+        pytest.skip("no AMX here (or torch lacks the mkldnn linear ops): bf16 never takes this path")
+    g = torch.Generator().manual_seed(21)
+    layer = lin.Linear(96, 160, bias=True).bfloat16()
+    with torch.inference_mode():
+        for rows in (lin.MAX_ROWS, lin.MAX_ROWS + 1, 64, lin.ONEDNN_MAX_ROWS, lin.ONEDNN_MAX_ROWS + 1):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
+            entry = layer.packed._entry
+            packed = entry is not None and entry[2] is not None and entry[2].is_mkldnn
+            assert packed == (rows > lin.MAX_ROWS), rows  # made at the first batch in range, then kept
+        x3 = torch.randn(2, 40, 96, generator=g).bfloat16()  # 80 rows in a 3-D batch
+        torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
+        old = layer.packed._entry[2]
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place write: the next batch repacks
+    with torch.inference_mode():
+        x = torch.randn(64, 96, generator=g).bfloat16()
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=4e-2, rtol=2e-2)
+        assert layer.packed._entry[2] is not old

@@ -48,7 +48,10 @@ bf16 weights on a CPU without AMX take the same packed fp32 GEMM for every batch
 (vdpbf16ps) runs at 157 GFLOP/s on 2 cores against MKL fp32's 248 (``python -m bench floor``),
 so the weight is widened to fp32 once (exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to bf16: the
 arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation order. The
-packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX tiles).
+packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX tiles), and
+batches of :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows (a fleet's decode steps and their
+logits) use a copy of the weight prepacked for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``,
+as torch.compile's CPU freezing does), which ``F.linear`` would re-layout on every call.
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ PACKED_MAX_ROWS = 512
 # (pack_fp32's default) a shape agreed at all of 16-2048 rows or at none here; 17 is there because
 # other packings disagreed at odd row counts only.
 PROBE_ROWS = (16, 17, 64)
+# Most rows of a bf16 batch sent to oneDNN with a prepacked weight (torch.ops.mkldnn's
+# _reorder_linear_weight / _linear_pointwise, the ops torch.compile's CPU freezing uses) on a CPU
+# with AMX; fewer than MAX_ROWS + 1 go to the kernel. F.linear hands oneDNN the plain weight every
+# call: 2 threads, the bench model's five shapes, F.linear time / prepacked time at 33 / 64 / 128
+# rows: 1.39-1.86 / 1.25-2.02 / 1.17-1.73; from 256 rows some shapes lose (0.69-0.81 at 256-320).
+ONEDNN_MAX_ROWS = 128
 POLICIES = ("off", "exact", "all")
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -239,14 +248,24 @@ class PackedWeight:
         if entry is not None and entry[0]() is weight and entry[1] == key:
             return entry[2]
         self._entry = None  # free the stale copy before packing the new one
-        widened = weight.dtype == torch.bfloat16
-        nbytes = 4 * weight.numel()  # (MKL's packed copy is about the fp32 weight's size)
+        onednn = weight.dtype == torch.bfloat16 and not _widens_bf16()
+        widened = weight.dtype == torch.bfloat16 and not onednn
+        nbytes = (2 if onednn else 4) * weight.numel()  # (MKL's packed copy is about the fp32 weight's size)
         if not _reserve(nbytes):
             self._entry = (weakref.ref(weight), key, None)
             return None
-        packed = ops.pack_fp32(weight.detach().float() if widened else weight.detach())
+        if onednn:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        else:
+            packed = ops.pack_fp32(weight.detach().float() if widened else weight.detach())
         weakref.finalize(packed, _release, nbytes)  # back to the budget when the copy is freed
-        if widened:
+        if onednn:
+            if not _state.get("onednn_logged"):
+                _state["onednn_logged"] = True
+                log.info("bf16 linear layers (AMX): keeping oneDNN-prepacked copies of the weights for batches of "
+                         "%d-%d rows (as much memory again as the bf16 weights); RADIXSERVE_PACKED_LINEAR=0 turns "
+                         "this off", MAX_ROWS + 1, ONEDNN_MAX_ROWS)
+        elif widened:
             if not _state.get("widened_logged"):
                 _state["widened_logged"] = True
                 log.info("bf16 linear layers (no AMX on this CPU): keeping fp32 MKL-packed copies of the weights for "
@@ -277,6 +296,17 @@ class PackedWeight:
         self._entry = None
 
 
+def _onednn_bf16() -> bool:
+    """Whether bf16 batches of MAX_ROWS+1 to ONEDNN_MAX_ROWS rows run on oneDNN with prepacked
+    weights here: AMX, torch's mkldnn ops present, packing not turned off."""
+    if "onednn_bf16" not in _state:
+        ops = packed_ops()
+        mk = getattr(torch.ops, "mkldnn", None)
+        _state["onednn_bf16"] = (ops is not None and bool(ops.supports_amx()) and torch.backends.mkldnn.is_available()
+                                 and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise"))
+    return _state["onednn_bf16"]  # type: ignore[return-value]
+
+
 def _widens_bf16() -> bool:
     """Whether bf16 linear layers run widened on the packed fp32 GEMM here (no AMX; see the module
     docstring)."""
@@ -292,7 +322,7 @@ def _packable(weight: torch.Tensor) -> bool:
     if not weight.is_cpu or weight.dim() != 2 or weight.stride(-1) != 1 or weight.is_inference():
         return False
     if weight.dtype == torch.bfloat16:
-        return _widens_bf16()
+        return _widens_bf16() or _onednn_bf16()
     return weight.dtype == torch.float32 and packed_ops() is not None
 
 
@@ -324,7 +354,10 @@ def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return False
     k = x.shape[-1] if x.dim() else 0
     if weight.dtype == torch.bfloat16:
-        if k == 0 or x.numel() <= MAX_ROWS_VECTOR * k or not _widens_bf16():
+        if k == 0 or x.numel() <= MAX_ROWS_VECTOR * k:
+            return False
+        if not _widens_bf16() and not (x.numel() <= ONEDNN_MAX_ROWS * k and x.numel() > MAX_ROWS * k
+                                       and _onednn_bf16()):
             return False
         if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_cpu):
             return False
@@ -350,6 +383,9 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if buf is None:
         return None
     n, k = weight.shape
+    if weight.dtype == torch.bfloat16 and not _widens_bf16():  # AMX: oneDNN over the prepacked weight
+        b = None if bias is None else bias.to(torch.bfloat16)
+        return torch.ops.mkldnn._linear_pointwise(x, buf, b, "none", [], "")
     if weight.dtype == torch.bfloat16:  # widened: fp32 rows in, fp32 sums rounded to bf16 out
         fb = None if bias is None else bias.float()
         return ops.packed_linear(x.reshape(-1, k).float(), buf, n, k, fb).view(*x.shape[:-1], n).to(x.dtype)
