@@ -55,7 +55,11 @@ namespace {
 #define PREFILL_ROWS 128
 #endif
 #ifndef PREFILL_KEYS
-#define PREFILL_KEYS 512
+// 256: a 128 x 256 fp32 score tile (128 KiB) stays in L2 between the products and the softmax.
+// python -m bench kernels --modes gemm --threads 2, bf16 on AMX, three interleaved rounds of
+// builds with 512 and 256: fresh2048 8.87/9.23/9.41 -> 7.33/7.41/7.33 ms, gsp8x128/1152+fresh1024
+// 7.26/6.88/6.91 -> 5.94/6.05/6.29 ms; fp32 within noise (17.5-19.2 vs 16.4-18.3 ms on fresh2048).
+#define PREFILL_KEYS 256
 #endif
 constexpr int kRows = PREFILL_ROWS;  // query rows (tokens x heads of a group) per block, about
 constexpr int kKeys = PREFILL_KEYS;  // keys per tile of the online softmax (a multiple of 32)
