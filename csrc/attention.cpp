@@ -27,6 +27,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "avx512_math.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -305,25 +308,11 @@ void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 #define RADIXSERVE_DECODE_AVX512 1
-// 2^x for 16 lanes (x <= 0 here; clamped at -126): exp2_approx's polynomial, with FMAs and
-// vscalefps.
-inline __m512 exp2_v(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 q = _mm512_set1_ps(1.5252733804059841e-05f);
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.5403530393381608e-04f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(q, n);
-}
+using radixserve::tail_mask;
 
-inline __mmask16 lanes(int left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
+// exp2_approx on 16 lanes (x <= 0 here): clamped at -126, the degree-7 polynomial.
+inline __m512 exp2_poly7(__m512 x) {
+  return radixserve::exp2_poly<7>(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)));
 }
 
 // A K/V row as fp32: in place for fp32, else widened into buf (bf16 by a shift, fp16 by vcvtph2ps).
@@ -392,12 +381,12 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
         if (d < D) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
         s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
       }
-      const __mmask16 m0 = lanes(valid), m1 = lanes(valid - 16);
+      const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
       const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, m0, s), s1 = _mm512_mask_loadu_ps(neg_inf, m1, s + 16);
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
       const __m512 vm = _mm512_set1_ps(m_new);
-      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_v(_mm512_sub_ps(s0, vm)));
-      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_v(_mm512_sub_ps(s1, vm)));
+      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
+      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
       _mm512_storeu_ps(s, e0);
       _mm512_storeu_ps(s + 16, e1);
       float* orow = out + r * D;

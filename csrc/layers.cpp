@@ -24,6 +24,10 @@
 #include <cstring>
 #include <optional>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "avx512_math.h"
+#endif
+
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")
 
 namespace {
@@ -223,22 +227,10 @@ inline float exp_poly(float x) {
 inline __m512 silu_mul_v(__m512 x, __m512 u) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-87.0f)),
                                  _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381608e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, n));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), radixserve::exp2_poly<6>(t));
   return _mm512_mul_ps(_mm512_div_ps(x, d), u);
 }
 
-inline __mmask16 lanes_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-}
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -268,7 +260,7 @@ void silu_and_mul_impl(const at::Tensor& gate_up, const at::Tensor& out) {
       R* o = op + row * os;
 #ifdef RADIXSERVE_SILU_AVX512
       for (int64_t i = 0; i < inter; i += 16) {
-        const __mmask16 m = lanes_mask(inter - i);
+        const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(inter - i, 16)));
         store16(o + i, silu_mul_v(load16(g + i, m), load16(u + i, m)), m);
       }
 #else

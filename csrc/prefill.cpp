@@ -47,6 +47,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 #include <immintrin.h>
+
+#include "avx512_math.h"
 #endif
 
 namespace {
@@ -197,31 +199,14 @@ int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-// 2^x for 16 lanes, x <= 0: 2^f on f = x - round(x) in [-0.5, 0.5] by a Taylor polynomial of
-// degree 6 (relative error ~1.2e-7; fp32) or 5 (~2.4e-6; bf16, whose probabilities round to 2^-9
-// anyway), scaled by 2^round(x) with vscalefps (which flushes very negative x to 0).
+// 2^x for 16 lanes, x <= 0: degree 6 (relative error ~1.2e-7; fp32) or 5 (~2.4e-6; bf16, whose
+// probabilities round to 2^-9 anyway).
 template <bool kBf16>
 inline __m512 exp2_v(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p;
-  if constexpr (kBf16) {
-    p = _mm512_set1_ps(1.3333558146428443e-03f);
-  } else {
-    p = _mm512_set1_ps(1.5403530393381608e-04f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  }
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return radixserve::exp2_poly<kBf16 ? 5 : 6>(x);
 }
 
-inline __mmask16 tail_mask(int left) {
-  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1u);
-}
+using radixserve::tail_mask;
 
 template <bool kBf16>
 inline void store_p(float* sr, uint16_t* pb, int j, __m512 e, __mmask16 keep) {
