@@ -179,15 +179,18 @@ def test_fallback_without_the_extension(monkeypatch):
     assert lin._state["op"] is None
 
 
-def test_fp32_few_rows_is_always_f_linear(monkeypatch):
-    """fp32 below PACKED_MIN_ROWS stays on F.linear and never even loads the extension."""
+def test_fp32_few_rows_is_always_f_linear_with_mkl(monkeypatch):
+    """With MKL as the fp32 GEMM (RADIXSERVE_CPU_GEMM=mkl, or what auto chooses on most CPUs), fp32
+    below PACKED_MIN_ROWS stays on F.linear and never even loads the extension."""
     monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setenv("RADIXSERVE_CPU_GEMM", "mkl")
     layer = lin.Linear(24, 10)
     x = torch.randn(lin.PACKED_MIN_ROWS - 1, 24)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         assert torch.equal(lin.logits(x, layer.weight, lin.PackedWeight()), F.linear(x, layer.weight))
     assert "op" not in lin._state and "packed" not in lin._state and "policy" not in lin._state
+    assert lin.gemm_backend(torch.float32) == "mkl"
 
 
 def test_state_dict_is_nn_linears():
@@ -220,15 +223,24 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
     monkeypatch.setitem(lin._state, "op", spy)
     widened = _Spy(packed())
     monkeypatch.setitem(lin._state, "packed", widened)
+    onednn_rows = []
+    real_onednn = lin._onednn_linear
+
+    def onednn_spy(x, p, b):
+        onednn_rows.append(x.numel() // x.shape[-1])
+        return real_onednn(x, p, b)
+
+    monkeypatch.setattr(lin, "_onednn_linear", onednn_spy)
     with_kernel = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     assert all(n <= lin.max_rows(torch.bfloat16) for n in calls)
     if lin.max_rows(torch.bfloat16) >= len(prompts):  # (AMX: the decode steps, 12 rows, on the kernel)
         assert calls, "the bf16 decode steps did not use the kernel"
-    else:  # no AMX: batches of more than MAX_ROWS_VECTOR rows on the widened packed GEMM
-        assert widened.calls and min(widened.calls) > lin.MAX_ROWS_VECTOR, "bf16 batches were not widened"
+    else:  # no AMX: batches of more than MAX_ROWS_VECTOR rows widened or on oneDNN, whichever is faster here
+        rows = widened.calls if lin.gemm_backend(torch.bfloat16) == "widen" else onednn_rows
+        assert rows and min(rows) > lin.MAX_ROWS_VECTOR, f"bf16 batches did not take the {lin.gemm_backend(torch.bfloat16)} GEMM"
     monkeypatch.setitem(lin._state, "op", None)
     monkeypatch.setitem(lin._state, "packed", None)
-    monkeypatch.setitem(lin._state, "widen_bf16", False)
+    monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16), "none")
     without = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     same = sum(a == b for a, b in zip(with_kernel, without))
     tokens = sum(x == y for a, b in zip(with_kernel, without) for x, y in zip(a, b))
@@ -267,11 +279,21 @@ def packed():
 EXACT_SHAPES = [(37, 53), (300, 17), (96, 100), (40, 512), (1024, 512)]
 
 
+def mkl_backends(monkeypatch) -> None:
+    """Pin the GEMMs that are MKL's on CPUs where MKL is fast: fp32 on MKL's packed GEMM, bf16
+    widened to it (without AMX) or on AMX, whatever this CPU would choose."""
+    monkeypatch.setitem(lin._state, ("gemm", torch.float32), "mkl")
+    amx = ext is not None and torch.ops.radixserve_linear.supports_amx()
+    monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16),
+                        ("amx" if lin._has_onednn_ops() else "none") if amx else "widen")
+
+
 @pytest.fixture
 def fresh_state(monkeypatch):
-    """The packed path on with the default policy, whatever the environment says."""
+    """The packed path on with the "exact" policy and MKL's GEMMs, whatever the environment says."""
     monkeypatch.setitem(lin._state, "policy", "exact")
     monkeypatch.delitem(lin._state, "packed", raising=False)
+    mkl_backends(monkeypatch)
     yield
     lin._state.pop("packed", None)
 
@@ -555,7 +577,7 @@ def test_exact_policy_probe_agrees_with_the_real_comparison(fresh_state):
 
 
 @needs_ext
-def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir):
+def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir, monkeypatch):
     import copy
     import pickle
 
@@ -568,6 +590,9 @@ def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir):
         out = lin.logits(h, emb, pw)
     assert out.dtype == torch.float32 and torch.equal(out, F.linear(h, emb)) and spy.calls[-1] == 20
 
+    # (under "all": whether a 16 x 8 weight adds in F.linear's order depends on the CPU, e.g. not on
+    # an AMD EPYC, and the "exact" policy would drop that copy)
+    monkeypatch.setitem(lin._state, "policy", "all")
     layer = lin.Linear(16, 8)
     with torch.inference_mode():
         layer(torch.randn(16, 16))
@@ -690,3 +715,148 @@ def test_bf16_on_amx_runs_33_to_128_rows_on_prepacked_onednn(fresh_state):
         x = torch.randn(64, 96, generator=g).bfloat16()
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=4e-2, rtol=2e-2)
         assert layer.packed._entry[2] is not old
+
+
+needs_onednn = pytest.mark.skipif(not lin._has_onednn_ops(), reason="torch lacks the mkldnn linear ops")
+
+
+@needs_ext
+@needs_onednn
+def test_fp32_on_onednn_from_one_row(monkeypatch):
+    """Where oneDNN is the fp32 backend (auto on CPUs where MKL's fp32 is slow, e.g. AMD EPYC),
+    every fp32 batch runs oneDNN over a prepacked copy of the weight: results equal F.linear's to
+    fp32 rounding (the summation order differs), the copy is made once and remade when the weight
+    changes, autograd keeps F.linear, and the "exact" probe compares oneDNN's products."""
+    monkeypatch.setitem(lin._state, ("gemm", torch.float32), "onednn")
+    monkeypatch.setitem(lin._state, "policy", "all")
+    monkeypatch.delitem(lin._state, "packed", raising=False)
+    rows_seen = []
+    real = lin._onednn_linear
+
+    def spy(x, p, b):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return real(x, p, b)
+
+    monkeypatch.setattr(lin, "_onednn_linear", spy)
+    g = torch.Generator().manual_seed(31)
+    layer = lin.Linear(53, 37, bias=True)
+    emb = torch.randn(300, 53)  # (made outside inference mode: such tensors are never packed)
+    with torch.inference_mode():
+        for shape in [(1, 53), (15, 53), (16, 53), (3, 5, 53), (700, 53)]:
+            x = torch.randn(*shape, generator=g)
+            y = layer(x)
+            assert y.shape == (*shape[:-1], 37)
+            torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        xt = torch.randn(20, 106, generator=g)[:, ::2]  # a strided last dimension: made contiguous
+        torch.testing.assert_close(layer(xt), F.linear(xt, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        h = torch.randn(2, 53, generator=g)
+        torch.testing.assert_close(lin.logits(h, emb, lin.PackedWeight()), F.linear(h, emb), atol=1e-5, rtol=1e-5)
+    assert rows_seen == [1, 15, 16, 15, 700, 20, 2]
+    old = layer.packed._entry[2]
+    assert old.is_mkldnn
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place write: the next batch repacks
+    with torch.inference_mode():
+        x = torch.randn(8, 53, generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert layer.packed._entry[2] is not old
+    x = torch.randn(20, 53, requires_grad=True)  # autograd: F.linear
+    layer(x).sum().backward()
+    assert x.grad is not None and len(rows_seen) == 8
+    # "exact": the probe runs oneDNN's product; it keeps the copy exactly when that equals F.linear
+    w = torch.randn(40, 512, generator=g)
+    p = torch.ops.mkldnn._reorder_linear_weight(w)
+    monkeypatch.setattr(lin, "_onednn_linear", real)
+    same = all(torch.equal(real(x_, p, None), F.linear(x_, w))
+               for x_ in (torch.randn(m, 512, generator=g) for m in (*lin.PROBE_ROWS, 33, 300)))
+    assert lin._bit_identical(w, p, packed()) == same
+
+
+@needs_ext
+@needs_onednn
+def test_bf16_on_onednn_without_amx(monkeypatch):
+    """Where oneDNN is the bf16 backend without AMX (CPUs with avx512_bf16 whose vdpbf16ps GEMM
+    beats the widened fp32 one), bf16 batches of more than MAX_ROWS_VECTOR rows run oneDNN over a
+    prepacked bf16 copy; fewer keep the kernel. Results match fp32 arithmetic to bf16 rounding."""
+    monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16), "onednn")
+    monkeypatch.delitem(lin._state, "packed", raising=False)
+    if lin.max_rows(torch.bfloat16) != lin.MAX_ROWS_VECTOR:
+        pytest.skip("AMX here: the kernel takes up to MAX_ROWS bf16 rows")
+    g = torch.Generator().manual_seed(32)
+    layer = lin.Linear(96, 160, bias=True).bfloat16()
+    with torch.inference_mode():
+        for rows in (1, lin.MAX_ROWS_VECTOR, lin.MAX_ROWS_VECTOR + 1, 64, 700):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            y = layer(x)
+            assert y.dtype == torch.bfloat16
+            check(y, reference(x, layer.weight, layer.bias), torch.bfloat16, False)
+            entry = layer.packed._entry
+            assert (entry is not None and entry[2] is not None and entry[2].is_mkldnn) == (rows > lin.MAX_ROWS_VECTOR)
+        h = torch.randn(9, 96, generator=g).bfloat16()
+        emb = torch.randn(300, 96).bfloat16()
+        out = lin.logits(h, emb, lin.PackedWeight())  # rounded to bf16, then fp32
+        assert out.dtype == torch.float32 and torch.equal(out, out.bfloat16().float())
+        torch.testing.assert_close(out, reference(h, emb, None), atol=5e-2, rtol=1.6e-2)
+
+
+@needs_ext
+def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
+    """auto measures MKL against oneDNN once per dtype and takes oneDNN only when it is more than
+    1.1x faster; RADIXSERVE_CPU_GEMM=mkl/onednn chooses; anything else warns and measures; bf16
+    with AMX is always AMX; fp16 and no extension: F.linear."""
+    amx = torch.ops.radixserve_linear.supports_amx() if ext is not None else False
+    monkeypatch.setattr(lin, "_has_onednn_ops", lambda: True)
+    rates = {"mkl": 100.0, "widen": 100.0, "onednn": 105.0}
+    measured = []
+
+    def fake_measure(dtype, candidates):
+        measured.append((dtype, candidates))
+        return {c: rates[c] for c in candidates}
+
+    monkeypatch.setattr(lin, "_measure", fake_measure)
+    for env, onednn_rate, fp32, bf16 in [("auto", 105.0, "mkl", "widen"), ("", 120.0, "onednn", "onednn"),
+                                         ("mkl", 500.0, "mkl", "widen"), ("onednn", 1.0, "onednn", "onednn"),
+                                         ("fast", 300.0, "onednn", "onednn")]:
+        monkeypatch.setattr(lin, "_state", {})
+        monkeypatch.setenv("RADIXSERVE_CPU_GEMM", env)
+        rates["onednn"] = onednn_rate
+        measured.clear()
+        with caplog.at_level("INFO", logger="radixserve"):
+            assert lin.gemm_backend(torch.float32) == fp32, env
+            assert lin.gemm_backend(torch.bfloat16) == ("amx" if amx else bf16), env
+            assert lin.gemm_backend(torch.float32) == fp32  # decided once
+        assert lin.gemm_backend(torch.float16) == "none"
+        want = [(torch.float32, ("mkl", "onednn"))] + ([] if amx else [(torch.bfloat16, ("widen", "onednn"))])
+        assert measured == (want if env in ("auto", "", "fast") else []), env
+    assert "RADIXSERVE_CPU_GEMM='fast' is not one of" in caplog.text
+    assert "GFLOP/s" in caplog.text
+    # the real measurement: a rate for each candidate
+    monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.undo()
+    if lin._has_onednn_ops():
+        got = lin._measure(torch.float32, ("mkl", "onednn"))
+        assert set(got) == {"mkl", "onednn"} and all(r > 0 for r in got.values())
+    monkeypatch.setattr(lin, "_state", {"packed": None})  # RADIXSERVE_PACKED_LINEAR=0 / no extension
+    assert lin.gemm_backend(torch.float32) == "none" and lin.gemm_backend(torch.bfloat16) == "none"
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
+def test_fp32_engine_greedy_tokens_equal_transformers_on_each_gemm(llama_dir, monkeypatch, backend):
+    """Greedy tokens equal transformers' fp32 generate with either fp32 GEMM, whichever this CPU
+    would choose (the other correctness tests run the chosen one)."""
+    if backend == "onednn" and not lin._has_onednn_ops():
+        pytest.skip("torch lacks the mkldnn linear ops")
+    from conftest import hf_greedy, random_prompts
+
+    from radixserve import Engine, SamplingParams
+
+    monkeypatch.setitem(lin._state, ("gemm", torch.float32), backend)
+    prompts = random_prompts([40, 9, 70, 3], seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng = Engine(llama_dir, kv_cache_tokens=4096)
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    layer = next(m for m in eng.runner.model.modules() if isinstance(m, lin.Linear))
+    assert layer.packed._entry[2].is_mkldnn == (backend == "onednn")
+    eng.shutdown()
+    assert got == hf_greedy(llama_dir, prompts, 8)

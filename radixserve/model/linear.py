@@ -43,23 +43,33 @@ process) chooses:
   896) this keeps every weight on ``F.linear``: the speed-up needs ``all``.
 - ``0`` (or ``off``): no packed copies; every fp32 product is ``F.linear``.
 
-bf16 weights on a CPU without AMX take the same packed fp32 GEMM for every batch of more than
-:data:`MAX_ROWS_VECTOR` rows (fewer go to the bf16 vector kernel): there oneDNN's bf16 GEMM
-(vdpbf16ps) runs at 157 GFLOP/s on 2 cores against MKL fp32's 248 (``python -m bench floor``),
-so the weight is widened to fp32 once (exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to bf16: the
-arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation order. The
-packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX tiles), and
-batches of :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows (a fleet's decode steps and their
-logits) use a copy of the weight prepacked for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``,
-as torch.compile's CPU freezing does), which ``F.linear`` would re-layout on every call.
+Which GEMM runs the larger batches is chosen once per process by :func:`gemm_backend`: MKL
+dispatches to its AVX-512 kernels only on Intel CPUs, so on an AMD EPYC with AVX-512 oneDNN's
+fp32 GEMM is 2-4x faster than MKL's and its native bf16 GEMM (vdpbf16ps) faster again, while on
+Intel MKL's fp32 is as fast. ``auto`` (``RADIXSERVE_CPU_GEMM``, the default) times both on a
+64-row product at the first batch that needs one (about 50 ms) and logs the rates and the choice;
+``mkl`` or ``onednn`` chooses. With oneDNN, every fp32 batch (from one row) and every bf16 batch
+the kernel does not take uses a copy of the weight prepacked for oneDNN
+(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops torch.compile's CPU
+freezing uses); ``F.linear`` would re-layout the weight on every call.
+
+bf16 weights on a CPU without AMX where MKL wins take the same packed fp32 GEMM for every batch of
+more than :data:`MAX_ROWS_VECTOR` rows (fewer go to the bf16 vector kernel): the weight is widened
+to fp32 once (exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to
+bf16: the arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation
+order. The packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX
+tiles), and batches of :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows (a fleet's decode
+steps and their logits) use the oneDNN-prepacked copy.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +101,12 @@ PACKED_MAX_ROWS = 512
 # (pack_fp32's default) a shape agreed at all of 16-2048 rows or at none here; 17 is there because
 # other packings disagreed at odd row counts only.
 PROBE_ROWS = (16, 17, 64)
+# Rows of the product gemm_backend() times to choose between MKL and oneDNN (a fleet's decode step).
+GEMM_PROBE_ROWS = 64
+# Fewest rows of an fp32 batch sent to oneDNN where it is the backend: on the AMD EPYC (Zen 5)
+# measured here it is faster than F.linear (MKL) from one row: 1.0-3.7x at 1 row (the most on the
+# 49152-row output embedding), 2.7-3.4x at 8, 2.5-4x at 64 and 2.2-2.8x at 2048.
+ONEDNN_FP32_MIN_ROWS = 1
 # Most rows of a bf16 batch sent to oneDNN with a prepacked weight (torch.ops.mkldnn's
 # _reorder_linear_weight / _linear_pointwise, the ops torch.compile's CPU freezing uses) on a CPU
 # with AMX; fewer than MAX_ROWS + 1 go to the kernel. F.linear hands oneDNN the plain weight every
@@ -100,7 +116,7 @@ ONEDNN_MAX_ROWS = 128
 POLICIES = ("off", "exact", "all")
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-_state: dict[str, object] = {}
+_state: dict[object, object] = {}
 
 
 def kernel():
@@ -177,7 +193,8 @@ def _bit_identical(weight: torch.Tensor, packed: torch.Tensor, ops) -> bool:
     with torch.no_grad():
         for m in PROBE_ROWS:
             x = torch.randn(m, k, generator=g)
-            if not torch.equal(ops.packed_linear(x, packed, n, k, None), F.linear(x, weight)):
+            y = _onednn_linear(x, packed, None) if packed.is_mkldnn else ops.packed_linear(x, packed, n, k, None)
+            if not torch.equal(y, F.linear(x, weight)):
                 return False
     return True
 
@@ -244,13 +261,15 @@ class PackedWeight:
     def get(self, weight: torch.Tensor, ops) -> torch.Tensor | None:
         exact = packed_policy() == "exact"
         entry = self._entry
-        key = self._key(weight)
+        backend = gemm_backend(weight.dtype)
+        key = (*self._key(weight), backend)
         if entry is not None and entry[0]() is weight and entry[1] == key:
             return entry[2]
         self._entry = None  # free the stale copy before packing the new one
-        onednn = weight.dtype == torch.bfloat16 and not _widens_bf16()
-        widened = weight.dtype == torch.bfloat16 and not onednn
-        nbytes = (2 if onednn else 4) * weight.numel()  # (MKL's packed copy is about the fp32 weight's size)
+        onednn = backend in ("onednn", "amx")
+        widened = backend == "widen"
+        # (MKL's packed copy is about the fp32 weight's size, oneDNN's the weight's own)
+        nbytes = (weight.element_size() if onednn else 4) * weight.numel()
         if not _reserve(nbytes):
             self._entry = (weakref.ref(weight), key, None)
             return None
@@ -259,25 +278,27 @@ class PackedWeight:
         else:
             packed = ops.pack_fp32(weight.detach().float() if widened else weight.detach())
         weakref.finalize(packed, _release, nbytes)  # back to the budget when the copy is freed
-        if onednn:
-            if not _state.get("onednn_logged"):
-                _state["onednn_logged"] = True
-                log.info("bf16 linear layers (AMX): keeping oneDNN-prepacked copies of the weights for batches of "
-                         "%d-%d rows (as much memory again as the bf16 weights); RADIXSERVE_PACKED_LINEAR=0 turns "
-                         "this off", MAX_ROWS + 1, ONEDNN_MAX_ROWS)
+        if exact and weight.dtype == torch.float32 and not _bit_identical(weight, packed, ops):
+            packed = None
+            shapes: set = _state.setdefault("inexact_shapes", set())  # type: ignore[assignment]
+            if tuple(weight.shape) not in shapes:
+                shapes.add(tuple(weight.shape))
+                log.info("%s linear %dx%d: the packed GEMM is not bit-identical to F.linear at this shape; "
+                         "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)",
+                         str(weight.dtype).removeprefix("torch."), *weight.shape)
+        elif onednn:
+            if not _state.get(("onednn_logged", weight.dtype)):
+                _state[("onednn_logged", weight.dtype)] = True
+                lo, hi = _row_range(weight.dtype)
+                log.info("%s linear layers: keeping oneDNN-prepacked copies of the weights for batches of %d%s rows "
+                         "(as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off",
+                         str(weight.dtype).removeprefix("torch."), lo, f"-{hi}" if hi < 1 << 40 else " or more")
         elif widened:
             if not _state.get("widened_logged"):
                 _state["widened_logged"] = True
                 log.info("bf16 linear layers (no AMX on this CPU): keeping fp32 MKL-packed copies of the weights for "
                          "batches of more than %d rows (twice the bf16 weight memory); RADIXSERVE_PACKED_LINEAR=0 "
                          "turns this off", MAX_ROWS_VECTOR)
-        elif exact and not _bit_identical(weight, packed, ops):
-            packed = None
-            shapes: set = _state.setdefault("inexact_shapes", set())  # type: ignore[assignment]
-            if tuple(weight.shape) not in shapes:
-                shapes.add(tuple(weight.shape))
-                log.info("fp32 linear %dx%d: MKL's packed GEMM is not bit-identical to F.linear at this shape; "
-                         "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)", *weight.shape)
         elif not _state.get("packed_logged"):
             _state["packed_logged"] = True
             log.info("fp32 linear layers: keeping MKL-packed copies of the weights for batches of %d-%d rows, "
@@ -296,24 +317,125 @@ class PackedWeight:
         self._entry = None
 
 
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product of ``x`` with a weight prepacked by ``_reorder_linear_weight``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _has_onednn_ops() -> bool:
+    mk = getattr(torch.ops, "mkldnn", None)
+    return (torch.backends.mkldnn.is_available() and hasattr(mk, "_reorder_linear_weight")
+            and hasattr(mk, "_linear_pointwise"))
+
+
+def _median_seconds(fn, reps: int = 7) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]
+
+
+def _measure(dtype: torch.dtype, candidates: tuple[str, ...]) -> dict[str, float]:
+    """GFLOP/s of each candidate backend on a 64 x 1024 x 1024 product of ``dtype`` (about 50 ms
+    in all): MKL's packed fp32 GEMM ("mkl"; for bf16, widened to it: "widen") or oneDNN over a
+    prepacked weight ("onednn")."""
+    ops = packed_ops()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1024, 1024, generator=g).to(dtype)
+    x = torch.randn(GEMM_PROBE_ROWS, 1024, generator=g).to(dtype)
+    flops = 2.0 * GEMM_PROBE_ROWS * 1024 * 1024
+    rates = {}
+    with torch.no_grad():
+        for name in candidates:
+            if name == "onednn":
+                p = torch.ops.mkldnn._reorder_linear_weight(w)
+                fn: Callable[[], torch.Tensor] = functools.partial(_onednn_linear, x, p, None)
+            else:  # as _packed_linear runs it: bf16 rows widened, the fp32 sums rounded back
+                p = ops.pack_fp32(w.float())
+
+                fn = functools.partial(lambda p: ops.packed_linear(x.float(), p, 1024, 1024, None).to(dtype), p)
+            rates[name] = flops / _median_seconds(fn) / 1e9
+    return rates
+
+
+def gemm_backend(dtype: torch.dtype) -> str:
+    """Which GEMM runs the batches of ``dtype`` that do not go to the small-M kernel, on this CPU
+    (decided once per process, logged): ``"mkl"`` (fp32: MKL's packed GEMM, :data:`PACKED_MIN_ROWS`
+    to :data:`PACKED_MAX_ROWS` rows), ``"widen"`` (bf16 without AMX: the same, on the widened weight,
+    from :data:`MAX_ROWS_VECTOR` + 1 rows), ``"onednn"`` (oneDNN over a prepacked weight: fp32 from
+    one row, bf16 without AMX from :data:`MAX_ROWS_VECTOR` + 1 rows), ``"amx"`` (bf16 with AMX:
+    oneDNN prepacked for :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows) or ``"none"``
+    (``F.linear`` for all of them: no extension, packing off, fp16).
+
+    ``RADIXSERVE_CPU_GEMM`` = ``mkl`` or ``onednn`` chooses; ``auto`` (the default) measures both
+    on a 64-row product and takes the faster: MKL dispatches to AVX-512 only on Intel CPUs, so on
+    an AMD EPYC with AVX-512 oneDNN's fp32 GEMM is 2-4x faster than MKL's, and its native bf16
+    GEMM (vdpbf16ps) another 1.5-2x (``python -m bench floor``); on other CPUs MKL's fp32 is as
+    fast and stays (a tie keeps MKL)."""
+    key = ("gemm", dtype)
+    if key not in _state:
+        _state[key] = _choose_backend(dtype)
+    return _state[key]  # type: ignore[return-value]
+
+
+def _choose_backend(dtype: torch.dtype) -> str:
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "none"
+    raw = os.environ.get("RADIXSERVE_CPU_GEMM", "auto").strip().lower() or "auto"
+    if raw not in ("auto", "mkl", "onednn"):
+        log.warning("RADIXSERVE_CPU_GEMM=%r is not one of auto, mkl, onednn; using auto", raw)
+        raw = "auto"
+    if raw == "mkl" and dtype == torch.float32:
+        return "mkl"  # (without loading the extension: fp32 batches of few rows never need it)
+    ops = packed_ops()
+    if ops is None:
+        return "none"
+    onednn = _has_onednn_ops()
+    if dtype == torch.bfloat16 and ops.supports_amx():
+        return "amx" if onednn else "none"
+    native = "mkl" if dtype == torch.float32 else "widen"
+    if raw == "mkl" or not onednn:
+        return native
+    if raw == "onednn":
+        return "onednn"
+    rates = _measure(dtype, (native, "onednn"))
+    choice = "onednn" if rates["onednn"] > 1.1 * rates[native] else native
+    log.info("%s GEMM on this CPU (%d rows, 1024 x 1024, %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
+             "using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)", str(dtype).removeprefix("torch."),
+             GEMM_PROBE_ROWS, torch.get_num_threads(), rates["onednn"],
+             " (widened to fp32)" if native == "widen" else "", rates[native],
+             "oneDNN" if choice == "onednn" else "MKL")
+    return choice
+
+
+def _row_range(dtype: torch.dtype) -> tuple[int, int]:
+    """Rows of a batch of ``dtype`` that take the packed copy, inclusive (see :func:`gemm_backend`)."""
+    backend = gemm_backend(dtype)
+    if backend == "mkl":
+        return PACKED_MIN_ROWS, PACKED_MAX_ROWS
+    if backend == "onednn" and dtype == torch.float32:
+        return ONEDNN_FP32_MIN_ROWS, 1 << 62
+    if backend in ("onednn", "widen"):
+        return MAX_ROWS_VECTOR + 1, 1 << 62
+    if backend == "amx":
+        return MAX_ROWS + 1, ONEDNN_MAX_ROWS
+    return 1, 0
+
+
 def _onednn_bf16() -> bool:
-    """Whether bf16 batches of MAX_ROWS+1 to ONEDNN_MAX_ROWS rows run on oneDNN with prepacked
-    weights here: AMX, torch's mkldnn ops present, packing not turned off."""
-    if "onednn_bf16" not in _state:
-        ops = packed_ops()
-        mk = getattr(torch.ops, "mkldnn", None)
-        _state["onednn_bf16"] = (ops is not None and bool(ops.supports_amx()) and torch.backends.mkldnn.is_available()
-                                 and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise"))
-    return _state["onednn_bf16"]  # type: ignore[return-value]
+    """Whether bf16 batches beyond the kernel's rows run on oneDNN with prepacked weights here."""
+    return gemm_backend(torch.bfloat16) in ("amx", "onednn")
 
 
 def _widens_bf16() -> bool:
-    """Whether bf16 linear layers run widened on the packed fp32 GEMM here (no AMX; see the module
-    docstring)."""
-    if "widen_bf16" not in _state:
-        ops = packed_ops()
-        _state["widen_bf16"] = ops is not None and not ops.supports_amx()
-    return _state["widen_bf16"]  # type: ignore[return-value]
+    """Whether bf16 linear layers run widened on the packed fp32 GEMM here (see :func:`gemm_backend`)."""
+    return gemm_backend(torch.bfloat16) == "widen"
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -321,9 +443,9 @@ def _packable(weight: torch.Tensor) -> bool:
     bf16 one where bf16 runs widened) on the CPU, a 2-D row-major non-inference tensor."""
     if not weight.is_cpu or weight.dim() != 2 or weight.stride(-1) != 1 or weight.is_inference():
         return False
-    if weight.dtype == torch.bfloat16:
-        return _widens_bf16() or _onednn_bf16()
-    return weight.dtype == torch.float32 and packed_ops() is not None
+    if weight.dtype not in (torch.float32, torch.bfloat16) or packed_ops() is None:
+        return False
+    return gemm_backend(weight.dtype) != "none"
 
 
 def prepack(model: nn.Module) -> int:
@@ -349,24 +471,25 @@ def prepack(model: nn.Module) -> int:
 
 
 def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    # cheapest tests first; batches below PACKED_MIN_ROWS never load the extension
+    # cheapest tests first; fp32 batches below PACKED_MIN_ROWS never load the extension while
+    # MKL is the backend
     if x.dtype != weight.dtype or not (x.is_cpu and weight.is_cpu):
         return False
     k = x.shape[-1] if x.dim() else 0
-    if weight.dtype == torch.bfloat16:
-        if k == 0 or x.numel() <= MAX_ROWS_VECTOR * k:
+    if k == 0 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if weight.dtype == torch.float32:
+        if x.numel() < PACKED_MIN_ROWS * k and gemm_backend(torch.float32) != "onednn":
             return False
-        if not _widens_bf16() and not (x.numel() <= ONEDNN_MAX_ROWS * k and x.numel() > MAX_ROWS * k
-                                       and _onednn_bf16()):
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
+            return False  # (F.linear refuses or converts it, as before)
+    else:
+        if x.numel() <= MAX_ROWS_VECTOR * k:
             return False
         if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_cpu):
             return False
-    elif weight.dtype == torch.float32:
-        if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
-            return False  # (F.linear refuses or converts it, as before)
-        if k == 0 or not PACKED_MIN_ROWS * k <= x.numel() <= PACKED_MAX_ROWS * k:
-            return False
-    else:
+    lo, hi = _row_range(weight.dtype)
+    if not lo * k <= x.numel() <= hi * k:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k or weight.is_inference():
         return False  # (an inference tensor has no version counter to key the packed copy on)
@@ -383,9 +506,8 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if buf is None:
         return None
     n, k = weight.shape
-    if weight.dtype == torch.bfloat16 and not _widens_bf16():  # AMX: oneDNN over the prepacked weight
-        b = None if bias is None else bias.to(torch.bfloat16)
-        return torch.ops.mkldnn._linear_pointwise(x, buf, b, "none", [], "")
+    if buf.is_mkldnn:  # oneDNN over the prepacked weight
+        return _onednn_linear(x, buf, None if bias is None else bias.to(weight.dtype))
     if weight.dtype == torch.bfloat16:  # widened: fp32 rows in, fp32 sums rounded to bf16 out
         fb = None if bias is None else bias.float()
         return ops.packed_linear(x.reshape(-1, k).float(), buf, n, k, fb).view(*x.shape[:-1], n).to(x.dtype)
