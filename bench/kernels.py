@@ -1,6 +1,8 @@
 """One layer of CPU attention per batch shape: the csrc/ decode kernel alone ("kernel"), the
 kernel with the many-row chunks on torch's flash kernel ("flash"), with them on the csrc/ GEMM
-prefill kernel ("gemm", ``CpuAttention``'s default), and the torch backend ("torch").
+prefill kernel ("gemm", ``CpuAttention``'s default), and the torch backend ("torch"). With
+``--dtype bfloat16``, "gemm-fp32" is the GEMM kernel with bf16 widened to fp32 (the path of CPUs
+with neither AMX nor AVX512-BF16; "gemm" takes AMX tiles or vdpbf16ps where the CPU has them).
 
 Shapes are the fleet/GSP steps' (bench model: 8 query heads, 4 KV heads, head_dim 64): decodes
 over long contexts, a fresh prefill, prefill chunks over a cached prefix, and GSP-like chunks over
@@ -31,11 +33,25 @@ CASES = {
 }
 SHARED = {"gsp8x128/1152+fresh1024": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
 MODES = ("kernel", "flash", "gemm", "torch")
+EXTRA_MODES = ("gemm-fp32",)
+
+
+class _WidenedBf16:
+    """The extension with ``prefill_attention``'s bf16 products widened to fp32 (``bf16_gemm="fp32"``)."""
+
+    def __init__(self, ext) -> None:
+        self._ext = ext
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    def prefill_attention(self, *args, **kwargs):
+        return self._ext.prefill_attention(*args, bf16_gemm="fp32", **kwargs)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma list from " + ",".join(CASES))
-    parser.add_argument("--modes", default=",".join(MODES), help="comma list from " + ",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list from " + ",".join(MODES + EXTRA_MODES))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -94,12 +110,12 @@ def run(args) -> int:
             if mode == "torch":
                 backends[mode] = TorchAttention(pool, 64**-0.5)
             else:
-                b = CpuAttention(pool, 64**-0.5, ext)
+                b = CpuAttention(pool, 64**-0.5, _WidenedBf16(ext) if mode == "gemm-fp32" else ext)
                 if mode == "kernel":
                     b.dense_min_tokens = 1 << 30
                 elif mode == "flash":
                     b.dense_path = "flash"
-                elif mode == "gemm":
+                elif mode in ("gemm", "gemm-fp32"):
                     b.dense_path = "gemm"
                 backends[mode] = b
         times = {m: [] for m in backends}
@@ -118,7 +134,7 @@ def run(args) -> int:
                           "cases": results}, indent=1))
         return 0
     print(f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}, median of {args.repeats}")
-    print(f"{'case':<20}" + "".join(f"{m + ' (ms)':>14}{'GFLOP/s':>9}" for m in modes))
+    print(f"{'case':<24}" + "".join(f"{m + ' (ms)':>16}{'GFLOP/s':>9}" for m in modes))
     for name, r in results.items():
-        print(f"{name:<20}" + "".join(f"{r[m]['ms']:>14.2f}{r[m]['gflops']:>9.1f}" for m in modes))
+        print(f"{name:<24}" + "".join(f"{r[m]['ms']:>16.2f}{r[m]['gflops']:>9.1f}" for m in modes))
     return 0

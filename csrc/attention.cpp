@@ -701,6 +701,7 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
                                              torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                              double scale, bool causal, const std::string& bf16_gemm);
 bool bf16_brgemm();
+bool bf16_dpbf16();
 
 // Write a batch's new K and V rows into their cache slots: k_cache/v_cache [pages, page_size,
 // Hkv, D] (contiguous), slots [T] int64 (flat slot = page * page_size + offset, all distinct), k/v
@@ -758,11 +759,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over FlashInfer-format metadata; returns (out, lse base 2)");
   m.def("prefill_attention", &prefill_attention,
         "Many-row (prefill/extend) paged attention through GEMMs, same arguments and results as paged_attention; "
-        "bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else widened to fp32), 'brgemm' or 'fp32'",
+        "bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else vdpbf16ps where the CPU has AVX512-BF16, "
+        "else widened to fp32), 'brgemm', 'dpbf16' or 'fp32'",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qo_indptr"), py::arg("kv_indptr"),
         py::arg("kv_indices"), py::arg("kv_last_page_len"), py::arg("scale"), py::arg("causal"),
         py::arg("bf16_gemm") = "auto");
   m.def("bf16_brgemm", &bf16_brgemm, "Whether prefill_attention runs bf16 on brgemm (AMX) on this CPU");
+  m.def("bf16_dpbf16", &bf16_dpbf16,
+        "Whether prefill_attention can run bf16 on vdpbf16ps (AVX512-BF16; its path where there is no AMX)");
   m.def("merge_state", &merge_state, "Merge two attention states by base-2 LSE");
   m.def("store_kv", &store_kv, "Write new K/V rows [T, Hkv, D] into cache slots [T] of k_cache/v_cache (in place)",
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"));

@@ -140,7 +140,8 @@ struct Problem {
   bool causal;
   T* out;
   float* lse;
-  bool amx;  // bf16 through brgemm (run_item_amx) rather than MKL
+  bool amx;     // bf16 through brgemm (run_item_amx) rather than the fp32 micro-kernels
+  bool dpbf16;  // bf16 through the vdpbf16ps micro-kernels (run_item_dpbf16)
 };
 
 struct Seq {
@@ -585,6 +586,174 @@ void pack_keys_f32(const Problem<T>& p, const Seq& s, const int32_t* pages, int 
 }
 #endif
 
+// -- bf16 on AVX512-BF16 without AMX ------------------------------------------------------------
+// The AMX path's layouts (pack_keys, pack_values, bf16 P from the softmax pass) with vdpbf16ps
+// micro-kernels in place of brgemm: each instruction adds the products of two bf16 pairs into 16
+// fp32 lanes, twice the multiply-adds of an fp32 FMA, with Q K^T exact products as in the widened
+// path and P rounded to bf16 as on AMX.
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RADIXSERVE_DPBF16 1
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// S[r][16x] = sum_dp Q[r] pair dp . KT pair (dp, 16x) for RB rows and NB vectors of 16 keys: q rows
+// of half = D/2 dwords (bf16 pairs), kt the tile at its first key (row stride width dwords).
+template <int RB, int NB>
+inline void qk_bf16(const uint32_t* q, int half, const uint32_t* kt, int width, float* s, int lds) {
+  __m512 acc[RB][NB];
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+    for (int x = 0; x < NB; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int dp = 0; dp < half; ++dp) {
+    __m512i b[NB];
+#pragma GCC unroll 2
+    for (int x = 0; x < NB; ++x) b[x] = _mm512_loadu_si512(kt + static_cast<int64_t>(dp) * width + 16 * x);
+#pragma GCC unroll 12
+    for (int r = 0; r < RB; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(q[r * half + dp]));
+#pragma GCC unroll 2
+      for (int x = 0; x < NB; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], as_bh(a), as_bh(b[x]));
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+    for (int x = 0; x < NB; ++x) _mm512_storeu_ps(s + static_cast<int64_t>(r) * lds + 16 * x, acc[r][x]);
+}
+
+template <int NB>
+inline void qk_bf16_rows(int rb, const uint32_t* q, int half, const uint32_t* kt, int width, float* s, int lds) {
+  switch (rb) {  // the row tail of a block
+    case 1: return qk_bf16<1, NB>(q, half, kt, width, s, lds);
+    case 2: return qk_bf16<2, NB>(q, half, kt, width, s, lds);
+    case 3: return qk_bf16<3, NB>(q, half, kt, width, s, lds);
+    case 4: return qk_bf16<4, NB>(q, half, kt, width, s, lds);
+    case 5: return qk_bf16<5, NB>(q, half, kt, width, s, lds);
+    case 6: return qk_bf16<6, NB>(q, half, kt, width, s, lds);
+    case 7: return qk_bf16<7, NB>(q, half, kt, width, s, lds);
+    case 8: return qk_bf16<8, NB>(q, half, kt, width, s, lds);
+    case 9: return qk_bf16<9, NB>(q, half, kt, width, s, lds);
+    case 10: return qk_bf16<10, NB>(q, half, kt, width, s, lds);
+    case 11: return qk_bf16<11, NB>(q, half, kt, width, s, lds);
+    default: return qk_bf16<12, NB>(q, half, kt, width, s, lds);
+  }
+}
+
+// O[r][16x] += sum_jp P[r] pair jp . V pair (jp, 16x) for RB rows and NV vectors of 16 dims: p rows
+// of ldp dwords (bf16 pairs of keys), v the column block's pairs (ldv dwords per key pair).
+template <int RB, int NV>
+inline void pv_bf16(const uint32_t* pm, int ldp, int npairs, const uint32_t* v, int ldv, float* o, int D) {
+  __m512 acc[RB][NV];
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < NV; ++x) acc[r][x] = _mm512_loadu_ps(o + r * D + 16 * x);
+  for (int jp = 0; jp < npairs; ++jp) {
+    __m512i b[NV];
+#pragma GCC unroll 4
+    for (int x = 0; x < NV; ++x) b[x] = _mm512_loadu_si512(v + static_cast<int64_t>(jp) * ldv + 16 * x);
+#pragma GCC unroll 6
+    for (int r = 0; r < RB; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(pm[static_cast<int64_t>(r) * ldp + jp]));
+#pragma GCC unroll 4
+      for (int x = 0; x < NV; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], as_bh(a), as_bh(b[x]));
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < NV; ++x) _mm512_storeu_ps(o + r * D + 16 * x, acc[r][x]);
+}
+
+template <int RB>
+inline void pv_bf16_dims(int nv, const uint32_t* pm, int ldp, int npairs, const uint32_t* v, int ldv, float* o, int D) {
+  switch (nv) {  // vectors of 16 dims in this column block (kDimBlock = 64: up to 4)
+    case 1: return pv_bf16<RB, 1>(pm, ldp, npairs, v, ldv, o, D);
+    case 2: return pv_bf16<RB, 2>(pm, ldp, npairs, v, ldv, o, D);
+    case 3: return pv_bf16<RB, 3>(pm, ldp, npairs, v, ldv, o, D);
+    default: return pv_bf16<RB, 4>(pm, ldp, npairs, v, ldv, o, D);
+  }
+}
+
+inline void pv_bf16_rows(int rb, int nv, const uint32_t* pm, int ldp, int npairs, const uint32_t* v, int ldv, float* o,
+                         int D) {
+  switch (rb) {
+    case 1: return pv_bf16_dims<1>(nv, pm, ldp, npairs, v, ldv, o, D);
+    case 2: return pv_bf16_dims<2>(nv, pm, ldp, npairs, v, ldv, o, D);
+    case 3: return pv_bf16_dims<3>(nv, pm, ldp, npairs, v, ldv, o, D);
+    case 4: return pv_bf16_dims<4>(nv, pm, ldp, npairs, v, ldv, o, D);
+    case 5: return pv_bf16_dims<5>(nv, pm, ldp, npairs, v, ldv, o, D);
+    default: return pv_bf16_dims<6>(nv, pm, ldp, npairs, v, ldv, o, D);
+  }
+}
+
+void run_item_dpbf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, Scratch<uint16_t>& w) {
+  static_assert(kDimBlock == 64, "pv_bf16_dims handles column blocks of up to 4 vectors");
+  const int D = p.dim, G = p.group, half = D / 2;
+  const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
+  const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
+  const int kpad = (kmax + kKeyPad - 1) / kKeyPad * kKeyPad;
+  const int hq = p.num_kv_heads * G;
+  const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
+  w.k.resize(static_cast<size_t>(kpad) * D);
+  w.v.resize(static_cast<size_t>(kpad) * D);
+  const uint32_t* kp = reinterpret_cast<const uint32_t*>(w.k.data());
+  const uint32_t* vp = reinterpret_cast<const uint32_t*>(w.v.data());
+  pack_keys(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.k.data()));
+  pack_values(p, s, pages, it.head, kmax, kpad, reinterpret_cast<uint32_t*>(w.v.data()));
+  size_block(w, s.tokens * G, D);
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(w.q.data());
+  const uint32_t* p32 = reinterpret_cast<const uint32_t*>(w.p.data());
+  for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
+    const int t1 = std::min(t_hi, t0 + s.tokens);
+    const int R = start_block(p, s, it, t0, t1, G, w);
+    const int kend = kend_of(s, t1, p.causal);
+    for (int c = 0; c < kend; c += kKeys) {
+      const int n = std::min(kKeys, kend - c);
+      const int width = std::min(kKeys, kpad - c);  // the packed tile's
+      const int npad = (n + kKeyPad - 1) / kKeyPad * kKeyPad;  // <= width: P is written (0 past each row's keys) to here
+      float* sb = w.s.data();
+      const uint32_t* tile = kp + static_cast<int64_t>(c) * half;
+      for (int r0 = 0; r0 < R; r0 += kQkRows) {  // each row block up to its last visible key
+        const int rb = std::min(kQkRows, R - r0);
+        const int cols = (std::clamp(w.limit[r0 + rb - 1] - c, 0, n) + 15) / 16 * 16;
+        int j0 = 0;
+        for (; j0 + 32 <= cols; j0 += 32)
+          qk_bf16_rows<2>(rb, q32 + static_cast<int64_t>(r0) * half, half, tile + j0, width, sb + r0 * kKeys + j0, kKeys);
+        if (j0 < cols)
+          qk_bf16_rows<1>(rb, q32 + static_cast<int64_t>(r0) * half, half, tile + j0, width, sb + r0 * kKeys + j0, kKeys);
+      }
+      for (int r = 0; r < R; ++r)
+        softmax_row<uint16_t>(sb + static_cast<int64_t>(r) * kKeys, npad, std::min(n, w.limit[r] - c), p.scale_log2,
+                              w.m[r], w.l[r], w.o.data() + r * D, D, w.p.data() + static_cast<int64_t>(r) * kKeys);
+      for (int k0 = 0; k0 < n; k0 += kPvKeys) {  // P is 0 past each row's last visible key, up to npad
+        for (int r0 = 0; r0 < R; r0 += kPvRows) {
+          const int rb = std::min(kPvRows, R - r0);
+          const int nk = std::clamp(w.limit[r0 + rb - 1] - c - k0, 0, std::min(kPvKeys, n - k0));
+          if (nk == 0) continue;
+          const uint32_t* prow = p32 + static_cast<int64_t>(r0) * (kKeys / 2) + k0 / 2;
+          for (int d0 = 0; d0 < D; d0 += kDimBlock) {
+            const int nb = std::min(kDimBlock, D - d0);
+            const uint32_t* vblk = vp + static_cast<int64_t>(d0) * (kpad / 2) + static_cast<int64_t>((c + k0) / 2) * nb;
+            pv_bf16_rows(rb, nb / 16, prow, kKeys / 2, (nk + 1) / 2, vblk, nb, w.o.data() + static_cast<int64_t>(r0) * D + d0, D);
+          }
+        }
+      }
+    }
+    for (int t = t0; t < t1; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (t - t0) * G + g;
+        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
+        const float* orow = w.o.data() + r * D;
+        c10::BFloat16* dst = p.out + row * D;
+        const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
+        p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
+      }
+  }
+}
+#endif
+
 template <typename T>
 void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>& w) {
   const int D = p.dim, G = p.group;
@@ -737,13 +906,19 @@ void run(const Problem<T>& p, int num_seqs) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) amx = p.amx;
   at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
     Scratch<float> w;
-    Scratch<uint16_t> wb;  // (the AMX path's; stays empty otherwise)
+    Scratch<uint16_t> wb;  // (the AMX and vdpbf16ps paths'; stays empty otherwise)
     for (int64_t i = next++; i < n_items; i = next++) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (amx) {
           run_item_amx(p, seqs[items[i].seq], items[i], wb);
           continue;
         }
+#ifdef RADIXSERVE_DPBF16
+        if (p.dpbf16) {
+          run_item_dpbf16(p, seqs[items[i].seq], items[i], wb);
+          continue;
+        }
+#endif
       }
       run_item(p, seqs[items[i].seq], items[i], w);
     }
@@ -752,6 +927,8 @@ void run(const Problem<T>& p, int num_seqs) {
 }
 
 }  // namespace
+
+bool bf16_dpbf16();
 
 // q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; returns (out [T, Hq, D], lse [T, Hq] fp32).
 std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -775,11 +952,14 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
   auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
   auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
   if (q.size(0) == 0) return {out, lse};
-  TORCH_CHECK(bf16_gemm == "auto" || bf16_gemm == "brgemm" || bf16_gemm == "fp32",
-              "bf16_gemm must be 'auto', 'brgemm' or 'fp32', not '", bf16_gemm, "'");
+  TORCH_CHECK(bf16_gemm == "auto" || bf16_gemm == "brgemm" || bf16_gemm == "dpbf16" || bf16_gemm == "fp32",
+              "bf16_gemm must be 'auto', 'brgemm', 'dpbf16' or 'fp32', not '", bf16_gemm, "'");
   const bool packs = at::native::cpublas::could_pack(at::kBFloat16);
   TORCH_CHECK(packs || bf16_gemm != "brgemm", "bf16_gemm 'brgemm' needs a CPU with AMX (cpublas::could_pack)");
-  const bool use_amx = bf16_gemm != "fp32" && packs;
+  TORCH_CHECK(bf16_dpbf16() || bf16_gemm != "dpbf16",
+              "bf16_gemm 'dpbf16' needs a CPU with AVX512-BF16 (and the kernels built for it)");
+  const bool use_amx = (bf16_gemm == "auto" || bf16_gemm == "brgemm") && packs;
+  const bool use_dpbf16 = !use_amx && (bf16_gemm == "auto" || bf16_gemm == "dpbf16") && bf16_dpbf16();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 is not supported");
@@ -788,7 +968,7 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
                           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                           static_cast<int64_t>(hkv) * D, qo, kvp, kv_indices.data_ptr<int32_t>(), last, page_size,
                           hkv, hq / hkv, D, static_cast<float>(scale * 1.4426950408889634), causal,
-                          out.data_ptr<scalar_t>(), lse.data_ptr<float>(), use_amx};
+                          out.data_ptr<scalar_t>(), lse.data_ptr<float>(), use_amx, use_dpbf16};
       run(p, num_seqs);
     }
   });
@@ -797,3 +977,13 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
 
 // Whether bf16 runs on brgemm (AMX) here.
 bool bf16_brgemm() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// Whether the vdpbf16ps micro-kernels are built (-march=native on a CPU with AVX512-BF16): bf16's
+// path where there is no AMX.
+bool bf16_dpbf16() {
+#ifdef RADIXSERVE_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}

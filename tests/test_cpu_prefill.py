@@ -65,15 +65,20 @@ def test_prefill_kernel_empty_context_and_lse_against_torch():
     torch.testing.assert_close(lse[2:], ref_lse.view(2, 4, 2).permute(1, 0, 2).reshape(4, 4), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gemm", ["fp32", "brgemm"])
+@pytest.mark.parametrize("gemm", ["fp32", "brgemm", "dpbf16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim):
-    # bf16 runs widened to fp32 (the micro-kernels) or on brgemm (AMX, VNNI-packed K/V in column blocks of 64: a
-    # head_dim of 80 leaves a partial block)
+@pytest.mark.parametrize("order", ["shuffled", "ascending"])
+def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim, order):
+    # bf16 runs widened to fp32 (the micro-kernels), on brgemm (AMX) or on vdpbf16ps (AVX512-BF16), the last two
+    # over VNNI-packed K/V in column blocks of 64 (a head_dim of 80 leaves a partial block); odd context and
+    # chunk lengths leave half-filled key pairs
     if gemm == "brgemm" and not ext.bf16_brgemm():
         pytest.skip("no AMX: brgemm is not available on this CPU")
-    pool, meta, q, _, _ = make_case(head_dim, 1, 4, 2, torch.bfloat16, qo_kv=[(150, 700), (3, 65), (40, 40)],
-                                    head_dim=head_dim)
+    if gemm == "dpbf16" and not ext.bf16_dpbf16():
+        pytest.skip("no AVX512-BF16 here: the vdpbf16ps kernels are not built")
+    pool, meta, q, _, _ = make_case(head_dim, 1, 4, 2, torch.bfloat16,
+                                    qo_kv=[(150, 700), (3, 65), (40, 40), (1, 1), (77, 333), (9, 2500)],
+                                    head_dim=head_dim, order=order)
     args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
             0.1, True)
     out, lse = ext.prefill_attention(*args, bf16_gemm=gemm)
@@ -107,6 +112,9 @@ def test_prefill_kernel_rejects_bad_input():
         ext.prefill_attention(q[:1], pool.k[0], pool.v[0], *args)
     with pytest.raises(RuntimeError, match="bf16_gemm"):
         ext.prefill_attention(q, pool.k[0], pool.v[0], *args, bf16_gemm="fast")
+    if not ext.bf16_dpbf16():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            ext.prefill_attention(q.bfloat16(), pool.k[0].bfloat16(), pool.v[0].bfloat16(), *args, bf16_gemm="dpbf16")
     with pytest.raises(RuntimeError, match="qo_len <= kv_len"):
         ext.prefill_attention(q, pool.k[0], pool.v[0], meta.qo_indptr, torch.tensor([0, 1], dtype=torch.int32),
                               meta.kv_indices[:1], torch.tensor([1], dtype=torch.int32), 0.1, True)
