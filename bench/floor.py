@@ -5,7 +5,8 @@ tokens show it does on both workloads), a workload's arithmetic is fixed: every 
 runs the layers' linear maps, attends to every key it can see, and the rows that sample a token
 run the output embedding. This command counts those FLOPs exactly for the fleet and GSP shapes
 of ``python -m bench peers`` (same flags and defaults), measures the GEMM rate of the model's own
-linear shapes at ``--rows`` rows (``torch.nn.functional.linear``, this dtype and thread count),
+linear shapes at ``--rows`` rows (the faster of ``torch.nn.functional.linear`` and radixserve's
+packed-weight GEMM, this dtype and thread count),
 and prints the seconds the workload needs at that rate. No engine can beat that floor without
 doing less arithmetic or running GEMMs faster, so it bounds what any wall-time target can ask
 (give ``--vllm-wall S`` to print a target ratio next to it). The floor is optimistic: attention
@@ -113,21 +114,29 @@ def workload_counts(args) -> dict[str, dict[str, int]]:
 
 def gemm_rate(shape: Shape, rows: int, dtype: str, threads: int, repeats: int = 9) -> float:
     """FLOP/s of one layer's linear maps at ``rows`` rows: total FLOPs over the summed best times
-    (the best of ``repeats``, since this is a floor: a busy machine only makes it look lower)."""
+    (the best of ``repeats``, since this is a floor: a busy machine only makes it look lower), each
+    map on the faster of ``F.linear`` and radixserve's own (its packed-weight GEMM: MKL's or oneDNN's,
+    whichever :func:`radixserve.model.linear.gemm_backend` takes on this CPU; MKL's ``F.linear``
+    is the slower one on AMD CPUs)."""
     import torch
+
+    from radixserve.model import linear as lin
 
     torch.set_num_threads(threads)
     dt = getattr(torch, dtype)
     total_s, flops = 0.0, 0
     for k, n in shape.linears:
         x, w = torch.randn(rows, k, dtype=dt), torch.randn(n, k, dtype=dt)
-        torch.nn.functional.linear(x, w)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - start)
-        total_s += min(times)
+        packed = lin.PackedWeight()
+        best = float("inf")
+        with torch.no_grad():
+            for fn in (torch.nn.functional.linear, lambda x, w: lin.linear(x, w, packed=packed)):
+                fn(x, w)
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    fn(x, w)
+                    best = min(best, time.perf_counter() - start)
+        total_s += best
         flops += 2 * rows * k * n
     return flops / total_s
 
