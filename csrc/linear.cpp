@@ -88,7 +88,12 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
+    for (int j = 0; j < NB; ++j) {
+      // the same k of the rows two tiles on: W streams from memory, and its short rows (1-3 KiB)
+      // give the hardware prefetcher little to lock on to (a prefetch past W's end is harmless)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NB + j) * ldw + k), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
@@ -140,7 +145,10 @@ inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
                                        : static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = load_half(w + j * ldw + k, mask);
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NB + j) * ldw + k), _MM_HINT_T0);  // as tile_bf16
+      wv[j] = load_half(w + j * ldw + k, mask);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = load_half(x + i * ldx + k, mask);
