@@ -138,7 +138,11 @@ class RadixAdapter:
         self.engine = Engine(spec["model"], dtype=spec["dtype"], max_running=spec["max_running"],
                              max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0,
                              attention=spec.get("attention", "auto"))
-        self.backend = type(self.engine.runner.attention).__name__
+        from radixserve.model import linear
+
+        # the attention backend and the GEMM backend the load chose (RADIXSERVE_CPU_GEMM)
+        gemm = linear.gemm_backend(getattr(torch, spec["dtype"]))
+        self.backend = f"{type(self.engine.runner.attention).__name__}/{gemm}"
         self.live: dict = {}  # request id -> Request, until it finishes
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
@@ -317,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
 def render(res: dict) -> str:
     lines = [f"model {res['model']}, {res['dtype']}, {res['threads']} threads per engine"
              + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")]
-    head = f"{'engine':<12}{'backend':<15}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}{'computed prompt tok':>21}"
+    head = f"{'engine':<12}{'backend':<22}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}{'computed prompt tok':>21}"
     for w, entry in res["workloads"].items():
         c = entry["config"]
         desc = (f"fleet: {c['agents']} agents x {c['turns']} turns, {c['system_tokens']} shared + {c['private_tokens']} private"
@@ -326,7 +330,7 @@ def render(res: dict) -> str:
                 f" question, {c['output_tokens']} out, max_running {c['max_running']}")
         lines += ["", desc, head]
         for e, s in entry["engines"].items():
-            lines.append(f"{e:<12}{s['backend']:<15}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
+            lines.append(f"{e:<12}{s['backend']:<22}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
                          f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,}")
         if "ratios" in entry:
             r = entry["ratios"]

@@ -95,3 +95,28 @@ def test_help_lists_commands():
                           timeout=120)
     assert proc.returncode == 0
     assert "throughput" in proc.stdout and "fleet" in proc.stdout
+
+
+def test_peers_radixserve_alone(tiny_model):
+    """`bench peers --engines radixserve` (no vLLM needed): both workloads run in a child process
+    and report wall time, TTFT and computed prompt tokens; the backend column names the attention
+    backend and the GEMM backend the load chose."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "peers", "--engines", "radixserve", "--model", tiny_model, "--threads", "1",
+         "--agents", "2", "--turns", "2", "--system-tokens", "48", "--private-tokens", "8", "--output-tokens", "3",
+         "--gsp-groups", "2", "--gsp-prompts", "2", "--gsp-prefix", "40", "--gsp-question", "6", "--gsp-output", "2",
+         "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout)
+    assert res["command"] == "peers" and "vllm_version" not in res
+    for workload, requests in (("fleet", 4), ("gsp", 4)):
+        entry = res["workloads"][workload]
+        assert "ratios" not in entry  # one engine: nothing to compare
+        r = entry["engines"]["radixserve"]
+        assert r["requests"] == requests and r["wall_s"] > 0 and r["out_tok_per_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        attention, gemm = r["backend"].split("/")
+        assert attention in ("CpuAttention", "TorchAttention") and gemm in ("mkl", "onednn", "none")
+    fleet = res["workloads"]["fleet"]["engines"]["radixserve"]
+    assert 0 < fleet["computed_prompt_tokens"] < fleet["prompt_tokens"]  # turn 2 reuses turn 1's KV
