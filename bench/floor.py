@@ -15,6 +15,7 @@ at the linear layers' GEMM rate, decode steps at no memory cost, no overhead at 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -130,7 +131,7 @@ def gemm_rate(shape: Shape, rows: int, dtype: str, threads: int, repeats: int = 
         packed = lin.PackedWeight()
         best = float("inf")
         with torch.no_grad():
-            for fn in (torch.nn.functional.linear, lambda x, w: lin.linear(x, w, packed=packed)):
+            for fn in (torch.nn.functional.linear, functools.partial(lin.linear, packed=packed)):
                 fn(x, w)
                 for _ in range(repeats):
                     start = time.perf_counter()
