@@ -235,7 +235,8 @@ def _release(nbytes: int) -> None:
 
 
 class PackedWeight:
-    """MKL's packed copy of one fp32 weight, rebuilt when the weight changes.
+    """The packed copy of one weight for its GEMM backend (MKL's packed fp32, or oneDNN's prepacked
+    layout; :func:`gemm_backend`), rebuilt when the weight or the backend changes.
 
     Not a tensor attribute of the module (so not in ``state_dict``, ``parameters()`` or what
     ``Module.to`` moves). :meth:`get` returns the packed tensor for ``weight`` (None: use
@@ -459,8 +460,9 @@ def prepack(model: nn.Module) -> int:
     ops = packed_ops()
     t0 = time.perf_counter()
     done = sum(c.get(w, ops) is not None for w, c in packable)
-    log.info("packed %d of %d linear weights for MKL's packed GEMM in %.2f s", done, len(packable),
-             time.perf_counter() - t0)
+    log.info("packed %d of %d linear weights in %.2f s (GEMM backends: %s)", done, len(packable),
+             time.perf_counter() - t0, ", ".join(sorted({f"{str(w.dtype).removeprefix('torch.')} {gemm_backend(w.dtype)}"
+                                                         for w, _ in packable})))
     return done
 
 
@@ -547,7 +549,8 @@ def logits(x: torch.Tensor, output_embedding: torch.Tensor, packed: PackedWeight
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward uses :func:`linear`: the kernel for small bf16/fp16 batches,
-    MKL's packed GEMM (over a packed copy of the weight, :attr:`packed`) for larger fp32 ones."""
+    the packed GEMM of :func:`gemm_backend` (over a packed copy of the weight, :attr:`packed`) for
+    larger ones."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
