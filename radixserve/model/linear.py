@@ -368,11 +368,11 @@ def gemm_backend(dtype: torch.dtype) -> str:
     oneDNN prepacked for :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows) or ``"none"``
     (``F.linear`` for all of them: no extension, packing off, fp16).
 
-    ``RADIXSERVE_CPU_GEMM`` = ``mkl`` or ``onednn`` chooses; ``auto`` (the default) measures both
-    on a 64-row product and takes the faster: MKL dispatches to AVX-512 only on Intel CPUs, so on
-    an AMD EPYC with AVX-512 oneDNN's fp32 GEMM is 2-4x faster than MKL's, and its native bf16
-    GEMM (vdpbf16ps) another 1.5-2x (``python -m bench floor``); on other CPUs MKL's fp32 is as
-    fast and stays (a tie keeps MKL)."""
+    ``RADIXSERVE_CPU_GEMM`` = ``mkl`` or ``onednn`` chooses (bf16 on AMX is always ``"amx"``);
+    ``auto`` (the default) measures both on a 64-row product and takes the faster: MKL dispatches
+    to AVX-512 only on Intel CPUs, so on an AMD EPYC with AVX-512 oneDNN's fp32 GEMM is 2-4x faster
+    than MKL's, and its native bf16 GEMM (vdpbf16ps) another 1.5-2x (``python -m bench floor``);
+    on other CPUs MKL's fp32 is as fast and stays (a tie keeps MKL)."""
     key = ("gemm", dtype)
     if key not in _state:
         _state[key] = _choose_backend(dtype)
