@@ -300,6 +300,16 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
   l += sum;
 }
 
+// f(std::integral_constant<int, rb>{}) for 1 <= rb <= Max: picks the register block of a row
+// tail at run time for micro-kernels templated on their row count.
+template <int Max, typename F>
+inline void with_rows(int rb, F&& f) {
+  if constexpr (Max > 1) {
+    if (rb < Max) return with_rows<Max - 1>(rb, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
 // KV head ``head``'s row at position ``pos`` of a sequence, in the cache ``base`` (p.k or p.v):
 // straight from its first slot when its pages are one ascending run, else through its page table.
 template <typename T>
@@ -406,13 +416,29 @@ void pack_values(const Problem<c10::BFloat16>& p, const Seq& s, const int32_t* p
   }
 }
 
+// Normalise the block's rows of tokens [t0, t1) into the bf16 output and write their base-2 LSEs
+// (a row that saw no key: 0 and -inf). The AMX and vdpbf16ps paths' last step.
+void finish_block_bf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, int t0, int t1,
+                       const Scratch<uint16_t>& w) {
+  const int D = p.dim, G = p.group, hq = p.num_kv_heads * G;
+  for (int t = t0; t < t1; ++t)
+    for (int g = 0; g < G; ++g) {
+      const int r = (t - t0) * G + g;
+      const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
+      const float* orow = w.o.data() + r * D;
+      c10::BFloat16* dst = p.out + row * D;
+      const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
+      p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
+    }
+}
+
 void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, Scratch<uint16_t>& w) {
   using at::native::cpublas::brgemm;
   const int D = p.dim, G = p.group;
   const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
   const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
   const int kpad = (kmax + kKeyPad - 1) / kKeyPad * kKeyPad;
-  const int hq = p.num_kv_heads * G;
   const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
   w.k.resize(static_cast<size_t>(kpad) * D);
   w.v.resize(static_cast<size_t>(kpad) * D);
@@ -442,16 +468,7 @@ void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it,
                w.o.data() + d0, true);
       }
     }
-    for (int t = t0; t < t1; ++t)
-      for (int g = 0; g < G; ++g) {
-        const int r = (t - t0) * G + g;
-        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
-        const float* orow = w.o.data() + r * D;
-        c10::BFloat16* dst = p.out + row * D;
-        const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
-        for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
-        p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
-      }
+    finish_block_bf16(p, s, it, t0, t1, w);
   }
 }
 
@@ -489,20 +506,7 @@ inline void qk_block(const float* q, int D, const float* kt, int width, float* s
 
 template <int NB>
 inline void qk_rows(int rb, const float* q, int D, const float* kt, int width, float* s, int lds) {
-  switch (rb) {  // the row tail of a block
-    case 1: return qk_block<1, NB>(q, D, kt, width, s, lds);
-    case 2: return qk_block<2, NB>(q, D, kt, width, s, lds);
-    case 3: return qk_block<3, NB>(q, D, kt, width, s, lds);
-    case 4: return qk_block<4, NB>(q, D, kt, width, s, lds);
-    case 5: return qk_block<5, NB>(q, D, kt, width, s, lds);
-    case 6: return qk_block<6, NB>(q, D, kt, width, s, lds);
-    case 7: return qk_block<7, NB>(q, D, kt, width, s, lds);
-    case 8: return qk_block<8, NB>(q, D, kt, width, s, lds);
-    case 9: return qk_block<9, NB>(q, D, kt, width, s, lds);
-    case 10: return qk_block<10, NB>(q, D, kt, width, s, lds);
-    case 11: return qk_block<11, NB>(q, D, kt, width, s, lds);
-    default: return qk_block<12, NB>(q, D, kt, width, s, lds);
-  }
+  with_rows<kQkRows>(rb, [&](auto r) { qk_block<decltype(r)::value, NB>(q, D, kt, width, s, lds); });
 }
 
 // O[r][16x] += sum_j P[r][j] V[j][16x], j < nk, for RB rows and NV vectors of 16 dims.
@@ -543,14 +547,7 @@ inline void pv_dims(const float* pm, int ldp, int nk, const float* v, int64_t ld
 }
 
 inline void pv_rows(int rb, const float* pm, int ldp, int nk, const float* v, int64_t ldv, float* o, int D) {
-  switch (rb) {
-    case 1: return pv_dims<1>(pm, ldp, nk, v, ldv, o, D);
-    case 2: return pv_dims<2>(pm, ldp, nk, v, ldv, o, D);
-    case 3: return pv_dims<3>(pm, ldp, nk, v, ldv, o, D);
-    case 4: return pv_dims<4>(pm, ldp, nk, v, ldv, o, D);
-    case 5: return pv_dims<5>(pm, ldp, nk, v, ldv, o, D);
-    default: return pv_dims<6>(pm, ldp, nk, v, ldv, o, D);
-  }
+  with_rows<kPvRows>(rb, [&](auto r) { pv_dims<decltype(r)::value>(pm, ldp, nk, v, ldv, o, D); });
 }
 
 // K^T of keys [0, kmax) into tiles of kKeys keys, widened to fp32: tile c (keys [c, c + width),
@@ -623,20 +620,7 @@ inline void qk_bf16(const uint32_t* q, int half, const uint32_t* kt, int width, 
 
 template <int NB>
 inline void qk_bf16_rows(int rb, const uint32_t* q, int half, const uint32_t* kt, int width, float* s, int lds) {
-  switch (rb) {  // the row tail of a block
-    case 1: return qk_bf16<1, NB>(q, half, kt, width, s, lds);
-    case 2: return qk_bf16<2, NB>(q, half, kt, width, s, lds);
-    case 3: return qk_bf16<3, NB>(q, half, kt, width, s, lds);
-    case 4: return qk_bf16<4, NB>(q, half, kt, width, s, lds);
-    case 5: return qk_bf16<5, NB>(q, half, kt, width, s, lds);
-    case 6: return qk_bf16<6, NB>(q, half, kt, width, s, lds);
-    case 7: return qk_bf16<7, NB>(q, half, kt, width, s, lds);
-    case 8: return qk_bf16<8, NB>(q, half, kt, width, s, lds);
-    case 9: return qk_bf16<9, NB>(q, half, kt, width, s, lds);
-    case 10: return qk_bf16<10, NB>(q, half, kt, width, s, lds);
-    case 11: return qk_bf16<11, NB>(q, half, kt, width, s, lds);
-    default: return qk_bf16<12, NB>(q, half, kt, width, s, lds);
-  }
+  with_rows<kQkRows>(rb, [&](auto r) { qk_bf16<decltype(r)::value, NB>(q, half, kt, width, s, lds); });
 }
 
 // O[r][16x] += sum_jp P[r] pair jp . V pair (jp, 16x) for RB rows and NV vectors of 16 dims: p rows
@@ -677,14 +661,7 @@ inline void pv_bf16_dims(int nv, const uint32_t* pm, int ldp, int npairs, const 
 
 inline void pv_bf16_rows(int rb, int nv, const uint32_t* pm, int ldp, int npairs, const uint32_t* v, int ldv, float* o,
                          int D) {
-  switch (rb) {
-    case 1: return pv_bf16_dims<1>(nv, pm, ldp, npairs, v, ldv, o, D);
-    case 2: return pv_bf16_dims<2>(nv, pm, ldp, npairs, v, ldv, o, D);
-    case 3: return pv_bf16_dims<3>(nv, pm, ldp, npairs, v, ldv, o, D);
-    case 4: return pv_bf16_dims<4>(nv, pm, ldp, npairs, v, ldv, o, D);
-    case 5: return pv_bf16_dims<5>(nv, pm, ldp, npairs, v, ldv, o, D);
-    default: return pv_bf16_dims<6>(nv, pm, ldp, npairs, v, ldv, o, D);
-  }
+  with_rows<kPvRows>(rb, [&](auto r) { pv_bf16_dims<decltype(r)::value>(nv, pm, ldp, npairs, v, ldv, o, D); });
 }
 
 void run_item_dpbf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it, Scratch<uint16_t>& w) {
@@ -693,7 +670,6 @@ void run_item_dpbf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item& 
   const int t_lo = it.b0 * s.tokens, t_hi = std::min(s.qo_len, it.b1 * s.tokens);
   const int kmax = std::max(0, kend_of(s, t_hi, p.causal));
   const int kpad = (kmax + kKeyPad - 1) / kKeyPad * kKeyPad;
-  const int hq = p.num_kv_heads * G;
   const int32_t* pages = p.kv_indices + p.kv_indptr[it.seq];
   w.k.resize(static_cast<size_t>(kpad) * D);
   w.v.resize(static_cast<size_t>(kpad) * D);
@@ -740,16 +716,7 @@ void run_item_dpbf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item& 
         }
       }
     }
-    for (int t = t0; t < t1; ++t)
-      for (int g = 0; g < G; ++g) {
-        const int r = (t - t0) * G + g;
-        const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
-        const float* orow = w.o.data() + r * D;
-        c10::BFloat16* dst = p.out + row * D;
-        const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
-        for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
-        p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
-      }
+    finish_block_bf16(p, s, it, t0, t1, w);
   }
 }
 #endif

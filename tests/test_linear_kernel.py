@@ -36,6 +36,19 @@ def impls(dtype) -> list[int]:
     return [1, 2] if amx else [1]
 
 
+def spy_onednn(monkeypatch) -> list[int]:
+    """Record the row count of every oneDNN product (radixserve.model.linear._onednn_linear)."""
+    rows: list[int] = []
+    real = lin._onednn_linear
+
+    def spy(x, p, b):
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, p, b)
+
+    monkeypatch.setattr(lin, "_onednn_linear", spy)
+    return rows
+
+
 def reference(x, w, b):
     """F.linear in fp32 arithmetic on the (bf16/fp16) inputs: the kernel's own precision."""
     return F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -223,14 +236,7 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
     monkeypatch.setitem(lin._state, "op", spy)
     widened = _Spy(packed())
     monkeypatch.setitem(lin._state, "packed", widened)
-    onednn_rows = []
-    real_onednn = lin._onednn_linear
-
-    def onednn_spy(x, p, b):
-        onednn_rows.append(x.numel() // x.shape[-1])
-        return real_onednn(x, p, b)
-
-    monkeypatch.setattr(lin, "_onednn_linear", onednn_spy)
+    onednn_rows = spy_onednn(monkeypatch)
     with_kernel = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     assert all(n <= lin.max_rows(torch.bfloat16) for n in calls)
     if lin.max_rows(torch.bfloat16) >= len(prompts):  # (AMX: the decode steps, 12 rows, on the kernel)
@@ -451,7 +457,7 @@ def test_linear_dispatch_packs_fp32_from_16_rows(spy):
     layer.bfloat16()
     with torch.inference_mode():
         layer(torch.randn(20, 53).bfloat16())
-    assert spy.calls == ([20, 20] if lin._widens_bf16() else [20])
+    assert spy.calls == ([20, 20] if lin.gemm_backend(torch.bfloat16) == "widen" else [20])
 
 
 @needs_ext
@@ -462,7 +468,7 @@ def test_bf16_widened_to_the_packed_fp32_gemm_without_amx(spy):
     layer = lin.Linear(53, 37, bias=True).bfloat16()
     g = torch.Generator().manual_seed(15)
     widens = not packed().supports_amx()
-    assert lin._widens_bf16() == widens
+    assert (lin.gemm_backend(torch.bfloat16) == "widen") == widens
     emb = torch.randn(300, 53).bfloat16()  # (made outside inference mode: such tensors are never packed)
     with torch.inference_mode():
         for rows in (1, lin.MAX_ROWS_VECTOR, lin.MAX_ROWS_VECTOR + 1, 16, 700):
@@ -695,7 +701,7 @@ def test_bf16_on_amx_runs_33_to_128_rows_on_prepacked_onednn(fresh_state):
     """With AMX, bf16 batches of MAX_ROWS+1 to ONEDNN_MAX_ROWS rows use a oneDNN-prepacked copy of
     the weight (made once, remade when the weight changes); fewer rows keep the kernel, more
     F.linear. Results match F.linear to bf16 rounding (oneDNN may sum in another order)."""
-    if not lin._onednn_bf16():
+    if lin.gemm_backend(torch.bfloat16) != "amx":
         pytest.skip("no AMX here (or torch lacks the mkldnn linear ops): bf16 never takes this path")
     g = torch.Generator().manual_seed(21)
     layer = lin.Linear(96, 160, bias=True).bfloat16()
@@ -730,14 +736,8 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     monkeypatch.setitem(lin._state, ("gemm", torch.float32), "onednn")
     monkeypatch.setitem(lin._state, "policy", "all")
     monkeypatch.delitem(lin._state, "packed", raising=False)
-    rows_seen = []
     real = lin._onednn_linear
-
-    def spy(x, p, b):
-        rows_seen.append(x.numel() // x.shape[-1])
-        return real(x, p, b)
-
-    monkeypatch.setattr(lin, "_onednn_linear", spy)
+    rows_seen = spy_onednn(monkeypatch)
     g = torch.Generator().manual_seed(31)
     layer = lin.Linear(53, 37, bias=True)
     emb = torch.randn(300, 53)  # (made outside inference mode: such tensors are never packed)

@@ -423,16 +423,6 @@ def _row_range(dtype: torch.dtype) -> tuple[int, int]:
     return 1, 0
 
 
-def _onednn_bf16() -> bool:
-    """Whether bf16 batches beyond the kernel's rows run on oneDNN with prepacked weights here."""
-    return gemm_backend(torch.bfloat16) in ("amx", "onednn")
-
-
-def _widens_bf16() -> bool:
-    """Whether bf16 linear layers run widened on the packed fp32 GEMM here (see :func:`gemm_backend`)."""
-    return gemm_backend(torch.bfloat16) == "widen"
-
-
 def _packable(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can have a packed copy (before looking at any batch): an fp32 weight (or a
     bf16 one where bf16 runs widened) on the CPU, a 2-D row-major non-inference tensor."""
