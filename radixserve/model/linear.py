@@ -103,9 +103,10 @@ PACKED_MAX_ROWS = 512
 PROBE_ROWS = (16, 17, 64)
 # Rows of the product gemm_backend() times to choose between MKL and oneDNN (a fleet's decode step).
 GEMM_PROBE_ROWS = 64
-# Fewest rows of an fp32 batch sent to oneDNN where it is the backend: on the AMD EPYC (Zen 5)
-# measured here it is faster than F.linear (MKL) from one row: 1.0-3.7x at 1 row (the most on the
-# 49152-row output embedding), 2.7-3.4x at 8, 2.5-4x at 64 and 2.2-2.8x at 2048.
+# Fewest rows of an fp32 batch sent to oneDNN where it is the backend: on the AMD EPYC (Zen 5) of
+# bench/RESULTS.md section 18 it was faster than F.linear (MKL) from one row in a scratch timing of
+# the bench model's shapes (1.0-3.7x at 1 row, the most on a 49152-row output embedding; 2.2-4x
+# from 8 to 2048 rows), and `python -m bench roofline` steps at batch 1 run it.
 ONEDNN_FP32_MIN_ROWS = 1
 # Most rows of a bf16 batch sent to oneDNN with a prepacked weight (torch.ops.mkldnn's
 # _reorder_linear_weight / _linear_pointwise, the ops torch.compile's CPU freezing uses) on a CPU
