@@ -291,7 +291,7 @@ def mkl_backends(monkeypatch) -> None:
     monkeypatch.setitem(lin._state, ("gemm", torch.float32), "mkl")
     amx = ext is not None and torch.ops.radixserve_linear.supports_amx()
     monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16),
-                        ("amx" if lin._has_onednn_ops() else "none") if amx else "widen")
+                        ("amx" if lin._has_onednn_ops(torch.bfloat16) else "none") if amx else "widen")
 
 
 @pytest.fixture
@@ -724,6 +724,8 @@ def test_bf16_on_amx_runs_33_to_128_rows_on_prepacked_onednn(fresh_state):
 
 
 needs_onednn = pytest.mark.skipif(not lin._has_onednn_ops(), reason="torch lacks the mkldnn linear ops")
+needs_onednn_bf16 = pytest.mark.skipif(not lin._has_onednn_ops(torch.bfloat16),
+                                       reason="no oneDNN bf16 GEMM here (torch or the CPU: AVX2 only)")
 
 
 @needs_ext
@@ -773,7 +775,7 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
 
 
 @needs_ext
-@needs_onednn
+@needs_onednn_bf16
 def test_bf16_on_onednn_without_amx(monkeypatch):
     """Where oneDNN is the bf16 backend without AMX (CPUs with avx512_bf16 whose vdpbf16ps GEMM
     beats the widened fp32 one), bf16 batches of more than MAX_ROWS_VECTOR rows run oneDNN over a
@@ -805,7 +807,7 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
     1.1x faster; RADIXSERVE_CPU_GEMM=mkl/onednn chooses; anything else warns and measures; bf16
     with AMX is always AMX; fp16 and no extension: F.linear."""
     amx = torch.ops.radixserve_linear.supports_amx() if ext is not None else False
-    monkeypatch.setattr(lin, "_has_onednn_ops", lambda: True)
+    monkeypatch.setattr(lin, "_has_onednn_ops", lambda dtype=torch.float32: True)
     rates = {"mkl": 100.0, "widen": 100.0, "onednn": 105.0}
     measured = []
 
@@ -830,6 +832,17 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
         assert measured == (want if env in ("auto", "", "fast") else []), env
     assert "RADIXSERVE_CPU_GEMM='fast' is not one of" in caplog.text
     assert "GFLOP/s" in caplog.text
+    # a CPU without oneDNN's bf16 (AVX2 only): bf16 widens without measuring; asking for oneDNN warns
+    monkeypatch.setattr(lin, "_has_onednn_ops", lambda dtype=torch.float32: dtype != torch.bfloat16)
+    for env in ("auto", "onednn"):
+        monkeypatch.setattr(lin, "_state", {})
+        monkeypatch.setenv("RADIXSERVE_CPU_GEMM", env)
+        measured.clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="radixserve"):
+            assert lin.gemm_backend(torch.bfloat16) == ("amx" if amx else "widen"), env
+        assert not measured
+        assert ("oneDNN's bfloat16 GEMM does not run" in caplog.text) == (env == "onednn" and not amx), env
     # the real measurement: a rate for each candidate
     monkeypatch.setattr(lin, "_state", {})
     monkeypatch.undo()

@@ -326,10 +326,14 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _has_onednn_ops() -> bool:
+def _has_onednn_ops(dtype: torch.dtype = torch.float32) -> bool:
+    """torch has oneDNN's prepacked linear ops, and for bf16 this CPU runs them (oneDNN's bf16
+    needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has fp32 only)."""
     mk = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and hasattr(mk, "_reorder_linear_weight")
-            and hasattr(mk, "_linear_pointwise"))
+    if not (torch.backends.mkldnn.is_available() and hasattr(mk, "_reorder_linear_weight")
+            and hasattr(mk, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(getattr(mk, "_is_mkldnn_bf16_supported", lambda: True)())
 
 
 def _measure(dtype: torch.dtype, candidates: tuple[str, ...], reps: int = 9) -> dict[str, float]:
@@ -392,11 +396,16 @@ def _choose_backend(dtype: torch.dtype) -> str:
     ops = packed_ops()
     if ops is None:
         return "none"
-    onednn = _has_onednn_ops()
+    onednn = _has_onednn_ops(dtype)
     if dtype == torch.bfloat16 and ops.supports_amx():
         return "amx" if onednn else "none"
     native = "mkl" if dtype == torch.float32 else "widen"
-    if raw == "mkl" or not onednn:
+    if not onednn:
+        if raw == "onednn":
+            log.warning("RADIXSERVE_CPU_GEMM=onednn: oneDNN's %s GEMM does not run with this torch on this CPU; "
+                        "using MKL%s", str(dtype).removeprefix("torch."), " (widened to fp32)" if native == "widen" else "")
+        return native
+    if raw == "mkl":
         return native
     if raw == "onednn":
         return "onednn"
