@@ -31,7 +31,7 @@ def supported(dtype) -> bool:
 
 
 def impls(dtype) -> list[int]:
-    """Kernel paths to test: 1 (AVX-512) always, 2 (AMX) for bf16 where the CPU has it."""
+    """Kernel paths to test: 1 (vector: AVX-512 or AVX2) always, 2 (AMX) for bf16 where the CPU has it."""
     amx = dtype == torch.bfloat16 and torch.ops.radixserve_linear.supports_amx()
     return [1, 2] if amx else [1]
 
