@@ -47,9 +47,9 @@ process) chooses:
 Which GEMM runs the larger batches is chosen once per process by :func:`gemm_backend`: MKL
 dispatches to its AVX-512 kernels only on Intel CPUs, so on an AMD EPYC with AVX-512 oneDNN's
 fp32 GEMM is 2-4x faster than MKL's and its native bf16 GEMM (vdpbf16ps) faster again, while on
-Intel MKL's fp32 is as fast. ``auto`` (``RADIXSERVE_CPU_GEMM``, the default) times both on a
-64-row product at the first batch that needs one (about 50 ms) and logs the rates and the choice;
-``mkl`` or ``onednn`` chooses. With oneDNN, every fp32 batch (from one row) and every bf16 batch
+Intel MKL's fp32 is as fast. ``auto`` (``RADIXSERVE_CPU_GEMM``, the default) times both on an
+8-row and a 64-row product at the first batch that needs one (about 60 ms) and logs the rates and
+the choice; ``mkl`` or ``onednn`` chooses. With oneDNN, every fp32 batch (from one row) and every bf16 batch
 the kernel does not take uses a copy of the weight prepacked for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops torch.compile's CPU
 freezing uses); ``F.linear`` would re-layout the weight on every call.
@@ -102,8 +102,9 @@ PACKED_MAX_ROWS = 512
 # (pack_fp32's default) a shape agreed at all of 16-2048 rows or at none here; 17 is there because
 # other packings disagreed at odd row counts only.
 PROBE_ROWS = (16, 17, 64)
-# Rows of the product gemm_backend() times to choose between MKL and oneDNN (a fleet's decode step).
-GEMM_PROBE_ROWS = 64
+# Rows of the products gemm_backend() times to choose between MKL and oneDNN: a small decode batch
+# (below MKL's packed range, where fp32 stays on F.linear; above the bf16 kernel's) and a fleet's.
+GEMM_PROBE_ROWS = (8, 64)
 # Fewest rows of an fp32 batch sent to oneDNN where it is the backend: on the AMD EPYC (Zen 5) of
 # bench/RESULTS.md section 18 it was faster than F.linear (MKL) from one row in a scratch timing of
 # the bench model's shapes (1.0-3.7x at 1 row, the most on a 49152-row output embedding; 2.2-4x
@@ -338,28 +339,35 @@ def _has_onednn_ops(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def _measure(dtype: torch.dtype, candidates: tuple[str, ...], reps: int = 9) -> dict[str, float]:
-    """GFLOP/s of each candidate backend on a 64 x 1024 x 1024 product of ``dtype`` (about 50 ms
-    in all): MKL's packed fp32 GEMM ("mkl"; for bf16, widened to it: "widen") or oneDNN over a
-    prepacked weight ("onednn"). The candidates take turns and each keeps its best time, so a
-    burst of load on a shared machine slows one repetition of both rather than all of one."""
+    """GFLOP/s of each candidate backend on products of a 1024 x 1024 weight of ``dtype`` with
+    :data:`GEMM_PROBE_ROWS` rows (about 60 ms in all), each run as the engine runs it: "mkl" (fp32:
+    ``F.linear`` below :data:`PACKED_MIN_ROWS` rows, MKL's packed GEMM from there), "widen" (bf16
+    rows widened to the packed fp32 GEMM, the sums rounded back) or "onednn" (oneDNN over a
+    prepacked weight). The candidates take turns and each keeps its best time, so a burst of load
+    on a shared machine slows one repetition of both rather than all of one."""
     ops = packed_ops()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 1024, generator=g).to(dtype)
-    x = torch.randn(GEMM_PROBE_ROWS, 1024, generator=g).to(dtype)
-    flops = 2.0 * GEMM_PROBE_ROWS * 1024 * 1024
-    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    xs = [torch.randn(rows, 1024, generator=g).to(dtype) for rows in GEMM_PROBE_ROWS]
+    flops = 2.0 * sum(GEMM_PROBE_ROWS) * 1024 * 1024
+    products: dict[str, list[Callable[[], torch.Tensor]]] = {}
     with torch.no_grad():
         for name in candidates:
             if name == "onednn":
-                fns[name] = functools.partial(_onednn_linear, x, torch.ops.mkldnn._reorder_linear_weight(w), None)
-            else:  # as _packed_linear runs it: bf16 rows widened, the fp32 sums rounded back
-                p = ops.pack_fp32(w.float())
-                fns[name] = functools.partial(lambda p: ops.packed_linear(x.float(), p, 1024, 1024, None).to(dtype), p)
-        best = dict.fromkeys(fns, float("inf"))
+                packed = torch.ops.mkldnn._reorder_linear_weight(w)
+                products[name] = [functools.partial(_onednn_linear, x, packed, None) for x in xs]
+                continue
+            packed = ops.pack_fp32(w.float())
+            products[name] = [
+                functools.partial(F.linear, x, w) if name == "mkl" and x.shape[0] < PACKED_MIN_ROWS
+                else functools.partial(lambda x, p: ops.packed_linear(x.float(), p, 1024, 1024, None).to(dtype), x, packed)
+                for x in xs]
+        best = dict.fromkeys(products, float("inf"))
         for rep in range(reps + 2):  # (the first two rounds warm up)
-            for name, fn in fns.items():
+            for name, fns in products.items():
                 t0 = time.perf_counter()
-                fn()
+                for fn in fns:
+                    fn()
                 if rep >= 2:
                     best[name] = min(best[name], time.perf_counter() - t0)
     return {name: flops / t / 1e9 for name, t in best.items()}
@@ -375,10 +383,11 @@ def gemm_backend(dtype: torch.dtype) -> str:
     (``F.linear`` for all of them: no extension, packing off, fp16).
 
     ``RADIXSERVE_CPU_GEMM`` = ``mkl`` or ``onednn`` chooses (bf16 on AMX is always ``"amx"``);
-    ``auto`` (the default) measures both on a 64-row product and takes the faster: MKL dispatches
+    ``auto`` (the default) measures both on 8- and 64-row products and takes the faster: MKL dispatches
     to AVX-512 only on Intel CPUs, so on an AMD EPYC with AVX-512 oneDNN's fp32 GEMM is 2-4x faster
-    than MKL's, and its native bf16 GEMM (vdpbf16ps) another 1.5-2x (``python -m bench floor``);
-    on other CPUs MKL's fp32 is as fast and stays (a tie keeps MKL)."""
+    than MKL's, and its native bf16 GEMM (vdpbf16ps) another 1.5-2x (``python -m bench floor``); on
+    an AVX2-only EPYC MKL's fp32 F.linear at a few rows is 2-4x slower than oneDNN's; on other CPUs
+    MKL's fp32 is as fast and stays (a tie keeps MKL)."""
     key = ("gemm", dtype)
     if key not in _state:
         _state[key] = _choose_backend(dtype)
@@ -412,9 +421,9 @@ def _choose_backend(dtype: torch.dtype) -> str:
         return "onednn"
     rates = _measure(dtype, (native, "onednn"))
     choice = "onednn" if rates["onednn"] > 1.1 * rates[native] else native
-    log.info("%s GEMM on this CPU (%d rows, 1024 x 1024, %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
+    log.info("%s GEMM on this CPU (%s rows, 1024 x 1024, %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
              "using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)", str(dtype).removeprefix("torch."),
-             GEMM_PROBE_ROWS, torch.get_num_threads(), rates["onednn"],
+             " and ".join(map(str, GEMM_PROBE_ROWS)), torch.get_num_threads(), rates["onednn"],
              " (widened to fp32)" if native == "widen" else "", rates[native],
              "oneDNN" if choice == "onednn" else "MKL")
     return choice
