@@ -8,7 +8,8 @@ when the weight is bf16 (or fp16), on the CPU, and the extension is built; every
 (fp32, which MKL already runs at the bandwidth floor; prefill-sized batches, where oneDNN's
 GEMM wins; autograd; no extension) goes to ``F.linear``. :func:`logits` is the same for the
 tied output embedding, with float32 logits written by the kernel directly. The kernel has AMX, AVX-512 and
-AVX2 paths (the last for CPUs without AVX-512, e.g. older AMD EPYCs: bf16 widened to fp32 lanes).
+AVX2 paths (the last for CPUs without AVX-512, e.g. older AMD EPYCs: bf16 widened to fp32
+lanes).
 
 fp32 weights on the CPU take MKL's packed GEMM instead for batches of :data:`PACKED_MIN_ROWS` to
 :data:`PACKED_MAX_ROWS` rows: torch's fp32 ``F.linear`` re-packs the whole weight on every call,
