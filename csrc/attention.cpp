@@ -347,6 +347,68 @@ inline const float* row_f32(const T* src, float* buf, int D) {
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RADIXSERVE_DECODE_VECTOR 1
+
+// exp2_approx on 8 lanes (x <= 0 here): clamped at -126, its polynomial, 2^n in the exponent bits.
+inline __m256 exp2_poly7(__m256 x) {
+  constexpr float c[8] = {1.5252733804059841e-05f, 1.5403530393381608e-04f, 1.3333558146428443e-03f,
+                          9.6181291076284772e-03f, 5.5504108664821580e-02f, 2.4022650695910071e-01f,
+                          6.9314718055994531e-01f, 1.0f};
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 poly = _mm256_set1_ps(c[0]);
+  for (int i = 1; i < 8; ++i) poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(c[i]));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(poly, _mm256_castsi256_ps(scale));
+}
+
+// A K/V row as fp32: in place for fp32, else widened into buf.
+template <typename T>
+inline const float* row_f32(const T* src, float* buf, int D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    load_row(src, buf, D);
+    return buf;
+  }
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+#endif
+
+#ifdef RADIXSERVE_DECODE_VECTOR
+// Keys [c, c + n) of one KV head of a sequence (its page table ``pages``): K rows as fp32
+// pointers in krow (in place for fp32, else widened into kc), V rows gathered into vc even in
+// fp32 (pv_row reads them D apart).
+template <typename T>
+inline void gather_tile(const Problem<T>& p, const int32_t* pages, int head, int c, int n, float* kc, float* vc,
+                        const float** krow) {
+  const int D = p.dim;
+  for (int j = 0; j < n; ++j) {
+    const int pos = c + j;
+    const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+    const int64_t off = slot * p.slot_stride + static_cast<int64_t>(head) * D;
+    krow[j] = row_f32(p.k + off, kc + j * D, D);
+    if constexpr (std::is_same_v<T, float>) std::memcpy(vc + j * D, p.v + off, sizeof(float) * D);
+    else row_f32(p.v + off, vc + j * D, D);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // attend_small on AVX-512 registers, for head_dim a multiple of 16: fp32 K/V read in place, the
 // online softmax of a 32-key tile in two vectors, P V with every output block live at once. The
 // auto-vectorised loops of attend_small reduced each score and ran the exp scalar (perf: ~3x
@@ -370,15 +432,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    for (int j = 0; j < n; ++j) {
-      const int pos = c + j;
-      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
-      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-      krow[j] = row_f32(p.k + off, kc + j * D, D);
-      // V rows are gathered into vc even in fp32 (pv_row reads them D apart)
-      if constexpr (std::is_same_v<T, float>) std::memcpy(vc + j * D, p.v + off, sizeof(float) * D);
-      else row_f32(p.v + off, vc + j * D, D);
-    }
+    gather_tile(p, pages, it.head, c, n, kc, vc, krow);
     for (int r = 0; r < R; ++r) {
       const int valid = std::min(n, limit[r] - c + 1);
       if (valid <= 0) continue;
@@ -418,34 +472,6 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   finish_rows(R, D, m, l, out, lse);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#define RADIXSERVE_DECODE_VECTOR 1
-
-// exp2_approx on 8 lanes (x <= 0 here): clamped at -126, its polynomial, 2^n in the exponent bits.
-inline __m256 exp2_poly7(__m256 x) {
-  constexpr float c[8] = {1.5252733804059841e-05f, 1.5403530393381608e-04f, 1.3333558146428443e-03f,
-                          9.6181291076284772e-03f, 5.5504108664821580e-02f, 2.4022650695910071e-01f,
-                          6.9314718055994531e-01f, 1.0f};
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 poly = _mm256_set1_ps(c[0]);
-  for (int i = 1; i < 8; ++i) poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(c[i]));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(poly, _mm256_castsi256_ps(scale));
-}
-
-inline float reduce_add8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float reduce_max8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
 // attend_small_v of the AVX-512 build on AVX2 registers (CPUs without AVX-512): 8 lanes, the
 // 32-key tile's softmax in four vectors, lanes past a row's last key set to -inf and zeroed after
 // the exp. On an AVX2-only AMD EPYC the auto-vectorised attend_small took ~2x as long per decode
@@ -469,19 +495,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    for (int j = 0; j < n; ++j) {
-      const int pos = c + j;
-      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
-      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-      if constexpr (std::is_same_v<T, float>) {
-        krow[j] = p.k + off;
-        std::memcpy(vc + j * D, p.v + off, sizeof(float) * D);  // (pv_row reads V rows D apart)
-      } else {
-        load_row(p.k + off, kc + j * D, D);
-        load_row(p.v + off, vc + j * D, D);
-        krow[j] = kc + j * D;
-      }
-    }
+    gather_tile(p, pages, it.head, c, n, kc, vc, krow);
     for (int r = 0; r < R; ++r) {
       const int valid = std::min(n, limit[r] - c + 1);
       if (valid <= 0) continue;
