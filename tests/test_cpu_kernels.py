@@ -250,6 +250,23 @@ def test_engine_picks_cpu_kernels_and_greedy_matches_transformers(llama_dir):
     assert [o.token_ids for o in got] == hf_greedy(llama_dir, prompts, 12)
 
 
+def test_each_version_of_the_sources_builds_in_its_own_directory(monkeypatch, tmp_path):
+    """Two checkouts sharing one cache (or csrc/ edited) never rebuild over each other: the build
+    directory names the sources' contents, not only torch, python and the CPU."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "attention.cpp").write_text("// one\n")
+        (tmp_path / name / "common.h").write_text("// header\n")
+    dirs = {}
+    for name in ("a", "b"):
+        monkeypatch.setattr(cpu_ext, "csrc_dir", lambda name=name: tmp_path / name)
+        dirs[name] = cpu_ext.build_dir()
+    assert dirs["a"] == dirs["b"]  # same contents, another place: one build
+    (tmp_path / "b" / "common.h").write_text("// header, changed\n")  # a header counts too
+    assert cpu_ext.build_dir() != dirs["a"]
+    assert cpu_ext.build_dir().parent == dirs["a"].parent
+
+
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog, llama_dir):
     from radixserve import Engine
 

@@ -1,12 +1,13 @@
 """Build (once) and load the C++ CPU attention kernels in ``csrc/``.
 
 The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (ninja,
-``-O3 -march=native -fopenmp``) into ``$RADIXSERVE_CACHE/ext/<torch, python, CPU>`` (default
-``~/.cache/radixserve/ext/...``) and reused from there by every later process; torch's file lock
-keeps concurrent first uses from building twice. The directory name includes a hash of the CPU's
-feature flags, so a cache shared between different machines never loads code built for another
-CPU. When the build is impossible (no compiler, no ninja, no sources) :func:`load` returns None and
-logs one warning; callers then fall back to the torch backend.
+``-O3 -march=native -fopenmp``) into ``$RADIXSERVE_CACHE/ext/<torch, python, CPU, sources>``
+(default ``~/.cache/radixserve/ext/...``) and reused from there by every later process; torch's
+file lock keeps concurrent first uses from building twice. The directory name includes a hash of
+the CPU's feature flags, so a cache shared between different machines never loads code built for
+another CPU, and a hash of csrc/, so different versions of the kernels never build over each
+other. When the build is impossible (no compiler, no ninja, no sources) :func:`load` returns None
+and logs one warning; callers then fall back to the torch backend.
 """
 
 from __future__ import annotations
@@ -50,9 +51,21 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _sources_tag() -> str:
+    """A hash of csrc/'s files: each version of the kernels builds into a directory of its own, so
+    two checkouts or installs sharing one cache never rebuild over each other (each rebuild took a
+    minute or more, long enough for a starting worker's first request to time out)."""
+    digest = hashlib.sha1()
+    for path in sorted(csrc_dir().glob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def build_dir() -> Path:
     root = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
-    tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}-{_cpu_tag()}"
+    tag = (f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+           f"-{_cpu_tag()}-{_sources_tag()}")
     return root / "ext" / tag
 
 
@@ -117,7 +130,7 @@ def _build():
         if not built:
             log.warning("building the CPU kernels in %s (once per machine; 1-2 minutes)...", directory)
         else:
-            log.info("loading the CPU kernels from %s (rebuilt if csrc/ changed)", directory)
+            log.info("loading the CPU kernels from %s", directory)
         start = time.perf_counter()
         with _build_lock(directory):
             module = cpp_extension.load(
