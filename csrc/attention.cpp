@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -125,10 +126,17 @@ inline void gemm(char ta, char tb, int m, int n, int k, const float* a, int lda,
   sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
-// Per-thread scratch of the GEMM-tiled path.
+// Per-thread scratch of the GEMM-tiled path (640 KiB), sized on its first use: decode rows never
+// need it, and zeroing it for each parallel chunk cost a batch-1 decode call ~30 us of its ~50.
 struct Scratch {
   std::vector<float> q, k, v, s;
-  Scratch() : q(kMaxRows * kMaxDim), k(kBlockN * kMaxDim), v(kBlockN * kMaxDim), s(kMaxRows * kBlockN) {}
+  void reserve() {
+    if (!k.empty()) return;
+    q.resize(kMaxRows * kMaxDim);
+    k.resize(kBlockN * kMaxDim);
+    v.resize(kBlockN * kMaxDim);
+    s.resize(kMaxRows * kBlockN);
+  }
 };
 
 // An item's rows, set up for the online softmax: its query rows loaded (scaled to log2 units),
@@ -178,11 +186,12 @@ inline void finish_rows(int R, int D, const float* m, const float* l, float* out
   }
 }
 
-// orow[0, D) += sum over j < n of p[j] * v[j][0, D) (v rows D floats apart; D a multiple of 16).
+// orow[0, NB * 16) += sum over j < n of p[j] * v[j][d0, d0 + NB * 16) (v: row pointers, so fp32
+// rows are read in place in the pages; copying them first was a third of a decode call's time).
 // Every 16-wide block of the row accumulates at once (and, for D = 64, even and odd keys apart):
 // block by block, each key's FMA waited on the previous one (4 cycles), ~4x slower at D = 64.
 template <int NB>
-inline void pv_blocks(const float* p, int n, const float* v, int D, float* orow) {
+inline void pv_blocks(const float* p, int n, const float* const* v, int d0, float* orow) {
 #if defined(__AVX512F__)
   constexpr int kSets = NB <= 4 ? 2 : 1;  // accumulator sets over alternating keys
   __m512 acc[kSets][NB];
@@ -194,12 +203,12 @@ inline void pv_blocks(const float* p, int n, const float* v, int D, float* orow)
   for (; j + kSets <= n; j += kSets)
     for (int k = 0; k < kSets; ++k) {
       const __m512 pj = _mm512_set1_ps(p[j + k]);
-      const float* vr = v + static_cast<int64_t>(j + k) * D;
+      const float* vr = v[j + k] + d0;
       for (int b = 0; b < NB; ++b) acc[k][b] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * b), acc[k][b]);
     }
   for (; j < n; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + static_cast<int64_t>(j) * D + 16 * b), acc[0][b]);
+    for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + d0 + 16 * b), acc[0][b]);
   }
   for (int b = 0; b < NB; ++b) {
     __m512 t = acc[0][b];
@@ -208,44 +217,44 @@ inline void pv_blocks(const float* p, int n, const float* v, int D, float* orow)
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (NB > 4) {  // 16 ymm registers: 64 dims (8 accumulators) at a time
-    pv_blocks<4>(p, n, v, D, orow);
-    pv_blocks<NB - 4>(p, n, v + 64, D, orow + 64);
+    pv_blocks<4>(p, n, v, d0, orow);
+    pv_blocks<NB - 4>(p, n, v, d0 + 64, orow + 64);
   } else {
     __m256 acc[2 * NB];
     for (int b = 0; b < 2 * NB; ++b) acc[b] = _mm256_loadu_ps(orow + 8 * b);
     for (int j = 0; j < n; ++j) {
       const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vr = v + static_cast<int64_t>(j) * D;
+      const float* vr = v[j] + d0;
       for (int b = 0; b < 2 * NB; ++b) acc[b] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * b), acc[b]);
     }
     for (int b = 0; b < 2 * NB; ++b) _mm256_storeu_ps(orow + 8 * b, acc[b]);
   }
 #else
-  for (int d0 = 0; d0 < NB * 16; d0 += 16) {
+  for (int b = 0; b < NB * 16; b += 16) {
     alignas(64) float acc[16];
-    std::memcpy(acc, orow + d0, sizeof(acc));
+    std::memcpy(acc, orow + b, sizeof(acc));
     for (int j = 0; j < n; ++j) {
       const float pj = p[j];
-      const float* vr = v + static_cast<int64_t>(j) * D + d0;
+      const float* vr = v[j] + d0 + b;
 #pragma omp simd
       for (int x = 0; x < 16; ++x) acc[x] += pj * vr[x];
     }
-    std::memcpy(orow + d0, acc, sizeof(acc));
+    std::memcpy(orow + b, acc, sizeof(acc));
   }
 #endif
 }
 
-inline void pv_row(const float* p, int n, const float* v, int D, float* orow) {
+inline void pv_row(const float* p, int n, const float* const* v, int D, float* orow) {
   switch (D) {
-    case 64: pv_blocks<4>(p, n, v, D, orow); return;
-    case 128: pv_blocks<8>(p, n, v, D, orow); return;
+    case 64: pv_blocks<4>(p, n, v, 0, orow); return;
+    case 128: pv_blocks<8>(p, n, v, 0, orow); return;
     default:  // other multiples of 16, up to kMaxDim: four blocks (or fewer) at a time
       for (int d0 = 0; d0 < D; d0 += 64) {
         const int left = D - d0;
-        if (left >= 64) pv_blocks<4>(p, n, v + d0, D, orow + d0);
-        else if (left >= 48) pv_blocks<3>(p, n, v + d0, D, orow + d0);
-        else if (left >= 32) pv_blocks<2>(p, n, v + d0, D, orow + d0);
-        else pv_blocks<1>(p, n, v + d0, D, orow + d0);
+        if (left >= 64) pv_blocks<4>(p, n, v, d0, orow + d0);
+        else if (left >= 48) pv_blocks<3>(p, n, v, d0, orow + d0);
+        else if (left >= 32) pv_blocks<2>(p, n, v, d0, orow + d0);
+        else pv_blocks<1>(p, n, v, d0, orow + d0);
       }
   }
 }
@@ -261,6 +270,8 @@ void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
   alignas(64) float kc[kChunk * kMaxDim];
   alignas(64) float vc[kChunk * kMaxDim];
   alignas(64) float s[kGemmRows * kChunk];
+  const float* vrow[kChunk];
+  for (int j = 0; j < kChunk; ++j) vrow[j] = vc + j * D;
   float m[kGemmRows], l[kGemmRows];
   int limit[kGemmRows];  // last key index each row may see
 
@@ -314,7 +325,7 @@ void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
         m[r] = m_new;
       }
       l[r] += sum;
-      pv_row(sr, valid, vc, D, orow);
+      pv_row(sr, valid, vrow, D, orow);
     }
   }
   finish_rows(R, D, m, l, out, lse);
@@ -390,20 +401,18 @@ inline float reduce_max8(__m256 v) {
 #endif
 
 #ifdef RADIXSERVE_DECODE_VECTOR
-// Keys [c, c + n) of one KV head of a sequence (its page table ``pages``): K rows as fp32
-// pointers in krow (in place for fp32, else widened into kc), V rows gathered into vc even in
-// fp32 (pv_row reads them D apart).
+// Keys [c, c + n) of one KV head of a sequence (its page table ``pages``): K and V rows as fp32
+// pointers in krow and vrow, in place for fp32, else widened into kc and vc.
 template <typename T>
 inline void gather_tile(const Problem<T>& p, const int32_t* pages, int head, int c, int n, float* kc, float* vc,
-                        const float** krow) {
+                        const float** krow, const float** vrow) {
   const int D = p.dim;
   for (int j = 0; j < n; ++j) {
     const int pos = c + j;
     const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
     const int64_t off = slot * p.slot_stride + static_cast<int64_t>(head) * D;
     krow[j] = row_f32(p.k + off, kc + j * D, D);
-    if constexpr (std::is_same_v<T, float>) std::memcpy(vc + j * D, p.v + off, sizeof(float) * D);
-    else row_f32(p.v + off, vc + j * D, D);
+    vrow[j] = row_f32(p.v + off, vc + j * D, D);
   }
 }
 #endif
@@ -424,6 +433,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   alignas(64) float vc[kChunk * kMaxDim];
   alignas(64) float s[kChunk];
   const float* krow[kChunk];
+  const float* vrow[kChunk];
   float m[kGemmRows], l[kGemmRows];
   int limit[kGemmRows];
   const Rows rows = start_rows(p, it, qb, m, l, limit, out);
@@ -432,7 +442,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    gather_tile(p, pages, it.head, c, n, kc, vc, krow);
+    gather_tile(p, pages, it.head, c, n, kc, vc, krow, vrow);
     for (int r = 0; r < R; ++r) {
       const int valid = std::min(n, limit[r] - c + 1);
       if (valid <= 0) continue;
@@ -466,7 +476,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
         m[r] = m_new;
       }
       l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-      pv_row(s, valid, vc, D, orow);
+      pv_row(s, valid, vrow, D, orow);
     }
   }
   finish_rows(R, D, m, l, out, lse);
@@ -487,6 +497,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   alignas(64) float vc[kChunk * kMaxDim];
   alignas(64) float s[kChunk];
   const float* krow[kChunk];
+  const float* vrow[kChunk];
   float m[kGemmRows], l[kGemmRows];
   int limit[kGemmRows];
   const Rows rows = start_rows(p, it, qb, m, l, limit, out);
@@ -495,7 +506,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    gather_tile(p, pages, it.head, c, n, kc, vc, krow);
+    gather_tile(p, pages, it.head, c, n, kc, vc, krow, vrow);
     for (int r = 0; r < R; ++r) {
       const int valid = std::min(n, limit[r] - c + 1);
       if (valid <= 0) continue;
@@ -528,7 +539,7 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
         m[r] = m_new;
       }
       l[r] += reduce_add8(_mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])));
-      pv_row(s, valid, vc, D, orow);
+      pv_row(s, valid, vrow, D, orow);
     }
   }
   finish_rows(R, D, m, l, out, lse);
@@ -542,6 +553,7 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
   const int D = p.dim;
   const int heads = it.g1 - it.g0;
   const int R = (it.t1 - it.t0) * heads;
+  w.reserve();
   float* qb = w.q.data();
   float* kb = w.k.data();
   float* vb = w.v.data();
@@ -712,15 +724,15 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w;
-    std::vector<float> o(kMaxRows * kMaxDim);
+    const std::unique_ptr<float[]> o(new float[kMaxRows * kMaxDim]);  // (start_rows zeroes the rows it uses)
     float ls[kMaxRows];
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       if (it.partial >= 0) {
         attend(p, it, part_out.data() + it.partial * D, part_lse.data() + it.partial, w);
       } else {
-        attend(p, it, o.data(), ls, w);
-        write(it, o.data(), ls);
+        attend(p, it, o.get(), ls, w);
+        write(it, o.get(), ls);
       }
     }
   });
