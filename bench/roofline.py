@@ -6,12 +6,14 @@ a buffer far larger than the caches, with the engine's thread count), the model'
 and the median decode step of one request (``--context`` tokens of prompt, then
 ``--steps`` decodes through ``Engine.step``), and prints their ratio.
 
-With a bf16/fp16 model and the small-M linear kernel built (``radixserve.model.linear``), the
-decode steps alternate between the kernel and ``F.linear`` (step by step, same request), and both
-medians are printed. ``--gemv`` adds a table of the bench model's linear shapes at several row
-counts, the kernel against ``F.linear`` (and fp32 ``F.linear``, MKL), in ms and GB/s of weights
-read, with weights rotated over ``--gemv-mib`` MiB of copies so they come from memory, as in a
-decode step.
+Where radixserve's linear layers send one-row batches to the small-M kernel
+(``radixserve.model.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
+steps alternate between the kernel and the path the layers take without it (``F.linear``, or
+oneDNN's prepacked GEMM for fp32), step by step on the same request, and both medians are
+printed. ``--gemv`` adds a table of the bench model's linear shapes at several row counts: the
+kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and oneDNN's prepacked GEMM where
+torch has it for the dtype, in ms and GB/s of weights read, with weights rotated over
+``--gemv-mib`` MiB of copies so they come from memory, as in a decode step.
 """
 
 from __future__ import annotations
@@ -64,16 +66,25 @@ def _rotating_ms(fn, x, weights: list, repeats: int) -> float:
 
 def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> list[dict]:
     """ms and GB/s of each linear shape of ``config`` for each row count: the kernel (the automatic
-    path of ``torch.ops.radixserve_linear.linear``), ``F.linear`` in ``dtype`` and in fp32."""
+    path of ``torch.ops.radixserve_linear.linear``, where it has one for ``dtype``), ``F.linear`` in
+    ``dtype`` and in fp32, and oneDNN over a prepacked weight (where torch runs it for ``dtype``)."""
     import torch
     import torch.nn.functional as F
 
     from radixserve.model import linear as lin
 
     op = lin.kernel()
+    if op is not None and dtype == torch.float32 and not torch.ops.radixserve_linear.supports_fp32():
+        op = None
+    onednn = lin._has_onednn_ops(dtype)
 
     def kernel_fn(a, w):
         return op(a, w, None, False)
+
+    prepacked: dict[int, object] = {}
+
+    def onednn_fn(a, w):
+        return lin._onednn_linear(a, prepacked[id(w)], None)
 
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -86,6 +97,9 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
         copies = max(2, (mib << 20) // (n * k * 2))
         ws = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies)]
         ws32 = [w.float() for w in ws[: max(2, copies // 2)]]
+        if onednn:
+            prepacked.clear()
+            prepacked.update((id(w), torch.ops.mkldnn._reorder_linear_weight(w)) for w in ws)
         for m in rows:
             x = torch.randn(m, k, generator=g).to(dtype)
             x32 = x.float()
@@ -93,25 +107,36 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
             runs = [("torch", F.linear, x, ws), ("torch_fp32", F.linear, x32, ws32)]
             if op is not None:
                 runs.insert(0, ("kernel", kernel_fn, x, ws))
+            if onednn:
+                runs.append(("onednn", onednn_fn, x, ws))
             for key, fn, inp, weights in runs:
                 ms = _rotating_ms(fn, inp, weights, max(repeats, len(weights)))
                 row[f"{key}_ms"] = ms
                 row[f"{key}_gb_s"] = weights[0].numel() * weights[0].element_size() / ms / 1e6
             out.append(row)
         del ws, ws32
+        prepacked.clear()
     return out
 
 
 def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
     print(f"\nlinear layers, {dtype} weights, {threads} thread(s): median ms (GB/s of weights read); "
-          f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL)")
-    print(f"{'shape':22} {'N x K':>11} {'M':>3}  {'kernel':>17} {'torch':>17} {'fp32':>17} {'torch/kernel':>12}  used")
+          f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL), "
+          f"oneDNN = prepacked {dtype}")
+    print(f"{'shape':22} {'N x K':>11} {'M':>3}  {'kernel':>17} {'torch':>17} {'fp32':>17} {'oneDNN':>17} "
+          f"{'torch/kernel':>12} {'oneDNN/kernel':>13}  used")
+
+    def cell(r, key):
+        return f"{r[key + '_ms']:7.3f} ({r[key + '_gb_s']:5.1f})" if key + "_ms" in r else f"{'-':>17}"
+
+    def ratio(r, key, width):
+        return f"{r[key + '_ms'] / r['kernel_ms']:{width - 1}.2f}x" if "kernel_ms" in r and key + "_ms" in r \
+            else f"{'-':>{width}}"
+
     for r in table:
-        kern = f"{r['kernel_ms']:7.3f} ({r['kernel_gb_s']:5.1f})" if "kernel_ms" in r else f"{'-':>17}"
-        ratio = f"{r['torch_ms'] / r['kernel_ms']:11.2f}x" if "kernel_ms" in r else f"{'-':>12}"
-        print(f"{r['shape']:22} {r['N']:>5}x{r['K']:<5} {r['M']:>3}  {kern} "
-              f"{r['torch_ms']:7.3f} ({r['torch_gb_s']:5.1f}) {r['torch_fp32_ms']:7.3f} ({r['torch_fp32_gb_s']:5.1f}) "
-              f"{ratio}  {'yes' if r['dispatched'] else 'no'}")
+        print(f"{r['shape']:22} {r['N']:>5}x{r['K']:<5} {r['M']:>3}  {cell(r, 'kernel')} {cell(r, 'torch')} "
+              f"{cell(r, 'torch_fp32')} {cell(r, 'onednn')} {ratio(r, 'torch', 12)} {ratio(r, 'onednn', 13)}  "
+              f"{'yes' if r['dispatched'] else 'no'}")
 
 
 def run(args) -> int:
@@ -129,10 +154,12 @@ def run(args) -> int:
     engine = Engine(args.model, dtype=args.dtype, max_running=1, seed=0)
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # A/B: the decode steps alternate between the kernel and F.linear (when the kernel applies)
+    # A/B: the decode steps alternate between the kernel and the path without it (when the kernel
+    # takes one-row batches of this dtype): F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
     param_dtype = next(model.parameters()).dtype
-    kernel = lin.kernel() if param_dtype in (torch.bfloat16, torch.float16) else None
-    modes = ["kernel", "F.linear"] if kernel is not None else ["F.linear"]
+    kernel = lin.kernel() if lin.max_rows(param_dtype) > 0 else None
+    fallback = "oneDNN" if param_dtype == torch.float32 and lin.gemm_backend(param_dtype) == "onednn" else "F.linear"
+    modes = ["kernel", fallback] if kernel is not None else [fallback]
     ids = [7 + i % 1000 for i in range(args.context)]
     engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2, temperature=0.0,
                                                                ignore_eos=True)))
@@ -142,25 +169,26 @@ def run(args) -> int:
     try:
         while engine.scheduler.has_work:
             mode = modes[step_no % len(modes)]
-            lin._state["op"] = kernel if mode == "kernel" else None
+            if kernel is not None:
+                lin._state["op"] = kernel if mode == "kernel" else None
             start = time.perf_counter()
             engine.step()
             times[mode].append(time.perf_counter() - start)
             step_no += 1
     finally:
-        lin._state["op"] = kernel
+        if kernel is not None:
+            lin._state["op"] = kernel
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches
     step = steps[modes[0]]
     result = {"dtype": args.dtype, "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "weight_mb": weight_bytes / 1e6,
               "floor_ms": floor * 1e3, "decode_step_ms": step * 1e3, "ratio": step / floor,
               "backend": type(engine.runner.attention).__name__,
-              # without the kernel (fp32): what radixserve's linear runs for one row on this CPU
-              "linear": modes[0] if kernel is not None else
-              ("oneDNN" if lin.gemm_backend(param_dtype) == "onednn" else "F.linear")}
+              # what radixserve's linear layers run for one row on this CPU
+              "linear": modes[0], "fallback": fallback}
     if kernel is not None:
-        result["decode_step_f_linear_ms"] = steps["F.linear"] * 1e3
-        result["ratio_f_linear"] = steps["F.linear"] / floor
+        result["decode_step_fallback_ms"] = steps[fallback] * 1e3
+        result["ratio_fallback"] = steps[fallback] / floor
     table = gemv_table(model.config, param_dtype, [int(r) for r in args.gemv_rows.split(",")], args.gemv_mib) \
         if args.gemv else None
     if args.json:
@@ -172,8 +200,8 @@ def run(args) -> int:
           f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-1 decode step "
           f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor")
     if kernel is not None:
-        print(f"  same run, alternate steps on F.linear: {result['decode_step_f_linear_ms']:.2f} ms = "
-              f"{result['ratio_f_linear']:.2f}x the floor (kernel step {steps['F.linear'] / step:.2f}x faster)")
+        print(f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
+              f"{result['ratio_fallback']:.2f}x the floor (kernel step {steps[fallback] / step:.2f}x faster)")
     if table is not None:
         print_gemv(table, args.dtype, args.threads)
     return 0

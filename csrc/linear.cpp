@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -77,16 +78,25 @@ constexpr int kTileN = 4;  // output columns per tile
 constexpr int kTileM = 4;  // rows of x per tile
 constexpr int kAmxMaxM = 32;  // most rows of x on the AMX path (two C tiles of 16)
 
+// The element types of x and W: bf16 and fp16 as raw 16-bit values, fp32 as floats.
+enum class Dt { bf16, fp16, fp32 };
+template <Dt D>
+using Elem = std::conditional_t<D == Dt::fp32, float, uint16_t>;
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define RADIXSERVE_AVX2_LINEAR 1
 
 // AVX2 (CPUs without AVX-512, or without AVX512-BF16 for bf16): 8 fp32 lanes, FMAs. bf16 widens
 // by a 16-bit shift, fp16 with vcvtph2ps (F16C); the K tail goes through zero-padded copies.
-template <bool Bf16>
-inline __m256 load8_widened(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (Bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  else return _mm256_cvtph_ps(h);
+template <Dt D>
+inline __m256 load8(const Elem<D>* p) {
+  if constexpr (D == Dt::fp32) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (D == Dt::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else return _mm256_cvtph_ps(h);
+  }
 }
 
 inline float reduce_add8(__m256 v) {
@@ -95,35 +105,37 @@ inline float reduce_add8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-template <bool Bf16, int MB, int NB>
-inline void tile_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out) {
+template <Dt D, int MB, int NB>
+inline void tile_avx2(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t K, float* out) {
+  using E = Elem<D>;
+  constexpr int64_t kLine = 64 / sizeof(E);  // elements per cache line
   __m256 acc[MB][NB];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  auto step = [&](const uint16_t* xs, int64_t lx, const uint16_t* ws, int64_t lw) {
+  auto step = [&](const E* xs, int64_t lx, const E* ws, int64_t lw) {
     __m256 wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = load8_widened<Bf16>(ws + j * lw);
+    for (int j = 0; j < NB; ++j) wv[j] = load8<D>(ws + j * lw);
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
-      const __m256 xv = load8_widened<Bf16>(xs + i * lx);
+      const __m256 xv = load8<D>(xs + i * lx);
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   };
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if ((k & 31) == 0) {  // once per 64-byte line of each W row, two tiles ahead (as tile_bf16)
+    if (k % kLine == 0) {  // once per 64-byte line of each W row, two tiles ahead (as tile_bf16)
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NB + j) * ldw + k), _MM_HINT_T0);
     }
     step(x + k, ldx, w + k, ldw);
   }
   if (k < K) {  // the K tail: zeros beyond K contribute nothing
-    uint16_t xt[MB][8] = {}, wt[NB][8] = {};
-    const size_t bytes = sizeof(uint16_t) * static_cast<size_t>(K - k);
+    E xt[MB][8] = {}, wt[NB][8] = {};
+    const size_t bytes = sizeof(E) * static_cast<size_t>(K - k);
     for (int i = 0; i < MB; ++i) std::memcpy(xt[i], x + i * ldx + k, bytes);
     for (int j = 0; j < NB; ++j) std::memcpy(wt[j], w + j * ldw + k, bytes);
     step(&xt[0][0], 8, &wt[0][0], 8);
@@ -184,7 +196,7 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 #define RADIXSERVE_HAVE_BF16 1
 template <int MB, int NB>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out) {
-  tile_avx2<true, MB, NB>(x, ldx, w, ldw, K, out);
+  tile_avx2<Dt::bf16, MB, NB>(x, ldx, w, ldw, K, out);
 }
 #else
 template <int MB, int NB>
@@ -233,12 +245,28 @@ inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 #define RADIXSERVE_HAVE_FP16 1
 template <int MB, int NB>
 inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out) {
-  tile_avx2<false, MB, NB>(x, ldx, w, ldw, K, out);
+  tile_avx2<Dt::fp16, MB, NB>(x, ldx, w, ldw, K, out);
 }
 #else
 template <int MB, int NB>
 inline void tile_fp16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "linear: this build has no fp16 vector kernel");
+}
+#endif
+
+// fp32 (AVX2 and AVX-512 builds alike: the 8-lane tiles are bound by reading W). At 1-2 rows it
+// beats oneDNN's prepacked fp32 GEMM (bench/RESULTS.md, section 20); radixserve/model/linear.py
+// sends it no more rows than that measurement supports.
+#if defined(RADIXSERVE_AVX2_LINEAR)
+#define RADIXSERVE_HAVE_FP32 1
+template <int MB, int NB>
+inline void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out) {
+  tile_avx2<Dt::fp32, MB, NB>(x, ldx, w, ldw, K, out);
+}
+#else
+template <int MB, int NB>
+inline void tile_fp32(const float*, int64_t, const float*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "linear: this build has no fp32 vector kernel");
 }
 #endif
 
@@ -334,13 +362,21 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
 }
 #endif
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
+template <Dt D>
+using TileFn = void (*)(const Elem<D>*, int64_t, const Elem<D>*, int64_t, int64_t, float*);
+
+template <Dt D, int MB, int NB>
+constexpr TileFn<D> tile_of() {
+  if constexpr (D == Dt::bf16) return &tile_bf16<MB, NB>;
+  else if constexpr (D == Dt::fp16) return &tile_fp16<MB, NB>;
+  else return &tile_fp32<MB, NB>;
+}
 
 // Tile functions indexed by [rows - 1][columns == kTileN].
-template <bool Bf16>
-TileFn tile_fn(int rows, int cols) {
-#define RADIXSERVE_TILE(MB, NB) (Bf16 ? &tile_bf16<MB, NB> : &tile_fp16<MB, NB>)
-  static const TileFn table[kTileM][2] = {
+template <Dt D>
+TileFn<D> tile_fn(int rows, int cols) {
+#define RADIXSERVE_TILE(MB, NB) tile_of<D, MB, NB>()
+  static const TileFn<D> table[kTileM][2] = {
       {RADIXSERVE_TILE(1, 1), RADIXSERVE_TILE(1, 4)},
       {RADIXSERVE_TILE(2, 1), RADIXSERVE_TILE(2, 4)},
       {RADIXSERVE_TILE(3, 1), RADIXSERVE_TILE(3, 4)},
@@ -356,13 +392,13 @@ inline Out cast_out(float v) {
 }
 
 // Columns [n0, n0 + cols) for all M rows.
-template <bool Bf16, typename Out>
-void column_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t M,
+template <Dt D, typename Out>
+void column_block(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t M,
                   int64_t K, int64_t N, int64_t n0, int cols, const float* bias, Out* y) {
   float sums[kTileM * kTileN];
   for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileM, M - m0));
-    tile_fn<Bf16>(rows, cols)(x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums);
+    tile_fn<D>(rows, cols)(x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums);
     for (int i = 0; i < rows; ++i) {
       Out* row = y + (m0 + i) * N + n0;
       for (int j = 0; j < cols; ++j) {
@@ -373,36 +409,38 @@ void column_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw
   }
 }
 
-template <bool Bf16, typename Out>
-void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t M, int64_t K,
+template <Dt D, typename Out>
+void run(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t M, int64_t K,
          int64_t N, const float* bias, Out* y, bool amx) {
   // At least ~64 KiB of weights per chunk, so small layers do not pay for threads they cannot use.
-  const int64_t grain_rows = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, K * 2));
+  const int64_t grain_rows = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(Elem<D>))));
 #if defined(RADIXSERVE_HAVE_AMX)
-  if (Bf16 && amx) {
-    const std::vector<uint16_t> xp = pack_x(x, ldx, M, K);
-    TileConfig cfg;
-    const int cols0 = static_cast<int>(std::min<int64_t>(M, 16)), cols1 = static_cast<int>(M - cols0);
-    cfg.rows[0] = cfg.rows[2] = cfg.rows[3] = 16;
-    cfg.colsb[0] = cfg.colsb[3] = static_cast<uint16_t>(cols0 * 4);
-    cfg.colsb[2] = 64;
-    if (cols1 > 0) {
-      cfg.rows[1] = cfg.rows[4] = 16;
-      cfg.colsb[1] = cfg.colsb[4] = static_cast<uint16_t>(cols1 * 4);
-    }
-    const int64_t full = N / kAmxRows;
-    const int64_t blocks = full + (N % kAmxRows ? 1 : 0);
-    at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / kAmxRows), [&](int64_t begin, int64_t end) {
-      _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
-      for (int64_t b = begin; b < std::min(end, full); ++b)
-        amx_block<Out>(xp.data(), w, ldw, M, K, N, b * kAmxRows, bias, y);
-      _tile_release();
-      if (end > full) {  // the N tail (< 16 columns) on AVX-512
-        for (int64_t n = full * kAmxRows; n < N; ++n)
-          column_block<Bf16, Out>(x, ldx, w, ldw, M, K, N, n, 1, bias, y);
+  if constexpr (D == Dt::bf16) {
+    if (amx) {
+      const std::vector<uint16_t> xp = pack_x(x, ldx, M, K);
+      TileConfig cfg;
+      const int cols0 = static_cast<int>(std::min<int64_t>(M, 16)), cols1 = static_cast<int>(M - cols0);
+      cfg.rows[0] = cfg.rows[2] = cfg.rows[3] = 16;
+      cfg.colsb[0] = cfg.colsb[3] = static_cast<uint16_t>(cols0 * 4);
+      cfg.colsb[2] = 64;
+      if (cols1 > 0) {
+        cfg.rows[1] = cfg.rows[4] = 16;
+        cfg.colsb[1] = cfg.colsb[4] = static_cast<uint16_t>(cols1 * 4);
       }
-    });
-    return;
+      const int64_t full = N / kAmxRows;
+      const int64_t blocks = full + (N % kAmxRows ? 1 : 0);
+      at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / kAmxRows), [&](int64_t begin, int64_t end) {
+        _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
+        for (int64_t b = begin; b < std::min(end, full); ++b)
+          amx_block<Out>(xp.data(), w, ldw, M, K, N, b * kAmxRows, bias, y);
+        _tile_release();
+        if (end > full) {  // the N tail (< 16 columns) on AVX-512
+          for (int64_t n = full * kAmxRows; n < N; ++n)
+            column_block<D, Out>(x, ldx, w, ldw, M, K, N, n, 1, bias, y);
+        }
+      });
+      return;
+    }
   }
 #endif
   (void)amx;
@@ -411,10 +449,10 @@ void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t
   at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows / kTileN), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       if (b < full) {
-        column_block<Bf16, Out>(x, ldx, w, ldw, M, K, N, b * kTileN, kTileN, bias, y);
+        column_block<D, Out>(x, ldx, w, ldw, M, K, N, b * kTileN, kTileN, bias, y);
       } else {
         for (int64_t n = full * kTileN; n < N; ++n)  // the N tail, one column at a time
-          column_block<Bf16, Out>(x, ldx, w, ldw, M, K, N, n, 1, bias, y);
+          column_block<D, Out>(x, ldx, w, ldw, M, K, N, n, 1, bias, y);
       }
     }
   });
@@ -444,6 +482,14 @@ bool supports_fp16() {
 #endif
 }
 
+bool supports_fp32() {
+#if defined(RADIXSERVE_HAVE_FP32)
+  return true;
+#else
+  return false;
+#endif
+}
+
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
                              const c10::optional<torch::Tensor>& bias, bool fp32_out, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear: CPU tensors only");
@@ -452,9 +498,9 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear: x is ", x.scalar_type(),
               " but weight is ", weight.scalar_type());
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "linear: bfloat16 or float16 only, got ",
-              dtype);
-  TORCH_CHECK(dtype == at::kBFloat16 ? supports_bf16() : supports_fp16(),
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+              "linear: bfloat16, float16 or float32 only, got ", dtype);
+  TORCH_CHECK(dtype == at::kBFloat16 ? supports_bf16() : dtype == at::kHalf ? supports_fp16() : supports_fp32(),
               "linear: this build has no vector kernel for ", dtype, " (use F.linear)");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "linear: x has K=", K, " but weight is ", weight.sizes());
@@ -493,19 +539,24 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   }
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : dtype));
   if (M == 0) return y;
+  const int64_t ldx = x.stride(0), ldw = weight.stride(0);
+  if (dtype == at::kFloat) {
+    run<Dt::fp32, float>(x.data_ptr<float>(), ldx, weight.data_ptr<float>(), ldw, M, K, N, bp, y.data_ptr<float>(),
+                         false);
+    return y;
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const int64_t ldx = x.stride(0), ldw = weight.stride(0);
   if (dtype == at::kBFloat16) {
     if (fp32_out)
-      run<true, float>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<float>(), amx);
+      run<Dt::bf16, float>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<float>(), amx);
     else
-      run<true, c10::BFloat16>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::BFloat16>(), amx);
+      run<Dt::bf16, c10::BFloat16>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::BFloat16>(), amx);
   } else {
     if (fp32_out)
-      run<false, float>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<float>(), false);
+      run<Dt::fp16, float>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<float>(), false);
     else
-      run<false, c10::Half>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::Half>(), false);
+      run<Dt::fp16, c10::Half>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::Half>(), false);
   }
   return y;
 }
@@ -623,4 +674,5 @@ TORCH_LIBRARY(radixserve_linear, m) {
   m.def("supports_amx() -> bool", &supports_amx);
   m.def("supports_bf16() -> bool", &supports_bf16);
   m.def("supports_fp16() -> bool", &supports_fp16);
+  m.def("supports_fp32() -> bool", &supports_fp32);
 }

@@ -1,4 +1,4 @@
-"""The small-M linear kernel (csrc/linear.cpp) equals F.linear computed in fp32 on the same bf16/fp16
+"""The small-M linear kernel (csrc/linear.cpp) equals F.linear computed in fp32 on the same bf16/fp16/fp32
 inputs; radixserve.model.linear dispatches to it only where it applies and falls back otherwise."""
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ def op():
 
 
 def supported(dtype) -> bool:
+    """The op has a path for ``dtype`` on this CPU (whether or not linear() dispatches to it)."""
     op()
+    if dtype == torch.float32:
+        return torch.ops.radixserve_linear.supports_fp32()
     return lin.max_rows(dtype) > 0
 
 
@@ -49,13 +52,21 @@ def spy_onednn(monkeypatch) -> list[int]:
     return rows
 
 
+def pin_gemm(monkeypatch, dtype, backend: str) -> None:
+    """Make ``backend`` the GEMM of ``dtype`` for one test, dropping the kernel's row limit that was
+    derived from the previous backend (fp32's depends on it)."""
+    monkeypatch.setitem(lin._state, ("gemm", dtype), backend)
+    if lin.kernel() is not None:
+        monkeypatch.delitem(lin._state["limits"], dtype, raising=False)
+
+
 def reference(x, w, b):
     """F.linear in fp32 arithmetic on the (bf16/fp16) inputs: the kernel's own precision."""
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
 def check(y, ref, dtype, fp32_out):
-    if fp32_out:
+    if fp32_out or dtype == torch.float32:
         assert y.dtype == torch.float32
         # fp32 sums of exact products; only the summation order differs
         torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-4)
@@ -66,7 +77,7 @@ def check(y, ref, dtype, fp32_out):
 
 
 @needs_ext
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fp32_out", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_fp32_linear_every_row_count_and_tails(dtype, fp32_out, bias):
@@ -92,20 +103,23 @@ def test_kernel_equals_fp32_linear_every_row_count_and_tails(dtype, fp32_out, bi
 
 
 @needs_ext
-def test_kernel_strided_rows_and_weight_rows():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_strided_rows_and_weight_rows(dtype):
     """Rows of x and of W may be strided (views into wider buffers); values beyond K are not read."""
+    if not supported(dtype):
+        pytest.skip(f"this CPU has no kernel for {dtype}")
     g = torch.Generator().manual_seed(1)
-    xb = torch.randn(5, 100, generator=g).bfloat16()
-    wb = torch.randn(21, 80, generator=g).bfloat16()
+    xb = torch.randn(5, 100, generator=g).to(dtype)
+    wb = torch.randn(21, 80, generator=g).to(dtype)
     x, w = xb[:, 3:70], wb[:, 1:68]
     assert not x.is_contiguous() and not w.is_contiguous()
-    for impl in impls(torch.bfloat16):
-        check(op()(x, w, None, True, impl), reference(x, w, None), torch.bfloat16, True)
+    for impl in impls(dtype):
+        check(op()(x, w, None, True, impl), reference(x, w, None), dtype, True)
     # poison what lies between the rows: a read past K would turn into inf/nan
     xb[:, 70:] = float("inf")
     wb[:, 68:] = float("nan")
-    for impl in impls(torch.bfloat16):
-        check(op()(x, w, None, True, impl), reference(x, w, None), torch.bfloat16, True)
+    for impl in impls(dtype):
+        check(op()(x, w, None, True, impl), reference(x, w, None), dtype, True)
 
 
 @needs_ext
@@ -118,8 +132,8 @@ def test_kernel_refuses_bad_input_clearly():
         op()(x, torch.randn(8, 3).bfloat16().t(), None, False)
     with pytest.raises(RuntimeError, match="weight is"):
         op()(x, w.float(), None, False)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        op()(x.float(), w.float(), None, False)
+    with pytest.raises(RuntimeError, match="bfloat16, float16 or float32 only"):
+        op()(x.double(), w.double(), None, False)
     with pytest.raises(RuntimeError, match="K=8"):
         op()(x, torch.randn(3, 9).bfloat16(), None, False)
     with pytest.raises(RuntimeError, match="bias"):
@@ -158,9 +172,9 @@ def test_linear_dispatch_uses_the_kernel_only_where_it_applies(monkeypatch):
         assert xt.stride(-1) == 2
         check(layer(xt), reference(xt, layer.weight, layer.bias), torch.bfloat16, False)
         assert len(calls) == 6
-        # too many rows, fp32, autograd: F.linear
+        # too many rows, fp32 beyond fp32's limit (0 where fp32 stays on MKL), autograd: F.linear
         layer(torch.randn(lin.max_rows(torch.bfloat16) + 1, 48).bfloat16())
-        layer.float()(torch.randn(2, 48))
+        layer.float()(torch.randn(lin.max_rows(torch.float32) + 1, 48))
         assert len(calls) == 6
     x = torch.randn(2, 48, requires_grad=True).bfloat16()
     layer.bfloat16()(x).sum().backward()
@@ -194,7 +208,8 @@ def test_fallback_without_the_extension(monkeypatch):
 
 def test_fp32_few_rows_is_always_f_linear_with_mkl(monkeypatch):
     """With MKL as the fp32 GEMM (RADIXSERVE_CPU_GEMM=mkl, or what auto chooses on most CPUs), fp32
-    below PACKED_MIN_ROWS stays on F.linear and never even loads the extension."""
+    below PACKED_MIN_ROWS stays on F.linear (the kernel's fp32 path was measured against oneDNN
+    only) and packs nothing."""
     monkeypatch.setattr(lin, "_state", {})
     monkeypatch.setenv("RADIXSERVE_CPU_GEMM", "mkl")
     layer = lin.Linear(24, 10)
@@ -202,8 +217,8 @@ def test_fp32_few_rows_is_always_f_linear_with_mkl(monkeypatch):
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         assert torch.equal(lin.logits(x, layer.weight, lin.PackedWeight()), F.linear(x, layer.weight))
-    assert "op" not in lin._state and "packed" not in lin._state and "policy" not in lin._state
-    assert lin.gemm_backend(torch.float32) == "mkl"
+    assert "packed" not in lin._state and "policy" not in lin._state
+    assert lin.gemm_backend(torch.float32) == "mkl" and lin.max_rows(torch.float32) == 0
 
 
 def test_state_dict_is_nn_linears():
@@ -268,8 +283,33 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys):
     assert result["decode_step_ms"] > 0 and result["floor_ms"] > 0
     assert len(result["gemv"]) == 7 * 2 and all(r["torch_ms"] > 0 and r["torch_fp32_gb_s"] > 0 for r in result["gemv"])
     if lin.kernel() is not None:
-        assert result["linear"] == "kernel" and result["decode_step_f_linear_ms"] > 0
+        assert result["linear"] == "kernel" and result["decode_step_fallback_ms"] > 0
+        assert result["fallback"] == "F.linear"
         assert all(r["kernel_ms"] > 0 and r["dispatched"] for r in result["gemv"])
+    if lin._has_onednn_ops(torch.bfloat16):
+        assert all(r["onednn_ms"] > 0 for r in result["gemv"])
+
+
+@needs_ext
+def test_roofline_bench_fp32_ab_names_the_path_without_the_kernel(llama_dir, capsys, monkeypatch):
+    """fp32: where the kernel takes one-row batches (oneDNN as the fp32 GEMM, a CPU with the fp32
+    path) the steps alternate between it and oneDNN; elsewhere they all run the one path there is."""
+    import argparse
+    import json
+
+    from bench import roofline
+
+    pin_gemm(monkeypatch, torch.float32, "onednn" if lin._has_onednn_ops() else "mkl")
+    parser = argparse.ArgumentParser()
+    roofline.add_arguments(parser)
+    args = parser.parse_args(["--model", llama_dir, "--context", "8", "--steps", "3", "--buffer-mib", "8", "--json"])
+    assert roofline.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    if lin.max_rows(torch.float32) > 0:
+        assert result["linear"] == "kernel" and result["fallback"] == "oneDNN"
+        assert result["decode_step_fallback_ms"] > 0
+    else:
+        assert result["linear"] == result["fallback"] and "decode_step_fallback_ms" not in result
 
 
 # ---- fp32: MKL's packed GEMM (torch.ops.radixserve_linear.pack_fp32 / packed_linear) ----
@@ -288,7 +328,7 @@ EXACT_SHAPES = [(37, 53), (300, 17), (96, 100), (40, 512), (1024, 512)]
 def mkl_backends(monkeypatch) -> None:
     """Pin the GEMMs that are MKL's on CPUs where MKL is fast: fp32 on MKL's packed GEMM, bf16
     widened to it (without AMX) or on AMX, whatever this CPU would choose."""
-    monkeypatch.setitem(lin._state, ("gemm", torch.float32), "mkl")
+    pin_gemm(monkeypatch, torch.float32, "mkl")
     amx = ext is not None and torch.ops.radixserve_linear.supports_amx()
     monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16),
                         ("amx" if lin._has_onednn_ops(torch.bfloat16) else "none") if amx else "widen")
@@ -734,8 +774,13 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     """Where oneDNN is the fp32 backend (auto on CPUs where MKL's fp32 is slow, e.g. AMD EPYC),
     every fp32 batch runs oneDNN over a prepacked copy of the weight: results equal F.linear's to
     fp32 rounding (the summation order differs), the copy is made once and remade when the weight
-    changes, autograd keeps F.linear, and the "exact" probe compares oneDNN's products."""
-    monkeypatch.setitem(lin._state, ("gemm", torch.float32), "onednn")
+    changes, autograd keeps F.linear, and the "exact" probe compares oneDNN's products. Batches of
+    up to max_rows(fp32) rows (where the kernel has an fp32 path) go to the kernel instead."""
+    pin_gemm(monkeypatch, torch.float32, "onednn")
+    few = lin.max_rows(torch.float32)
+    assert few == (0 if not torch.ops.radixserve_linear.supports_fp32() else
+                   lin.MAX_ROWS_FP32_AVX512 if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+                   else lin.MAX_ROWS_FP32)
     monkeypatch.setitem(lin._state, "policy", "all")
     monkeypatch.delitem(lin._state, "packed", raising=False)
     real = lin._onednn_linear
@@ -753,7 +798,7 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
         torch.testing.assert_close(layer(xt), F.linear(xt, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
         h = torch.randn(2, 53, generator=g)
         torch.testing.assert_close(lin.logits(h, emb, lin.PackedWeight()), F.linear(h, emb), atol=1e-5, rtol=1e-5)
-    assert rows_seen == [1, 15, 16, 15, 700, 20, 2]
+    assert rows_seen == [r for r in (1, 15, 16, 15, 700, 20, 2) if r > few]
     old = layer.packed._entry[2]
     assert old.is_mkldnn
     with torch.no_grad():
@@ -764,7 +809,7 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     assert layer.packed._entry[2] is not old
     x = torch.randn(20, 53, requires_grad=True)  # autograd: F.linear
     layer(x).sum().backward()
-    assert x.grad is not None and len(rows_seen) == 8
+    assert x.grad is not None and len(rows_seen) == len([r for r in (1, 15, 16, 15, 700, 20, 2) if r > few]) + 1
     # "exact": the probe runs oneDNN's product; it keeps the copy exactly when that equals F.linear
     w = torch.randn(40, 512, generator=g)
     p = torch.ops.mkldnn._reorder_linear_weight(w)
@@ -864,12 +909,26 @@ def test_fp32_engine_greedy_tokens_equal_transformers_on_each_gemm(llama_dir, mo
 
     from radixserve import Engine, SamplingParams
 
-    monkeypatch.setitem(lin._state, ("gemm", torch.float32), backend)
+    pin_gemm(monkeypatch, torch.float32, backend)
+    kernel_rows: list[int] = []
+    real = lin.kernel()
+
+    def spy(*args):
+        kernel_rows.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setitem(lin._state, "op", spy)
     prompts = random_prompts([40, 9, 70, 3], seed=6)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eng = Engine(llama_dir, kv_cache_tokens=4096)
     got = [o.token_ids for o in eng.generate(prompts, params)]
+    # one request alone: its decode steps are 1-row batches, the fp32 kernel's (where it has one)
+    alone = [o.token_ids for o in eng.generate(prompts[:1], params)]
     layer = next(m for m in eng.runner.model.modules() if isinstance(m, lin.Linear))
     assert layer.packed._entry[2].is_mkldnn == (backend == "onednn")
     eng.shutdown()
+    assert bool(kernel_rows) == (lin.max_rows(torch.float32) > 0)
+    assert all(n <= lin.max_rows(torch.float32) for n in kernel_rows)
+    assert lin.max_rows(torch.float32) == 0 or backend == "onednn"
     assert got == hf_greedy(llama_dir, prompts, 8)
+    assert alone == got[:1]

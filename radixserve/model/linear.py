@@ -1,15 +1,16 @@
-"""Linear layers that use the small-M bf16/fp16 kernel of ``csrc/linear.cpp`` for decode batches.
+"""Linear layers that use the small-M kernel of ``csrc/linear.cpp`` for decode batches.
 
 torch's bf16 ``F.linear`` with a handful of rows is no faster than fp32 (it does not stream the
 weights at memory bandwidth), and a decode step is nothing but such products. :class:`Linear` is
 an ``nn.Linear`` (same parameters, same ``state_dict``, so Hugging Face checkpoints load as
 before) whose forward sends ``[..., K]`` inputs with at most :func:`max_rows` rows to the kernel
-when the weight is bf16 (or fp16), on the CPU, and the extension is built; everything else
-(fp32, which MKL already runs at the bandwidth floor; prefill-sized batches, where oneDNN's
-GEMM wins; autograd; no extension) goes to ``F.linear``. :func:`logits` is the same for the
-tied output embedding, with float32 logits written by the kernel directly. The kernel has AMX, AVX-512 and
-AVX2 paths (the last for CPUs without AVX-512, e.g. older AMD EPYCs: bf16 widened to fp32
-lanes).
+when the weight is bf16, fp16 or fp32, on the CPU, and the extension is built; everything else
+(prefill-sized batches, where the GEMMs below win; autograd; no extension) goes to the GEMM paths
+below or ``F.linear``. :func:`logits` is the same for the tied output embedding, with float32
+logits written by the kernel directly. The kernel has AMX, AVX-512 and AVX2 paths (the last for
+CPUs without AVX-512, e.g. older AMD EPYCs: bf16 widened to fp32 lanes; and for fp32 on every
+CPU, 1-2 rows with AVX-512 and 1-4 without, where it beats oneDNN's fp32 GEMM: see
+:data:`MAX_ROWS_FP32`).
 
 fp32 weights on the CPU take MKL's packed GEMM instead for batches of :data:`PACKED_MIN_ROWS` to
 :data:`PACKED_MAX_ROWS` rows: torch's fp32 ``F.linear`` re-packs the whole weight on every call,
@@ -86,6 +87,13 @@ log = logging.getLogger("radixserve")
 # at 1-4 rows, slower from 8.
 MAX_ROWS = 32
 MAX_ROWS_VECTOR = 4
+# fp32 (8-lane FMA tiles, bound by reading W) against oneDNN's prepacked fp32 GEMM, the bench
+# model's shapes with weights from memory, 2 threads (bench/RESULTS.md section 20): on an
+# AVX2-only AMD EPYC (Zen 1) 1.3-2.1x faster at 2-4 rows (0.9-1.1x on the output embedding); on an
+# AVX-512 one (Zen 4) 1.0-1.5x at 1-2 rows but 0.8-1.25x at 4, and slower at 8 (oneDNN's AVX-512
+# kernels catch up once there is compute to do).
+MAX_ROWS_FP32 = 4
+MAX_ROWS_FP32_AVX512 = 2
 
 # Fewest rows sent to MKL's packed fp32 GEMM. Below 16 rows F.linear's sgemm takes another MKL
 # path whose sums differ from the packed kernels' in the last bits (~4e-5 relative at 4 rows, on
@@ -119,7 +127,7 @@ ONEDNN_FP32_MIN_ROWS = 1
 ONEDNN_MAX_ROWS = 128
 POLICIES = ("off", "exact", "all")
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _state: dict[object, object] = {}
 
 
@@ -136,6 +144,7 @@ def kernel():
                 limits[torch.bfloat16] = MAX_ROWS if ns.supports_amx() else MAX_ROWS_VECTOR
             if ns.supports_fp16():
                 limits[torch.float16] = MAX_ROWS_VECTOR
+            # fp32: decided at the first fp32 batch (_limit), not to time fp32 GEMMs for a bf16 model
         _state["limits"] = limits
         _state["op"] = op
     return _state["op"]
@@ -145,7 +154,21 @@ def max_rows(dtype: torch.dtype) -> int:
     """Most rows :func:`linear` sends to the kernel for ``dtype`` (0: never)."""
     if dtype not in _KERNEL_DTYPES or kernel() is None:
         return 0
-    return _state["limits"].get(dtype, 0)  # type: ignore[attr-defined]
+    limit = _state["limits"].get(dtype)  # type: ignore[attr-defined]
+    return _limit(dtype) if limit is None else limit
+
+
+def _limit(dtype: torch.dtype) -> int:
+    """The row limit of a dtype whose limit :func:`kernel` left open: fp32 goes to the kernel only
+    where oneDNN is the fp32 GEMM it was measured against (:data:`MAX_ROWS_FP32`); with MKL it
+    keeps ``F.linear`` below :data:`PACKED_MIN_ROWS` rows, as before the kernel had an fp32 path."""
+    limit = 0
+    if dtype == torch.float32 and _state["op"] is not None and gemm_backend(dtype) == "onednn":
+        if torch.ops.radixserve_linear.supports_fp32():
+            avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+            limit = MAX_ROWS_FP32_AVX512 if avx512 else MAX_ROWS_FP32
+    _state["limits"][dtype] = limit  # type: ignore[index]
+    return limit
 
 
 def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -155,7 +178,10 @@ def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if _state.get("op") is None and kernel() is None:
         return False
     rows = x.numel()
-    if rows == 0 or rows > _state["limits"].get(weight.dtype, 0) * x.shape[-1]:  # type: ignore[attr-defined]
+    limit = _state["limits"].get(weight.dtype)  # type: ignore[attr-defined]
+    if limit is None:
+        limit = _limit(weight.dtype)
+    if rows == 0 or rows > limit * x.shape[-1]:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1:
         return False
@@ -533,10 +559,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     With ``packed`` (the cache of ``weight``'s packed copy), fp32 batches of
     :data:`PACKED_MIN_ROWS` to :data:`PACKED_MAX_ROWS` rows run MKL's packed GEMM (see the module
     docstring)."""
-    if packed is not None and _packed_usable(x, weight, bias):
-        y = _packed_linear(x, weight, bias, packed)
-        if y is not None:
-            return y
     if _usable(x, weight):
         op = _state["op"]
         if x.dim() == 2 and x.stride(-1) == 1:  # the decode case: no reshaping
@@ -545,6 +567,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         return op(rows, weight, bias, fp32_out).view(*x.shape[:-1], weight.shape[0])  # type: ignore[operator]
+    if packed is not None and _packed_usable(x, weight, bias):
+        y = _packed_linear(x, weight, bias, packed)
+        if y is not None:
+            return y
     y = F.linear(x, weight, bias)
     return y.float() if fp32_out else y
 
