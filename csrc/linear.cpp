@@ -15,10 +15,12 @@
 //   bf16 uses vdpbf16ps, which consumes (k, k+1) pairs of both operands: W's and x's natural
 //   layout. fp16 widens to fp32 (vcvtph2ps) and uses FMAs. The K tail is a masked load (zeros
 //   contribute nothing); the N tail uses 1-column tiles, the M tail smaller row tiles.
-// - AVX2 (+FMA, F16C; bf16 where AVX512-BF16 is missing, fp16 where AVX-512 is): the same tiles
-//   on 8 fp32 lanes, both dtypes widened (bf16 by a 16-bit shift). On an AVX2-only AMD EPYC it
-//   is 1.2-1.7x faster than torch's bf16 F.linear at 1 row and 2.3-3x at 4 rows (`python -m
-//   bench roofline --dtype bfloat16 --gemv`).
+// - AVX2 (+FMA, F16C; bf16 where AVX512-BF16 is missing, fp16 where AVX-512 is, and fp32 on
+//   every x86 CPU): the same tiles on 8 fp32 lanes, bf16/fp16 widened (bf16 by a 16-bit shift).
+//   On an AVX2-only AMD EPYC it is 1.2-1.7x faster than torch's bf16 F.linear at 1 row and 2.3-3x
+//   at 4 rows (`python -m bench roofline --dtype bfloat16 --gemv`).
+// - With 1-2 rows of x (kStreamMaxRows) both vector paths take W one row at a time, in order, with
+//   two accumulators per row: one sequential stream per thread instead of four interleaved ones.
 // On the Xeon of bench/RESULTS.md vdpbf16ps has no more MACs per cycle than fp32 FMAs, so the
 // vector paths are compute-bound beyond a few rows; AMX stays bandwidth-bound up to 16-32 rows.
 //
@@ -76,6 +78,12 @@ namespace {
 
 constexpr int kTileN = 4;  // output columns per tile
 constexpr int kTileM = 4;  // rows of x per tile
+// Up to this many rows of x, the vector paths read W one row at a time (1-column tiles, in
+// order): one sequential stream per thread, which the hardware prefetcher follows at close to the
+// memory's read rate; 4-column tiles read four rows of W at once. With 3-4 rows of x the 4-column
+// tiles win again (4x fewer loads of x per FMA). `python -m bench roofline --gemv`, fp32, 2
+// threads, AMD EPYC Zen 4: 1 row 1.3-2x faster (lm_head 3.3-3.5 -> 2.6-2.9 ms), 4 rows 0.7-1.0x.
+constexpr int64_t kStreamMaxRows = 2;
 constexpr int kAmxMaxM = 32;  // most rows of x on the AMX path (two C tiles of 16)
 
 // The element types of x and W: bf16 and fp16 as raw 16-bit values, fp32 as floats.
@@ -109,11 +117,14 @@ template <Dt D, int MB, int NB>
 inline void tile_avx2(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t K, float* out) {
   using E = Elem<D>;
   constexpr int64_t kLine = 64 / sizeof(E);  // elements per cache line
-  __m256 acc[MB][NB];
+  // One W row (NB == 1, the streaming order of column_block): two accumulators per row of x, on
+  // alternate 8-element blocks, so the FMA latency does not cap the read rate.
+  constexpr int U = NB == 1 ? 2 : 1;
+  __m256 acc[MB][NB * U];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NB * U; ++j) acc[i][j] = _mm256_setzero_ps();
   auto step = [&](const E* xs, int64_t lx, const E* ws, int64_t lw) {
     __m256 wv[NB];
 #pragma GCC unroll 4
@@ -126,8 +137,18 @@ inline void tile_avx2(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t l
     }
   };
   int64_t k = 0;
+  if constexpr (U == 2) {
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = load8<D>(w + k), w1 = load8<D>(w + k + 8);
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        acc[i][0] = _mm256_fmadd_ps(load8<D>(x + i * ldx + k), w0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(load8<D>(x + i * ldx + k + 8), w1, acc[i][1]);
+      }
+    }
+  }
   for (; k + 8 <= K; k += 8) {
-    if (k % kLine == 0) {  // once per 64-byte line of each W row, two tiles ahead (as tile_bf16)
+    if (NB > 1 && k % kLine == 0) {  // once per 64-byte line of each W row, two tiles ahead (as tile_bf16)
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NB + j) * ldw + k), _MM_HINT_T0);
     }
@@ -139,6 +160,10 @@ inline void tile_avx2(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t l
     for (int i = 0; i < MB; ++i) std::memcpy(xt[i], x + i * ldx + k, bytes);
     for (int j = 0; j < NB; ++j) std::memcpy(wt[j], w + j * ldw + k, bytes);
     step(&xt[0][0], 8, &wt[0][0], 8);
+  }
+  if constexpr (U == 2) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][1]);
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
@@ -153,19 +178,33 @@ inline void tile_avx2(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t l
 template <int MB, int NB>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
                       float* out) {
-  __m512 acc[MB][NB];
+  // One W row (NB == 1, the streaming order of column_block): a second accumulator per row of x
+  // for alternate 32-element blocks (as tile_avx2), and no software prefetch: one sequential
+  // stream per thread is what the hardware prefetcher follows best.
+  constexpr int U = NB == 1 ? 2 : 1;
+  __m512 acc[MB][NB * U];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB * U; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
+  if constexpr (U == 2) {
+    for (; k + 64 <= K; k += 64) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) {
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_loadu_si512(x + i * ldx + k), w0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], (__m512bh)_mm512_loadu_si512(x + i * ldx + k + 32), w1);
+      }
+    }
+  }
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
       // the same k of the rows two tiles on: W streams from memory, and its short rows (1-3 KiB)
       // give the hardware prefetcher little to lock on to (a prefetch past W's end is harmless)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NB + j) * ldw + k), _MM_HINT_T0);
+      if (NB > 1) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NB + j) * ldw + k), _MM_HINT_T0);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
     }
 #pragma GCC unroll 4
@@ -186,6 +225,10 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
+  }
+  if constexpr (U == 2) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][1]);
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
@@ -396,6 +439,15 @@ template <Dt D, typename Out>
 void column_block(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t M,
                   int64_t K, int64_t N, int64_t n0, int cols, const float* bias, Out* y) {
   float sums[kTileM * kTileN];
+  if (M <= kStreamMaxRows) {  // one W row at a time: a single sequential stream per thread
+    const TileFn<D> tile = tile_fn<D>(static_cast<int>(M), 1);
+    for (int j = 0; j < cols; ++j) {
+      tile(x, ldx, w + (n0 + j) * ldw, ldw, K, sums);
+      const float b = bias ? bias[n0 + j] : 0.0f;
+      for (int i = 0; i < M; ++i) y[i * N + n0 + j] = cast_out<Out>(sums[i] + b);
+    }
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileM, M - m0));
     tile_fn<D>(rows, cols)(x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, sums);
