@@ -8,9 +8,9 @@ when the weight is bf16, fp16 or fp32, on the CPU, and the extension is built; e
 (prefill-sized batches, where the GEMMs below win; autograd; no extension) goes to the GEMM paths
 below or ``F.linear``. :func:`logits` is the same for the tied output embedding, with float32
 logits written by the kernel directly. The kernel has AMX, AVX-512 and AVX2 paths (the last for
-CPUs without AVX-512, e.g. older AMD EPYCs: bf16 widened to fp32 lanes; and for fp32 on every
-CPU, 1-2 rows with AVX-512 and 1-4 without, where it beats oneDNN's fp32 GEMM: see
-:data:`MAX_ROWS_FP32`).
+CPUs without AVX-512, e.g. older AMD EPYCs: bf16 widened to fp32 lanes; and for fp32, 1-2 rows
+with AVX-512 and 1-4 without, where oneDNN is the fp32 GEMM and the kernel beats it: see
+:data:`MAX_ROWS_FP32`; with MKL, fp32 keeps ``F.linear`` there).
 
 fp32 weights on the CPU take MKL's packed GEMM instead for batches of :data:`PACKED_MIN_ROWS` to
 :data:`PACKED_MAX_ROWS` rows: torch's fp32 ``F.linear`` re-packs the whole weight on every call,
@@ -88,10 +88,10 @@ log = logging.getLogger("radixserve")
 MAX_ROWS = 32
 MAX_ROWS_VECTOR = 4
 # fp32 (8-lane FMA tiles, bound by reading W) against oneDNN's prepacked fp32 GEMM, the bench
-# model's shapes with weights from memory, 2 threads (bench/RESULTS.md section 20): on an
-# AVX2-only AMD EPYC (Zen 1) 1.3-2.1x faster at 2-4 rows (0.9-1.1x on the output embedding); on an
-# AVX-512 one (Zen 4) 1.0-1.5x at 1-2 rows but 0.8-1.25x at 4, and slower at 8 (oneDNN's AVX-512
-# kernels catch up once there is compute to do).
+# model's shapes with weights from memory, 2 threads (bench/RESULTS.md section 20): on an AVX-512
+# AMD EPYC (Zen 4) 1.5-2.4x faster at 1-2 rows (W read one row at a time), 0.7-1.6x at 4 rows
+# (`python -m bench roofline --gemv --gemv-rows 1,2,4`); on an AVX2-only one (Zen 1) 1.3-2.1x
+# faster at 2-4 rows (0.9-1.1x on the output embedding; a scratch timing, before the one-row order).
 MAX_ROWS_FP32 = 4
 MAX_ROWS_FP32_AVX512 = 2
 
