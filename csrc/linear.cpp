@@ -235,17 +235,9 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+#define RADIXSERVE_BF16_AVX512 1
 #elif defined(RADIXSERVE_AVX2_LINEAR)
 #define RADIXSERVE_HAVE_BF16 1
-template <int MB, int NB>
-inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out) {
-  tile_avx2<Dt::bf16, MB, NB>(x, ldx, w, ldw, K, out);
-}
-#else
-template <int MB, int NB>
-inline void tile_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {
-  TORCH_CHECK(false, "linear: this build has no bf16 vector kernel");
-}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
@@ -284,17 +276,9 @@ inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+#define RADIXSERVE_FP16_AVX512 1
 #elif defined(RADIXSERVE_AVX2_LINEAR)
 #define RADIXSERVE_HAVE_FP16 1
-template <int MB, int NB>
-inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out) {
-  tile_avx2<Dt::fp16, MB, NB>(x, ldx, w, ldw, K, out);
-}
-#else
-template <int MB, int NB>
-inline void tile_fp16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*) {
-  TORCH_CHECK(false, "linear: this build has no fp16 vector kernel");
-}
 #endif
 
 // fp32 (AVX2 and AVX-512 builds alike: the 8-lane tiles are bound by reading W). At 1-2 rows it
@@ -302,15 +286,6 @@ inline void tile_fp16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_
 // sends it no more rows than that measurement supports.
 #if defined(RADIXSERVE_AVX2_LINEAR)
 #define RADIXSERVE_HAVE_FP32 1
-template <int MB, int NB>
-inline void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out) {
-  tile_avx2<Dt::fp32, MB, NB>(x, ldx, w, ldw, K, out);
-}
-#else
-template <int MB, int NB>
-inline void tile_fp32(const float*, int64_t, const float*, int64_t, int64_t, float*) {
-  TORCH_CHECK(false, "linear: this build has no fp32 vector kernel");
-}
 #endif
 
 
@@ -408,11 +383,27 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
 template <Dt D>
 using TileFn = void (*)(const Elem<D>*, int64_t, const Elem<D>*, int64_t, int64_t, float*);
 
+// (small_m_linear checks supports_*() first: a build without the dtype's kernel never calls this)
+template <Dt D, int MB, int NB>
+void tile_missing(const Elem<D>*, int64_t, const Elem<D>*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "linear: this build has no ", D == Dt::bf16 ? "bf16" : D == Dt::fp16 ? "fp16" : "fp32",
+              " vector kernel");
+}
+
+// The tile of dtype D: its AVX-512 kernel where the build has one, else the AVX2 one, else none.
 template <Dt D, int MB, int NB>
 constexpr TileFn<D> tile_of() {
+#if defined(RADIXSERVE_BF16_AVX512)
   if constexpr (D == Dt::bf16) return &tile_bf16<MB, NB>;
-  else if constexpr (D == Dt::fp16) return &tile_fp16<MB, NB>;
-  else return &tile_fp32<MB, NB>;
+#endif
+#if defined(RADIXSERVE_FP16_AVX512)
+  if constexpr (D == Dt::fp16) return &tile_fp16<MB, NB>;
+#endif
+#if defined(RADIXSERVE_AVX2_LINEAR)
+  return &tile_avx2<D, MB, NB>;
+#else
+  return &tile_missing<D, MB, NB>;
+#endif
 }
 
 // Tile functions indexed by [rows - 1][columns == kTileN].
