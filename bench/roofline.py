@@ -76,7 +76,8 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
     op = lin.kernel()
     if op is not None and dtype == torch.float32 and not torch.ops.radixserve_linear.supports_fp32():
         op = None
-    onednn = lin._has_onednn_ops(dtype)
+    # (oneDNN is radixserve's GEMM for fp32 and bf16 only; its fp16 needs AVX512-FP16 or AVX-NE-CONVERT)
+    onednn = dtype in (torch.float32, torch.bfloat16) and lin._has_onednn_ops(dtype)
 
     def kernel_fn(a, w):
         return op(a, w, None, False)
