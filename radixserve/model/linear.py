@@ -154,14 +154,17 @@ def max_rows(dtype: torch.dtype) -> int:
     """Most rows :func:`linear` sends to the kernel for ``dtype`` (0: never)."""
     if dtype not in _KERNEL_DTYPES or kernel() is None:
         return 0
-    limit = _state["limits"].get(dtype)  # type: ignore[attr-defined]
-    return _limit(dtype) if limit is None else limit
+    return _limit(dtype)
 
 
 def _limit(dtype: torch.dtype) -> int:
-    """The row limit of a dtype whose limit :func:`kernel` left open: fp32 goes to the kernel only
-    where oneDNN is the fp32 GEMM it was measured against (:data:`MAX_ROWS_FP32`); with MKL it
-    keeps ``F.linear`` below :data:`PACKED_MIN_ROWS` rows, as before the kernel had an fp32 path."""
+    """The kernel's row limit for ``dtype`` (after :func:`kernel`), decided once. :func:`kernel`
+    sets bf16's and fp16's; fp32 goes to the kernel only where oneDNN is the fp32 GEMM it was
+    measured against (:data:`MAX_ROWS_FP32`); with MKL it keeps ``F.linear`` below
+    :data:`PACKED_MIN_ROWS` rows, as before the kernel had an fp32 path."""
+    limit = _state["limits"].get(dtype)  # type: ignore[attr-defined]
+    if limit is not None:
+        return limit
     limit = 0
     if dtype == torch.float32 and _state["op"] is not None and gemm_backend(dtype) == "onednn":
         if torch.ops.radixserve_linear.supports_fp32():
@@ -178,10 +181,7 @@ def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if _state.get("op") is None and kernel() is None:
         return False
     rows = x.numel()
-    limit = _state["limits"].get(weight.dtype)  # type: ignore[attr-defined]
-    if limit is None:
-        limit = _limit(weight.dtype)
-    if rows == 0 or rows > limit * x.shape[-1]:
+    if rows == 0 or rows > _limit(weight.dtype) * x.shape[-1]:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1:
         return False
