@@ -31,9 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixserve.runtime import default_omp_wait
+    from radixserve.runtime import default_malloc, default_omp_wait
 
     default_omp_wait()  # before anything loads torch
+    default_malloc()
     args = build_parser().parse_args(argv)
     return int(args.handler(args) or 0)
 

@@ -11,11 +11,13 @@ Each engine runs in a child process of its own, one after the other (never both 
 the same thread count; vLLM gets every core (VLLM_CPU_OMP_THREADS_BIND=0-N,
 VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its engine core in-process. Each runs with its own OpenMP
 defaults: radixserve's short barrier spin (radixserve.runtime.default_omp_wait) is not passed
-to vLLM, which keeps libgomp's; OMP_* / GOMP_* variables you set reach both. Both get one warm-up request
+to vLLM, which keeps libgomp's; OMP_* / GOMP_* variables you set reach both. Likewise radixserve
+sets its malloc settings (radixserve.runtime.default_malloc) in its own child only; MALLOC_* or
+GLIBC_TUNABLES variables you set reach both (and turn radixserve's off). Both get one warm-up request
 first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
 (measured the same way for both: submit -> first step that returns a token), computed prompt
-tokens (prompt - cached), then the radixserve/vLLM ratios and whether every request's tokens are
-equal. This command installs nothing: vLLM must be importable by --vllm-python (default: this
+tokens (prompt - cached), the minor page faults and system CPU seconds of the timed part, then
+the radixserve/vLLM ratios and whether every request's tokens are equal. This command installs nothing: vLLM must be importable by --vllm-python (default: this
 interpreter), e.g. a venv made as bench/README.md describes.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -102,6 +105,7 @@ def drive(adapter, spec: dict) -> dict:
         order = _rng(SEED, 12).permutation(len(prompts)).tolist()
         pending = [(prompts[i][0], prompts[i][1], spec["output_tokens"]) for i in order]
         total = len(pending)
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     last_log = t0
     while len(done) < total:
@@ -124,7 +128,10 @@ def drive(adapter, spec: dict) -> dict:
         if time.perf_counter() - last_log > 10:
             last_log = time.perf_counter()
             print(f"  {spec['engine']} {w}: {len(done)}/{total} requests, {last_log - t0:.0f} s", file=sys.stderr, flush=True)
-    return {"wall_s": time.perf_counter() - t0, "requests": done}
+    wall = time.perf_counter() - t0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_s": wall, "requests": done, "page_faults": usage.ru_minflt - usage0.ru_minflt,
+            "system_s": usage.ru_stime - usage0.ru_stime}
 
 
 class RadixAdapter:
@@ -199,6 +206,10 @@ def child(engine: str, spec: dict) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_gib"]))
+    else:  # radixserve's malloc settings, as its CLI and workers make them (vLLM keeps glibc's defaults)
+        from radixserve.runtime import default_malloc
+
+        default_malloc()
     t = time.perf_counter()
     adapter = (VllmAdapter if engine == "vllm" else RadixAdapter)(spec)
     load_s = time.perf_counter() - t
@@ -267,7 +278,8 @@ def summary(res: dict) -> dict:
     out_tokens = sum(len(r["tokens"]) for r in reqs)
     return {"backend": res["backend"], "wall_s": res["wall_s"], "out_tok_per_s": out_tokens / res["wall_s"],
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "prompt_tokens": sum(r["prompt"] for r in reqs),
-            "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"])}
+            "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"]),
+            "page_faults": res.get("page_faults"), "system_s": res.get("system_s")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,10 +330,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _secs(s: float | None) -> str:
+    return "-" if s is None else f"{s:.2f}"
+
+
 def render(res: dict) -> str:
     lines = [f"model {res['model']}, {res['dtype']}, {res['threads']} threads per engine"
              + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")]
-    head = f"{'engine':<12}{'backend':<22}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}{'computed prompt tok':>21}"
+    head = (f"{'engine':<12}{'backend':<22}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}"
+            f"{'computed prompt tok':>21}{'page faults':>13}{'sys (s)':>9}")
     for w, entry in res["workloads"].items():
         c = entry["config"]
         desc = (f"fleet: {c['agents']} agents x {c['turns']} turns, {c['system_tokens']} shared + {c['private_tokens']} private"
@@ -331,7 +352,8 @@ def render(res: dict) -> str:
         lines += ["", desc, head]
         for e, s in entry["engines"].items():
             lines.append(f"{e:<12}{s['backend']:<22}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
-                         f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,}")
+                         f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,}{_count(s.get('page_faults')):>13}"
+                         f"{_secs(s.get('system_s')):>9}")
         if "ratios" in entry:
             r = entry["ratios"]
             lines.append(f"radixserve / vLLM: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "

@@ -257,9 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixserve.runtime import default_omp_wait
+    from radixserve.runtime import default_malloc, default_omp_wait
 
     default_omp_wait()  # before anything loads torch
+    default_malloc()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from radixserve.errors import RadixServeError

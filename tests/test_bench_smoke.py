@@ -116,6 +116,7 @@ def test_peers_radixserve_alone(tiny_model):
         r = entry["engines"]["radixserve"]
         assert r["requests"] == requests and r["wall_s"] > 0 and r["out_tok_per_s"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert r["page_faults"] >= 0 and r["system_s"] >= 0  # of the timed part, from getrusage
         attention, gemm = r["backend"].split("/")
         assert attention in ("CpuAttention", "TorchAttention") and gemm in ("mkl", "onednn", "none")
     fleet = res["workloads"]["fleet"]["engines"]["radixserve"]

@@ -207,10 +207,11 @@ def run_worker(cfg: WorkerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """A local worker of ``radixserve serve``: ``--config-json`` holds its WorkerConfig."""
-    from radixserve.runtime import default_omp_wait
+    from radixserve.runtime import default_malloc, default_omp_wait
     from radixserve.validation import convert
 
     default_omp_wait()  # before anything loads torch (a serve sets it for its workers too)
+    default_malloc()
 
     parser = argparse.ArgumentParser(prog="python -m radixserve.serve.launch",
                                      description="one worker process of radixserve serve (serve starts these)")
