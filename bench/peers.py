@@ -13,12 +13,13 @@ VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its engine core in-process. Each runs with i
 defaults: radixserve's short barrier spin (radixserve.runtime.default_omp_wait) is not passed
 to vLLM, which keeps libgomp's; OMP_* / GOMP_* variables you set reach both. Likewise radixserve
 sets its malloc settings (radixserve.runtime.default_malloc) in its own child only; MALLOC_* or
-GLIBC_TUNABLES variables you set reach both (and turn radixserve's off). Both get one warm-up request
-first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
+GLIBC_TUNABLES variables you set reach both (and turn radixserve's off). Both get one warm-up
+request first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
 (measured the same way for both: submit -> first step that returns a token), computed prompt
 tokens (prompt - cached), the minor page faults and system CPU seconds of the timed part, then
-the radixserve/vLLM ratios and whether every request's tokens are equal. This command installs nothing: vLLM must be importable by --vllm-python (default: this
-interpreter), e.g. a venv made as bench/README.md describes.
+the radixserve/vLLM ratios and whether every request's tokens are equal. This command installs
+nothing: vLLM must be importable by --vllm-python (default: this interpreter), e.g. a venv made
+as bench/README.md describes.
 """
 
 from __future__ import annotations
