@@ -34,6 +34,13 @@ def default_omp_wait() -> None:
 
 _DEFAULTED: dict[str, str] = {}
 
+
+def defaulted_env() -> dict[str, str]:
+    """The variables :func:`default_omp_wait` set in this process (not the user's): what a child
+    that should run with its own defaults (another engine, in a side-by-side benchmark) drops."""
+    return dict(_DEFAULTED)
+
+
 MALLOC_MMAP_THRESHOLD = 32 << 20
 """glibc's ``M_MMAP_THRESHOLD`` that :func:`default_malloc` sets: blocks below it (every
 activation of a 2,048-token step of the bench model) come from the heap, and are reused there."""
@@ -74,9 +81,3 @@ def default_malloc() -> bool:
     settings = ((_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD),
                 (_M_TOP_PAD, MALLOC_TOP_PAD))
     return all([mallopt(param, value) == 1 for param, value in settings])
-
-
-def defaulted_env() -> dict[str, str]:
-    """The variables :func:`default_omp_wait` set in this process (not the user's): what a child
-    that should run with its own defaults (another engine, in a side-by-side benchmark) drops."""
-    return dict(_DEFAULTED)
