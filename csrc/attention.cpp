@@ -104,8 +104,14 @@ struct Problem {
   bool causal;
 };
 
+// Work item: rows (tokens t0..t1 x heads g0..g1 of each KV head in [head, h1)) of sequence seq
+// against its keys [k0, k1). Only items with fewer than kGemmRows rows per KV head (decodes, short
+// extends) span several KV heads: they walk the keys once for all of them, tile by tile, so a
+// slot's rows are read together. One item per KV head read a head's share of each slot (a quarter
+// on the bench model) in a separate pass, and contexts that live in memory, not in the caches,
+// were read at a fraction of the memory bandwidth.
 struct Item {
-  int seq, head, g0, g1, t0, t1, k0, k1;
+  int seq, head, h1, g0, g1, t0, t1, k0, k1;
   int64_t partial;  // -1: write the result directly; else the first of its rows in the partial buffer
   // The GEMM path's K/V of (seq, head) already gathered to fp32 ([kv_len][dim] K, then V), shared
   // by all of that pair's query blocks; nullptr: the item gathers its tiles itself.
@@ -114,6 +120,9 @@ struct Item {
 
 // Cap on the fp32 K/V gathered once per (sequence, KV head) for reuse by its query blocks.
 constexpr int64_t kMaxGatherFloats = 64LL << 20;  // 256 MiB
+
+inline int head_rows(const Item& it) { return (it.t1 - it.t0) * (it.g1 - it.g0); }
+inline int item_rows(const Item& it) { return (it.h1 - it.head) * head_rows(it); }
 
 inline int kv_len_of(const int32_t* kv_indptr, const int32_t* last, int page_size, int s) {
   const int pages = kv_indptr[s + 1] - kv_indptr[s];
@@ -139,8 +148,9 @@ struct Scratch {
   }
 };
 
-// An item's rows, set up for the online softmax: its query rows loaded (scaled to log2 units),
-// running max / sum reset, each row's last visible key (bottom-right causal), outputs zeroed.
+// An item's rows (KV head by KV head), set up for the online softmax: its query rows loaded
+// (scaled to log2 units), running max / sum reset, each row's last visible key (bottom-right
+// causal), outputs zeroed.
 struct Rows {
   int kv_len;            // keys of the sequence
   int kend;              // one past the last key any row of the item may see
@@ -154,18 +164,20 @@ Rows start_rows(const Problem<T>& p, const Item& it, float* qb, float* m, float*
   const int qo_start = p.qo_indptr[it.seq];
   const int qo_len = p.qo_indptr[it.seq + 1] - qo_start;
   const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, it.seq);
-  for (int t = it.t0; t < it.t1; ++t) {
-    for (int g = it.g0; g < it.g1; ++g) {
-      const int r = (t - it.t0) * heads + (g - it.g0);
-      const T* src = p.q + (qo_start + t) * p.q_stride_t + (it.head * p.group + g) * p.q_stride_h;
-      load_row(src, qb + r * D, D);
-      for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
+  for (int h = it.head; h < it.h1; ++h) {
+    for (int t = it.t0; t < it.t1; ++t) {
+      for (int g = it.g0; g < it.g1; ++g) {
+        const int r = ((h - it.head) * (it.t1 - it.t0) + (t - it.t0)) * heads + (g - it.g0);
+        const T* src = p.q + (qo_start + t) * p.q_stride_t + (h * p.group + g) * p.q_stride_h;
+        load_row(src, qb + r * D, D);
+        for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+        m[r] = kNegInf;
+        l[r] = 0.0f;
+        limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
+      }
     }
   }
-  std::fill(out, out + (it.t1 - it.t0) * heads * D, 0.0f);
+  std::fill(out, out + item_rows(it) * D, 0.0f);
   int kend = it.k1;
   if (p.causal) kend = std::min(kend, kv_len - qo_len + it.t1);  // past the last row's limit
   return {kv_len, kend, p.kv_indices + p.kv_indptr[it.seq]};
@@ -259,76 +271,77 @@ inline void pv_row(const float* p, int n, const float* const* v, int D, float* o
   }
 }
 
-// Attend rows (tokens t0..t1 x heads g0..g1 of KV head `head`) to keys [k0, k1) of sequence `seq`.
-// Writes normalised outputs [rows][dim] and base-2 LSEs [rows] (0 and -inf for an empty row).
+// Attend an item's rows to its keys, tile by tile, KV head by KV head within a tile. Writes
+// normalised outputs [rows][dim] and base-2 LSEs [rows] (0 and -inf for an empty row).
 template <typename T>
 void attend_small(const Problem<T>& p, const Item& it, float* out, float* lse) {
   const int D = p.dim;
-  const int heads = it.g1 - it.g0;
-  const int R = (it.t1 - it.t0) * heads;
-  alignas(64) float qb[kGemmRows * kMaxDim];
+  const int R = head_rows(it);  // rows of each KV head
+  const int NH = it.h1 - it.head;
+  alignas(64) float qb[kMaxRows * kMaxDim];
   alignas(64) float kc[kChunk * kMaxDim];
   alignas(64) float vc[kChunk * kMaxDim];
   alignas(64) float s[kGemmRows * kChunk];
   const float* vrow[kChunk];
   for (int j = 0; j < kChunk; ++j) vrow[j] = vc + j * D;
-  float m[kGemmRows], l[kGemmRows];
-  int limit[kGemmRows];  // last key index each row may see
+  float m[kMaxRows], l[kMaxRows];
+  int limit[kMaxRows];  // last key index each row may see
 
   const Rows rows = start_rows(p, it, qb, m, l, limit, out);
-  const int kv_len = rows.kv_len, kend = rows.kend;
+  const int kend = rows.kend;
   const int32_t* pages = rows.pages;
 
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    for (int j = 0; j < n; ++j) {
-      const int pos = c + j;
-      const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
-      const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head) * D;
-      load_row(p.k + off, kc + j * D, D);
-      load_row(p.v + off, vc + j * D, D);
-    }
-    // Scores (already in base 2).
-    {
-      for (int r = 0; r < R; ++r) {
-        const float* qr = qb + r * D;
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < n; ++j) {
+        const int pos = c + j;
+        const int64_t slot = static_cast<int64_t>(pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+        const int64_t off = slot * p.slot_stride + static_cast<int64_t>(it.head + h) * D;
+        load_row(p.k + off, kc + j * D, D);
+        load_row(p.v + off, vc + j * D, D);
+      }
+      // Scores (already in base 2).
+      for (int i = 0; i < R; ++i) {
+        const float* qr = qb + (h * R + i) * D;
         for (int j = 0; j < n; ++j) {
           const float* kr = kc + j * D;
           float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
           for (int d = 0; d < D; ++d) acc += qr[d] * kr[d];
-          s[r * kChunk + j] = acc;
+          s[i * kChunk + j] = acc;
         }
       }
-    }
-    // Online softmax, then O += P V.
-    for (int r = 0; r < R; ++r) {
-      const int valid = std::min(n, limit[r] - c + 1);
-      if (valid <= 0) continue;
-      float* sr = s + r * kChunk;
-      float mx = kNegInf;
-      for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
-      const float m_new = std::max(m[r], mx);
-      float sum = 0.0f;
+      // Online softmax, then O += P V.
+      for (int i = 0; i < R; ++i) {
+        const int r = h * R + i;
+        const int valid = std::min(n, limit[r] - c + 1);
+        if (valid <= 0) continue;
+        float* sr = s + i * kChunk;
+        float mx = kNegInf;
+        for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
+        const float m_new = std::max(m[r], mx);
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < valid; ++j) {
-        const float e = exp2_approx(sr[j] - m_new);
-        sr[j] = e;
-        sum += e;
-      }
-      float* orow = out + r * D;
-      if (m[r] != m_new) {
-        const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
-        l[r] *= alpha;
+        for (int j = 0; j < valid; ++j) {
+          const float e = exp2_approx(sr[j] - m_new);
+          sr[j] = e;
+          sum += e;
+        }
+        float* orow = out + r * D;
+        if (m[r] != m_new) {
+          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+          l[r] *= alpha;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) orow[d] *= alpha;
-        m[r] = m_new;
+          for (int d = 0; d < D; ++d) orow[d] *= alpha;
+          m[r] = m_new;
+        }
+        l[r] += sum;
+        pv_row(sr, valid, vrow, D, orow);
       }
-      l[r] += sum;
-      pv_row(sr, valid, vrow, D, orow);
     }
   }
-  finish_rows(R, D, m, l, out, lse);
+  finish_rows(NH * R, D, m, l, out, lse);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
@@ -426,60 +439,62 @@ template <typename T>
 void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse) {
   static_assert(kChunk == 32, "the softmax below holds a tile in two vectors");
   const int D = p.dim;
-  const int heads = it.g1 - it.g0;
-  const int R = (it.t1 - it.t0) * heads;
-  alignas(64) float qb[kGemmRows * kMaxDim];
+  const int R = head_rows(it);  // rows of each KV head
+  const int NH = it.h1 - it.head;
+  alignas(64) float qb[kMaxRows * kMaxDim];
   alignas(64) float kc[kChunk * kMaxDim];
   alignas(64) float vc[kChunk * kMaxDim];
   alignas(64) float s[kChunk];
   const float* krow[kChunk];
   const float* vrow[kChunk];
-  float m[kGemmRows], l[kGemmRows];
-  int limit[kGemmRows];
+  float m[kMaxRows], l[kMaxRows];
+  int limit[kMaxRows];
   const Rows rows = start_rows(p, it, qb, m, l, limit, out);
   const int kend = rows.kend;
   const int32_t* pages = rows.pages;
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    gather_tile(p, pages, it.head, c, n, kc, vc, krow, vrow);
-    for (int r = 0; r < R; ++r) {
-      const int valid = std::min(n, limit[r] - c + 1);
-      if (valid <= 0) continue;
-      const float* qr = qb + r * D;
-      for (int j = 0; j < valid; ++j) {
-        const float* kr = krow[j];
-        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
-        __m512 a1 = _mm512_setzero_ps();
-        int d = 16;
-        for (; d + 32 <= D; d += 32) {
-          a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
-          a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d + 16), _mm512_loadu_ps(kr + d + 16), a0);
+    for (int h = 0; h < NH; ++h) {
+      gather_tile(p, pages, it.head + h, c, n, kc, vc, krow, vrow);
+      for (int r = h * R; r < (h + 1) * R; ++r) {
+        const int valid = std::min(n, limit[r] - c + 1);
+        if (valid <= 0) continue;
+        const float* qr = qb + r * D;
+        for (int j = 0; j < valid; ++j) {
+          const float* kr = krow[j];
+          __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
+          __m512 a1 = _mm512_setzero_ps();
+          int d = 16;
+          for (; d + 32 <= D; d += 32) {
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d + 16), _mm512_loadu_ps(kr + d + 16), a0);
+          }
+          if (d < D) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
+          s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
         }
-        if (d < D) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
-        s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
+        const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, m0, s), s1 = _mm512_mask_loadu_ps(neg_inf, m1, s + 16);
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        const __m512 vm = _mm512_set1_ps(m_new);
+        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
+        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
+        _mm512_storeu_ps(s, e0);
+        _mm512_storeu_ps(s + 16, e1);
+        float* orow = out + r * D;
+        if (m[r] != m_new) {
+          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+          l[r] *= alpha;
+          const __m512 va = _mm512_set1_ps(alpha);
+          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
+          m[r] = m_new;
+        }
+        l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        pv_row(s, valid, vrow, D, orow);
       }
-      const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
-      const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, m0, s), s1 = _mm512_mask_loadu_ps(neg_inf, m1, s + 16);
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-      const __m512 vm = _mm512_set1_ps(m_new);
-      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
-      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
-      _mm512_storeu_ps(s, e0);
-      _mm512_storeu_ps(s + 16, e1);
-      float* orow = out + r * D;
-      if (m[r] != m_new) {
-        const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
-        l[r] *= alpha;
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
-        m[r] = m_new;
-      }
-      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-      pv_row(s, valid, vrow, D, orow);
     }
   }
-  finish_rows(R, D, m, l, out, lse);
+  finish_rows(NH * R, D, m, l, out, lse);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // attend_small_v of the AVX-512 build on AVX2 registers (CPUs without AVX-512): 8 lanes, the
@@ -490,59 +505,62 @@ template <typename T>
 void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse) {
   static_assert(kChunk == 32, "the softmax below holds a tile in four vectors");
   const int D = p.dim;
-  const int heads = it.g1 - it.g0;
-  const int R = (it.t1 - it.t0) * heads;
-  alignas(64) float qb[kGemmRows * kMaxDim];
+  const int R = head_rows(it);  // rows of each KV head
+  const int NH = it.h1 - it.head;
+  alignas(64) float qb[kMaxRows * kMaxDim];
   alignas(64) float kc[kChunk * kMaxDim];
   alignas(64) float vc[kChunk * kMaxDim];
   alignas(64) float s[kChunk];
   const float* krow[kChunk];
   const float* vrow[kChunk];
-  float m[kGemmRows], l[kGemmRows];
-  int limit[kGemmRows];
+  float m[kMaxRows], l[kMaxRows];
+  int limit[kMaxRows];
   const Rows rows = start_rows(p, it, qb, m, l, limit, out);
   const int kend = rows.kend;
   const int32_t* pages = rows.pages;
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int c = it.k0; c < kend; c += kChunk) {
     const int n = std::min(kChunk, kend - c);
-    gather_tile(p, pages, it.head, c, n, kc, vc, krow, vrow);
-    for (int r = 0; r < R; ++r) {
-      const int valid = std::min(n, limit[r] - c + 1);
-      if (valid <= 0) continue;
-      const float* qr = qb + r * D;
-      for (int j = 0; j < valid; ++j) {
-        const float* kr = krow[j];
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
-        __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qr + 8), _mm256_loadu_ps(kr + 8));
-        for (int d = 16; d < D; d += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
+    for (int h = 0; h < NH; ++h) {
+      gather_tile(p, pages, it.head + h, c, n, kc, vc, krow, vrow);
+      for (int r = h * R; r < (h + 1) * R; ++r) {
+        const int valid = std::min(n, limit[r] - c + 1);
+        if (valid <= 0) continue;
+        const float* qr = qb + r * D;
+        for (int j = 0; j < valid; ++j) {
+          const float* kr = krow[j];
+          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
+          __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qr + 8), _mm256_loadu_ps(kr + 8));
+          for (int d = 16; d < D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
+          }
+          s[j] = reduce_add8(_mm256_add_ps(a0, a1));
         }
-        s[j] = reduce_add8(_mm256_add_ps(a0, a1));
+        std::fill(s + valid, s + kChunk, kNegInf);
+        __m256 sv[4], e[4];
+        for (int b = 0; b < 4; ++b) sv[b] = _mm256_load_ps(s + 8 * b);
+        const __m256 mx = _mm256_max_ps(_mm256_max_ps(sv[0], sv[1]), _mm256_max_ps(sv[2], sv[3]));
+        const float m_new = std::max(m[r], reduce_max8(mx));
+        const __m256 vm = _mm256_set1_ps(m_new);
+        for (int b = 0; b < 4; ++b) {
+          e[b] = _mm256_and_ps(exp2_poly7(_mm256_sub_ps(sv[b], vm)), _mm256_cmp_ps(sv[b], neg_inf, _CMP_NEQ_OQ));
+          _mm256_store_ps(s + 8 * b, e[b]);
+        }
+        float* orow = out + r * D;
+        if (m[r] != m_new) {
+          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+          l[r] *= alpha;
+          const __m256 va = _mm256_set1_ps(alpha);
+          for (int d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(va, _mm256_loadu_ps(orow + d)));
+          m[r] = m_new;
+        }
+        l[r] += reduce_add8(_mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])));
+        pv_row(s, valid, vrow, D, orow);
       }
-      std::fill(s + valid, s + kChunk, kNegInf);
-      __m256 sv[4], e[4];
-      for (int b = 0; b < 4; ++b) sv[b] = _mm256_load_ps(s + 8 * b);
-      const float m_new = std::max(m[r], reduce_max8(_mm256_max_ps(_mm256_max_ps(sv[0], sv[1]), _mm256_max_ps(sv[2], sv[3]))));
-      const __m256 vm = _mm256_set1_ps(m_new);
-      for (int b = 0; b < 4; ++b) {
-        e[b] = _mm256_and_ps(exp2_poly7(_mm256_sub_ps(sv[b], vm)), _mm256_cmp_ps(sv[b], neg_inf, _CMP_NEQ_OQ));
-        _mm256_store_ps(s + 8 * b, e[b]);
-      }
-      float* orow = out + r * D;
-      if (m[r] != m_new) {
-        const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
-        l[r] *= alpha;
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(va, _mm256_loadu_ps(orow + d)));
-        m[r] = m_new;
-      }
-      l[r] += reduce_add8(_mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])));
-      pv_row(s, valid, vrow, D, orow);
     }
   }
-  finish_rows(R, D, m, l, out, lse);
+  finish_rows(NH * R, D, m, l, out, lse);
 }
 #endif
 
@@ -612,7 +630,7 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
 
 template <typename T>
 void attend(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
-  if ((it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows)
+  if (head_rows(it) >= kGemmRows)  // (such items hold one KV head)
     attend_gemm(p, it, out, lse, w);
 #ifdef RADIXSERVE_DECODE_VECTOR
   else if (p.dim % 16 == 0)
@@ -629,19 +647,31 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
   const int heads_per_item = std::min(G, kMaxRows);
   const int tokens_per_item = std::max(1, kMaxRows / heads_per_item);
   const int threads = at::get_num_threads();
+  const int64_t target = 4LL * threads;
 
-  // Items without splits first, to decide whether long contexts need splitting.
+  // Items without splits first, to decide whether long contexts need splitting. A sequence with
+  // fewer than kGemmRows rows per KV head (a decode, a short extend) takes one item for several
+  // KV heads, all of them unless that leaves too few items to share out over the threads while
+  // its context is too short to split.
   std::vector<Item> base;
   for (int s = 0; s < num_seqs; ++s) {
     const int qo_len = p.qo_indptr[s + 1] - p.qo_indptr[s];
     const int kv_len = kv_len_of(p.kv_indptr, p.last_page_len, p.page_size, s);
+    if (qo_len == 0) continue;
+    if (qo_len * G < kGemmRows) {
+      int per = std::min(num_kv_heads, kMaxRows / (qo_len * G));
+      if (kv_len < 2 * kMinSplit && static_cast<int64_t>(num_seqs) * num_kv_heads < target * per)
+        per = static_cast<int>(std::max<int64_t>(1, static_cast<int64_t>(num_seqs) * num_kv_heads / target));
+      for (int h = 0; h < num_kv_heads; h += per)
+        base.push_back({s, h, std::min(num_kv_heads, h + per), 0, G, 0, qo_len, 0, kv_len, -1});
+      continue;
+    }
     for (int h = 0; h < num_kv_heads; ++h)
       for (int g0 = 0; g0 < G; g0 += heads_per_item)
         for (int t0 = 0; t0 < qo_len; t0 += tokens_per_item)
-          base.push_back({s, h, g0, std::min(G, g0 + heads_per_item), t0,
+          base.push_back({s, h, h + 1, g0, std::min(G, g0 + heads_per_item), t0,
                           std::min(qo_len, t0 + tokens_per_item), 0, kv_len, -1});
   }
-  const int64_t target = 4LL * threads;
   std::vector<Item> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, count) of split rows
   int64_t partial_rows = 0;
@@ -655,7 +685,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
       items.push_back(b);
       continue;
     }
-    const int rows = (b.t1 - b.t0) * (b.g1 - b.g0);
+    const int rows = item_rows(b);
     const int per = (keys + splits - 1) / splits;
     merges.push_back({static_cast<int64_t>(items.size()), splits});
     for (int i = 0; i < splits; ++i) {
@@ -673,7 +703,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
   // K/V to fp32 once, instead of once per query block, up to kMaxGatherFloats in all.
   std::vector<int> gemm_items(static_cast<size_t>(num_seqs) * num_kv_heads, 0);
   for (const Item& it : items)
-    if ((it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows) ++gemm_items[it.seq * num_kv_heads + it.head];
+    if (head_rows(it) >= kGemmRows) ++gemm_items[it.seq * num_kv_heads + it.head];
   std::vector<int64_t> kv_off(gemm_items.size(), -1);
   std::vector<int> pairs;
   int64_t gathered = 0;
@@ -706,20 +736,21 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
     });
     for (Item& it : items) {
       const int64_t o = kv_off[it.seq * num_kv_heads + it.head];
-      if (o >= 0 && (it.t1 - it.t0) * (it.g1 - it.g0) >= kGemmRows) it.kv = kv_buf.data() + o;
+      if (o >= 0 && head_rows(it) >= kGemmRows) it.kv = kv_buf.data() + o;
     }
   }
 
   auto write = [&](const Item& it, const float* o, const float* ls) {
     const int heads = it.g1 - it.g0;
     const int qo_start = p.qo_indptr[it.seq];
-    for (int t = it.t0; t < it.t1; ++t)
-      for (int g = it.g0; g < it.g1; ++g) {
-        const int r = (t - it.t0) * heads + (g - it.g0);
-        const int64_t row = static_cast<int64_t>(qo_start + t) * hq + it.head * G + g;
-        store_row(o + r * D, out + row * D, D);
-        lse_out[row] = ls[r];
-      }
+    for (int h = it.head; h < it.h1; ++h)
+      for (int t = it.t0; t < it.t1; ++t)
+        for (int g = it.g0; g < it.g1; ++g) {
+          const int r = ((h - it.head) * (it.t1 - it.t0) + (t - it.t0)) * heads + (g - it.g0);
+          const int64_t row = static_cast<int64_t>(qo_start + t) * hq + h * G + g;
+          store_row(o + r * D, out + row * D, D);
+          lse_out[row] = ls[r];
+        }
   };
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -743,7 +774,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
     for (int64_t mi = begin; mi < end; ++mi) {
       const auto [first, count] = merges[mi];
       const Item& head = items[first];
-      const int rows = (head.t1 - head.t0) * (head.g1 - head.g0);
+      const int rows = item_rows(head);
       for (int r = 0; r < rows; ++r) {
         float mx = kNegInf;
         for (int64_t i = 0; i < count; ++i) mx = std::max(mx, part_lse[items[first + i].partial + r]);

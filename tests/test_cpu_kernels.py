@@ -115,6 +115,25 @@ def test_decode_only_split_contexts_equal_torch(page_size):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seqs", [1, 6])
+def test_items_over_several_kv_heads_equal_torch(seqs, page_size, dtype, threads):
+    # rows of few per KV head (decodes, 1-3 token extends) share one work item over several KV
+    # heads: all of them, or (short contexts, few sequences for the threads) fewer, in ranges
+    # that need not divide the 3 KV heads; long contexts split on top of that
+    qo_kv = [(1, 300), (2, 2600), (1, 40), (3, 3), (1, 1100), (1, 9)][:seqs] if seqs > 1 else [(1, 200)]
+    pool, meta, q, k, v = make_case(seqs * 7 + page_size, page_size, 6, 3, dtype, qo_kv=qo_kv)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = both(pool, meta, q, k, v, dense_min_tokens=KERNEL_ONLY)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 @pytest.mark.parametrize("dense", [None, KERNEL_ONLY], ids=["flash_chunks", "kernel_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
