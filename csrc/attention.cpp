@@ -8,7 +8,8 @@
 //
 // Work items are (sequence, KV head, block of query tokens, split of the context). An item's
 // rows are all query heads of one KV head's group for a block of tokens, so each K/V row is read
-// once for all of them. Softmax is online (running max and sum per row); long contexts with few
+// once for all of them; an item with few rows per KV head (a decode) covers several KV heads,
+// so each slot's rows are read together. Softmax is online (running max and sum per row); long contexts with few
 // rows are split and the partial states merged by LSE. Items run on torch's intra-op pool
 // (OpenMP), so torch.set_num_threads governs them.
 //
