@@ -120,9 +120,11 @@ def test_decode_only_split_contexts_equal_torch(page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("seqs", [1, 6])
 def test_items_over_several_kv_heads_equal_torch(seqs, page_size, dtype, threads):
-    # rows of few per KV head (decodes, 1-3 token extends) share one work item over several KV
-    # heads: all of them, or (short contexts, few sequences for the threads) fewer, in ranges
-    # that need not divide the 3 KV heads; long contexts split on top of that
+    # sequences with few rows per KV head (decodes, 1-3 token extends) take one work item over
+    # several KV heads. With six sequences, the short contexts get items of all 3 KV heads at 1
+    # thread, of 2 and then 1 at 2 threads, of 1 at 4 (too few sequences for the threads); the
+    # long ones all 3, split by context where the threads need more items. The lone short
+    # decode gets items of 1 KV head.
     qo_kv = [(1, 300), (2, 2600), (1, 40), (3, 3), (1, 1100), (1, 9)][:seqs] if seqs > 1 else [(1, 200)]
     pool, meta, q, k, v = make_case(seqs * 7 + page_size, page_size, 6, 3, dtype, qo_kv=qo_kv)
     before = torch.get_num_threads()
