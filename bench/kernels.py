@@ -9,6 +9,12 @@ over long contexts, a fresh prefill, prefill chunks over a cached prefix, and GS
 one shared cached prefix (their page tables share its pages) next to a fresh prefill. Each case is timed
 ``--repeats`` times with the modes interleaved (drift hits all alike); the median is printed,
 with the effective GFLOP/s of the attention products (4 * query rows * heads * visible keys * D).
+
+By default the calls run back to back, so a case whose KV fits the caches is read from them. In
+the engine, a layer's KV has usually left the caches by the time the layer runs (every step
+streams the model's weights through them): ``--cold-mib N`` reads an N MiB buffer before each
+timed call (about the model's weight bytes), and ``--shuffle-pages`` hands out the pages in a
+random order, as a pool does once requests have come and gone.
 """
 
 from __future__ import annotations
@@ -56,10 +62,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cold-mib", type=int, default=0,
+                        help="read a buffer of this many MiB before each timed call (0: warm calls)")
+    parser.add_argument("--shuffle-pages", action="store_true", help="hand out the pages in a random order")
     parser.add_argument("--json", action="store_true")
 
 
-def _case(shape, dtype, page, shared=(0, 0)):
+def _case(shape, dtype, page, shared=(0, 0), shuffle=False):
     import torch
 
     from radixserve.attention.metadata import build_metadata
@@ -72,10 +81,11 @@ def _case(shape, dtype, page, shared=(0, 0)):
     g = torch.Generator().manual_seed(0)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    order = torch.randperm(need - 1, generator=g).tolist() if shuffle else list(range(need - 1))
     tables, first = [], 0
     for _, kv in shape:
         n = -(-kv // page)
-        tables.append(list(range(first, first + n)))
+        tables.append(order[first:first + n])
         first += n
     members, tokens = shared
     for table in tables[1:members]:  # the prefix's pages are the first sequence's
@@ -102,9 +112,11 @@ def run(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if ext is None:
         modes = [m for m in modes if m == "torch"]
+    cold = torch.ones(args.cold_mib << 18) if args.cold_mib > 0 else None  # fp32: 2**18 per MiB
     results = {}
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
-        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)))
+        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)),
+                                           args.shuffle_pages)
         backends = {}
         for mode in modes:
             if mode == "torch":
@@ -121,6 +133,8 @@ def run(args) -> int:
         times = {m: [] for m in backends}
         for rep in range(args.repeats + 1):
             for mode, b in backends.items():
+                if cold is not None:
+                    cold.sum()  # push the case's KV out of the caches
                 start = time.perf_counter()
                 b.plan(meta)
                 b.forward(q, k, v, 0)
@@ -131,9 +145,11 @@ def run(args) -> int:
         print(f"  {name} done", flush=True, file=__import__("sys").stderr)
     if args.json:
         print(json.dumps({"dtype": args.dtype, "threads": args.threads, "page_size": args.page_size,
-                          "cases": results}, indent=1))
+                          "cold_mib": args.cold_mib, "shuffle_pages": args.shuffle_pages, "cases": results}))
         return 0
-    print(f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}, median of {args.repeats}")
+    print(f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}"
+          f"{', pages shuffled' if args.shuffle_pages else ''}"
+          f"{f', {args.cold_mib} MiB read before each call' if args.cold_mib else ''}, median of {args.repeats}")
     print(f"{'case':<24}" + "".join(f"{m + ' (ms)':>16}{'GFLOP/s':>9}" for m in modes))
     for name, r in results.items():
         print(f"{name:<24}" + "".join(f"{r[m]['ms']:>16.2f}{r[m]['gflops']:>9.1f}" for m in modes))

@@ -97,6 +97,17 @@ def test_help_lists_commands():
     assert "throughput" in proc.stdout and "fleet" in proc.stdout
 
 
+def test_kernels_cold_and_shuffled():
+    # one decode case, the csrc/ kernel (or, where it does not build, the torch backend alone)
+    out = run_bench("kernels", "--cases", "decode1x2200", "--modes", "kernel,torch", "--repeats", "2",
+                    "--cold-mib", "8", "--shuffle-pages", "--page-size", "1")
+    assert out["cold_mib"] == 8 and out["shuffle_pages"] is True and out["page_size"] == 1
+    case = out["cases"]["decode1x2200"]
+    assert "torch" in case and set(case) <= {"kernel", "torch"}
+    for timing in case.values():
+        assert timing["ms"] > 0 and timing["gflops"] > 0
+
+
 def test_peers_radixserve_alone(tiny_model):
     """`bench peers --engines radixserve` (no vLLM needed): both workloads run in a child process
     and report wall time, TTFT and computed prompt tokens; the backend column names the attention
