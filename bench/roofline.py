@@ -10,7 +10,9 @@ Where radixserve's linear layers send one-row batches to the small-M kernel
 (``radixserve.model.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
 steps alternate between the kernel and the path the layers take without it (``F.linear``, or
 oneDNN's prepacked GEMM for fp32), step by step on the same request, and both medians are
-printed. ``--gemv`` adds a table of the bench model's linear shapes at several row counts: the
+printed. Where the decoder layers of such a step also run in one native call
+(``radixserve.model.fused_decode``, the default), a third set of steps runs the same kernels
+layer by layer from Python, and its median is printed too. ``--gemv`` adds a table of the bench model's linear shapes at several row counts: the
 kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and oneDNN's prepacked GEMM where
 torch has it for the dtype, in ms and GB/s of weights read, with weights rotated over
 ``--gemv-mib`` MiB of copies so they come from memory, as in a decode step.
@@ -144,6 +146,7 @@ def run(args) -> int:
     import torch
 
     from radixserve import Engine, SamplingParams
+    from radixserve.model import fused_decode
     from radixserve.model import linear as lin
 
     torch.set_num_threads(args.threads)
@@ -160,7 +163,10 @@ def run(args) -> int:
     param_dtype = next(model.parameters()).dtype
     kernel = lin.kernel() if lin.max_rows(param_dtype) > 0 else None
     fallback = "oneDNN" if param_dtype == torch.float32 and lin.gemm_backend(param_dtype) == "onednn" else "F.linear"
-    modes = ["kernel", fallback] if kernel is not None else [fallback]
+    # ... and, where the kernel runs, between the decoder layers in one native call
+    # (radixserve.model.fused_decode, the default) and layer by layer
+    fused = model.fused_decode.enabled and kernel is not None and fused_decode.unsupported(model, param_dtype) is None
+    modes = (["kernel", "layers", fallback] if fused else ["kernel", fallback]) if kernel is not None else [fallback]
     ids = [7 + i % 1000 for i in range(args.context)]
     engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2, temperature=0.0,
                                                                ignore_eos=True)))
@@ -171,7 +177,8 @@ def run(args) -> int:
         while engine.scheduler.has_work:
             mode = modes[step_no % len(modes)]
             if kernel is not None:
-                lin._state["op"] = kernel if mode == "kernel" else None
+                lin._state["op"] = None if mode == fallback else kernel
+                model.fused_decode.enabled = mode == "kernel"
             start = time.perf_counter()
             engine.step()
             times[mode].append(time.perf_counter() - start)
@@ -179,6 +186,7 @@ def run(args) -> int:
     finally:
         if kernel is not None:
             lin._state["op"] = kernel
+            model.fused_decode.enabled = fused
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches
     step = steps[modes[0]]
@@ -190,6 +198,10 @@ def run(args) -> int:
     if kernel is not None:
         result["decode_step_fallback_ms"] = steps[fallback] * 1e3
         result["ratio_fallback"] = steps[fallback] / floor
+    # the fused decode layers (one native call per step) against the same kernels layer by layer
+    result["fused_layers"] = model.fused_decode.batches > 0
+    if "layers" in steps:
+        result["decode_step_layers_ms"] = steps["layers"] * 1e3
     table = gemv_table(model.config, param_dtype, [int(r) for r in args.gemv_rows.split(",")], args.gemv_mib) \
         if args.gemv else None
     if args.json:
@@ -200,6 +212,9 @@ def run(args) -> int:
     print(f"{args.dtype}, {args.threads} thread(s), {result['backend']}: read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, "
           f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-1 decode step "
           f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor")
+    if "layers" in steps:
+        print(f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "
+              f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)")
     if kernel is not None:
         print(f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
               f"{result['ratio_fallback']:.2f}x the floor (kernel step {steps[fallback] / step:.2f}x faster)")

@@ -287,6 +287,9 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys, dtype)
         assert result["linear"] == "kernel" and result["decode_step_fallback_ms"] > 0
         assert result["fallback"] == "F.linear"
         assert all(r["kernel_ms"] > 0 and r["dispatched"] for r in result["gemv"])
+        # bf16: the kernel steps ran the layers in one native call, the "layers" steps one by one
+        assert result["fused_layers"] == (dtype == "bfloat16")
+        assert ("decode_step_layers_ms" in result) == (dtype == "bfloat16")
     if dtype == "bfloat16" and lin._has_onednn_ops(torch.bfloat16):
         assert all(r["onednn_ms"] > 0 for r in result["gemv"])
     if dtype == "float16":  # (radixserve never runs fp16 on oneDNN: no column)

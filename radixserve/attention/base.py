@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from radixserve.attention.metadata import AttentionMetadata
+
+
+class DecodeKernelArgs(NamedTuple):
+    """A planned batch's attention on the csrc/ decode kernel: every layer's K/V cache, the new
+    tokens' slots and the batch's FlashInfer-format metadata, and the softmax scale."""
+
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    slots: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    scale: float
 
 
 class AttentionBackend(ABC):
@@ -29,6 +44,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None: ...
+
+    def decode_kernel_args(self) -> DecodeKernelArgs | None:
+        """What csrc/decode.cpp needs to run the planned batch's attention itself (the whole decode
+        step's layers in one native call, :mod:`radixserve.model.fused_decode`), or None where this
+        backend or this batch cannot (the default)."""
+        return None
 
     @abstractmethod
     def forward(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.attention.base import AttentionBackend
+from radixserve.attention.base import AttentionBackend, DecodeKernelArgs
 from radixserve.attention.cpu_dense import attend_dense, attend_prefix, plan_dense, plan_prefixes
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.errors import InvariantError
@@ -116,6 +116,15 @@ class CpuAttention(AttentionBackend):
         flat = [i for i in range(metadata.num_seqs) if i not in skip]
         if flat:
             self._flat = _subset(metadata, flat)
+
+    def decode_kernel_args(self) -> DecodeKernelArgs | None:
+        """The batch's attention arguments when every sequence of it is on the decode kernel (no
+        cascade group, no many-row chunk), else None."""
+        if self._meta is None or self._flat is None or self._flat[0] is not None or self._grouped is not None:
+            return None
+        _, qo_indptr, kv_indptr, kv_indices, last = self._flat
+        return DecodeKernelArgs(self.pool.k, self.pool.v, self._meta.out_slots, qo_indptr, kv_indptr, kv_indices,
+                                last, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         meta = self._meta

@@ -18,6 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.model import fused
+from radixserve.model.fused_decode import FusedDecode
 from radixserve.model.linear import Linear, PackedWeight, logits
 
 
@@ -92,10 +93,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (one fused call for both)."""
-        cos, sin = self._tables(positions, q.dtype)
+        cos, sin = self.tables(positions, q.dtype)
         fused.rope_(q, k, cos, sin)
 
-    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Half-width cos/sin ``[T, D/2]`` for ``positions``, gathered once per batch.
 
         Every layer gets the same positions tensor, so the gather runs for the first layer only.
@@ -204,6 +205,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # the packed fp32 copy of output_embedding (tied or not; radixserve.model.linear), not a parameter
         self.output_packed = PackedWeight()
+        self.fused_decode = FusedDecode()  # the decode batches' layers in one native call, where they qualify
 
     @property
     def output_embedding(self) -> torch.Tensor:
@@ -213,9 +215,10 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits ``[len(batch.logits_rows), vocab]``."""
         x = self.model.embed_tokens(batch.input_ids)  # a new tensor: the layers add into it in place
-        pending = None
-        for layer in self.model.layers:
-            pending = layer(x, pending, batch)
+        pending = self.fused_decode(self, x, batch)  # None: this batch runs the layers one by one
+        if pending is None:
+            for layer in self.model.layers:
+                pending = layer(x, pending, batch)
         rows = batch.logits_rows
         x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
         return logits(x, self.output_embedding, self.output_packed)

@@ -1,0 +1,113 @@
+// A decode step's decoder layers in one call: what the Python layers do for a batch of a few
+// rows, with the same kernels in the same order, minus about a dozen Python-level calls per layer.
+//
+// At batch 1 the kernels themselves are short: the linear kernel reads a layer's weights in about
+// a third of a millisecond, and the norms, RoPE, KV store and attention take microseconds each.
+// The Python around them (module calls, argument checks, views) added about a millisecond per
+// step of the bench model's eight layers, a third of the bandwidth floor
+// (``python -m bench roofline``). Here the layer loop runs in C++ and calls the same operators:
+// the radixserve_layers and radixserve_linear ops through the dispatcher (their own argument
+// checks included), store_kv and paged_attention (attention.cpp) directly. The results are
+// bit-identical to the layer-by-layer path, which tests/test_fused_decode.py checks.
+//
+// Per layer (Llama-family, no QK norm; radixserve/model/llama.py):
+//   x += pending; h = rmsnorm(x) * ln1             add_rms_norm
+//   q, k, v = split(h W_qkv^T + b_qkv)             linear (views of one output)
+//   rotate q, k in place                           rope
+//   write k, v to the cache slots; attend          store_kv, paged_attention (decode kernel)
+//   x += o W_o^T + b_o; h = rmsnorm(x) * ln2      linear, add_rms_norm
+//   pending = silu_and_mul(h W_gu^T + b_gu) W_down^T + b_down
+// The caller adds the last layer's pending into x with the final norm.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <vector>
+
+// attention.cpp
+std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                                           torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                                           double scale, bool causal);
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+
+namespace {
+
+// The C++ signatures the ops were registered with (layers.cpp, linear.cpp).
+using NormFn = void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double, const at::Tensor&);
+using RopeFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using SiluFn = void(const at::Tensor&, const at::Tensor&);
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, int64_t);
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<NormFn> norm = find_op<NormFn>("radixserve_layers::add_rms_norm");
+  c10::TypedOperatorHandle<RopeFn> rope = find_op<RopeFn>("radixserve_layers::rope");
+  c10::TypedOperatorHandle<SiluFn> silu = find_op<SiluFn>("radixserve_layers::silu_and_mul");
+  c10::TypedOperatorHandle<LinearFn> linear = find_op<LinearFn>("radixserve_linear::linear");
+};
+
+const Ops& ops() {
+  static const Ops instance;  // (looked up once; the ops are registered when the library loads)
+  return instance;
+}
+
+// A bias slot: an empty tensor stands for "no bias" (Python cannot pass an undefined tensor in a list).
+std::optional<at::Tensor> bias_of(const at::Tensor& b) {
+  if (!b.defined() || b.numel() == 0) return std::nullopt;
+  return b;
+}
+
+}  // namespace
+
+constexpr int64_t kPerLayer = 10;  // ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down
+
+// x [T, hidden] (the embeddings; updated in place as the residual stream); params: kPerLayer
+// tensors per layer in that order (empty tensors for absent biases); k_caches, v_caches: each
+// layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
+// FlashInfer-format metadata of a batch that is all on the decode kernel. Returns the last
+// layer's MLP output (the pending residual).
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
+                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
+                            torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(params.size()) == kPerLayer * layers &&
+                  static_cast<int64_t>(v_caches.size()) == layers,
+              "decode_layers: need ", kPerLayer, " parameters and one K and one V cache per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be a contiguous [tokens, hidden] tensor");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0, "decode_layers: bad head counts");
+  const Ops& op = ops();
+  const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  std::optional<at::Tensor> pending;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor* w = params.data() + layer * kPerLayer;
+    at::Tensor h = at::empty_like(x);
+    op.norm.call(x, pending, w[0], eps, h);
+    const at::Tensor qkv = op.linear.call(h, w[1], bias_of(w[2]), false, 0);
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv_proj has ", qkv.size(1),
+                " outputs, not (num_heads + 2 * num_kv_heads) * head_dim");
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    op.rope.call(q, k, cos, sin);
+    store_kv(k_caches[layer], v_caches[layer], slots, k, v);
+    const at::Tensor attn = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr, kv_indices,
+                                            kv_last_page_len, scale, true)[0];
+    const at::Tensor o = op.linear.call(attn.view({T, q_size}), w[3], bias_of(w[4]), false, 0);
+    h = at::empty_like(x);
+    op.norm.call(x, o, w[5], eps, h);
+    const at::Tensor gate_up = op.linear.call(h, w[6], bias_of(w[7]), false, 0);
+    const at::Tensor act = at::empty({T, gate_up.size(1) / 2}, x.options());
+    op.silu.call(gate_up, act);
+    pending = op.linear.call(act, w[8], bias_of(w[9]), false, 0);
+  }
+  return *pending;
+}

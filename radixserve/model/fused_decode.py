@@ -1,0 +1,154 @@
+"""A decode batch's decoder layers in one native call (``decode_layers`` in csrc/decode.cpp).
+
+A decode step of a few rows spends little time in its kernels: at batch 1 the linear kernel
+reads a layer's weights in about a third of a millisecond, and the norms, RoPE, KV store and
+attention take microseconds each. The Python around them (module calls, argument checks,
+views: about a dozen calls per layer) cost about a millisecond per step of the bench model,
+a third of its bandwidth floor (``python -m bench roofline``). ``decode_layers`` runs the layer
+loop in C++ over the same operators in the same order, so its results are bit-identical to the
+layer-by-layer path (tests/test_fused_decode.py).
+
+It runs when all of these hold, and the layers run one by one otherwise:
+
+- the model (checked once per model): a Llama-family decoder without QK norm, on the CPU, in
+  float32 or bfloat16, with the extension built, no forward hooks (tensor parallelism adds its
+  all-reduce as one) and plain 2-D weights;
+- the batch: every sequence on the csrc/ decode kernel (``AttentionBackend.decode_kernel_args``:
+  the CPU backend with no cascade group and no many-row chunk), the KV pool in the model's
+  dtype, and at most :func:`radixserve.model.linear.max_rows` rows, so that every linear layer
+  takes the small-M kernel, as it would layer by layer.
+
+``RADIXSERVE_FUSED_DECODE=0`` turns it off (``python -m bench roofline`` compares the two, step by
+step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from radixserve.model import fused
+from radixserve.model import linear as lin
+
+if TYPE_CHECKING:
+    from radixserve.model.llama import CausalLM, DecoderLayer, ForwardBatch
+
+log = logging.getLogger("radixserve")
+
+ENV = "RADIXSERVE_FUSED_DECODE"
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def enabled() -> bool:
+    """``RADIXSERVE_FUSED_DECODE`` is not 0/off/false/no (read as each model is made)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+class FusedDecode:
+    """One model's fused decode path: the parameter list ``decode_layers`` takes, built at the
+    first batch that could use it. ``enabled`` switches it for this model (default:
+    :func:`enabled`); ``batches`` counts the batches it ran."""
+
+    def __init__(self) -> None:
+        self.enabled = enabled()
+        self._params: list[torch.Tensor] | bool | None = None  # None: not checked yet
+        self._shape: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # heads, KV heads, head_dim, eps
+        self._ext: Any = None  # the extension module (radixserve.attention.cpu_ext.load)
+        self.batches = 0  # batches whose layers ran in one call
+
+    def __deepcopy__(self, memo) -> FusedDecode:
+        return FusedDecode()  # (a copy of the model has parameters of its own: check and build again)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def __call__(self, model: CausalLM, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Run every decoder layer on ``x`` (the embeddings, updated in place as the residual
+        stream) and return the last layer's MLP output; None when this batch or model does not
+        qualify (the caller then runs the layers one by one)."""
+        if self._params is False or not self.enabled:
+            return None
+        args = batch.attention.decode_kernel_args()
+        if args is None or not 0 < x.shape[0] <= lin.max_rows(x.dtype) or args.k_caches[0].dtype != x.dtype:
+            return None
+        if self._params is None:
+            self._params = self._build(model, x.dtype)
+            if self._params is False:
+                return None
+        heads, kv_heads, head_dim, eps = self._shape
+        cos, sin = model.model.rotary.tables(batch.positions, x.dtype)
+        self.batches += 1
+        return self._ext.decode_layers(
+            x, self._params, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr, args.kv_indptr,
+            args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale)
+
+    def _build(self, model: CausalLM, dtype: torch.dtype) -> list[torch.Tensor] | bool:
+        why = unsupported(model, dtype)
+        if why is not None:
+            log.info("fused decode layers off for this model: %s", why)
+            return False
+        from radixserve.attention import cpu_ext
+
+        self._ext = cpu_ext.load()
+        none = torch.empty(0, dtype=dtype)  # an absent bias (decode.cpp reads an empty tensor as none)
+        params: list[torch.Tensor] = []
+        for layer in _layers(model):
+            attn, mlp = layer.self_attn, layer.mlp
+            for t in (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                      attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                      mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias):
+                params.append(none if t is None else t)  # (the parameters themselves, as the layers read them)
+        first = _layers(model)[0]
+        self._shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
+                       float(first.input_layernorm.eps))
+        log.info("decode batches of up to %d rows run their decoder layers in one native call "
+                 "(%s=0 turns this off)", lin.max_rows(dtype), ENV)
+        return params
+
+
+def _layers(model: CausalLM) -> list[DecoderLayer]:
+    return cast("list[DecoderLayer]", list(model.model.layers))
+
+
+def unsupported(model: CausalLM, dtype: torch.dtype) -> str | None:
+    """Why ``model`` cannot take the fused path, or None when it can."""
+    from radixserve.attention import cpu_ext
+    from radixserve.model.llama import Linear, RMSNorm
+
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not float32 or bfloat16"
+    ext = cpu_ext.load()
+    if ext is None or not hasattr(ext, "decode_layers") or lin.kernel() is None or fused.kernels() is None:
+        return "the CPU extension is not built"
+    if lin.max_rows(dtype) < 1:
+        return "the small-M linear kernel does not take this dtype here"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "global forward hooks are registered"
+    layers = _layers(model)
+    if not layers:
+        return "the model has no layers"
+    eps = layers[0].input_layernorm.eps
+    for layer in layers:
+        if layer.self_attn.qk_norm:
+            return "QK norm is not fused"
+        for module in layer.modules():
+            if module._forward_hooks or module._forward_pre_hooks:
+                return "a layer has forward hooks (tensor parallelism)"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm) is not RMSNorm or norm.eps != eps:
+                return "the layers' norms differ"
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for m in linears:
+            if type(m) is not Linear:
+                return f"a linear layer is a {type(m).__name__}"
+        for t in [p for p in layer.parameters()]:
+            if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+                return "a parameter is not a contiguous CPU tensor of the model's dtype"
+    return None

@@ -1,0 +1,95 @@
+"""The fused decode path (csrc/decode.cpp through radixserve/model/fused_decode.py) gives the same
+logits as the layer-by-layer path, bit for bit, on every decode batch it takes; and models or
+batches it cannot take fall back to the layers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.model import fused_decode
+from radixserve.model import linear as lin
+from radixserve.testing import make_tiny_model_dir
+from tests.conftest import random_prompts
+
+TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
+pytestmark = pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler (or RADIXSERVE_NO_EXT)")
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+MODELS = {  # (arch, config overrides): biases on every linear layer, MQA, the qkv bias alone
+    "llama": ("llama", {}),
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+}
+
+
+def _needs_kernel(dtype: torch.dtype) -> None:
+    if lin.max_rows(dtype) < 1:
+        pytest.skip(f"the small-M linear kernel does not take {dtype} on this CPU (the fused path is off)")
+
+
+def _randomize_vectors(engine: Engine) -> None:
+    """Random biases and norm weights, the same for every engine of one checkpoint (the tiny
+    checkpoints have zero biases and unit norms, which would hide a bias or norm left out)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for _, p in sorted(engine.runner.model.named_parameters(), key=lambda kv: kv[0]):
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+
+
+def _run(model_dir: str, dtype: str, prompts, monkeypatch, fused: bool) -> tuple[list, list, Engine]:
+    """Token ids and every step's logits of a greedy run, with the fused path on or off."""
+    if fused:
+        monkeypatch.delenv(fused_decode.ENV, raising=False)
+    else:
+        monkeypatch.setenv(fused_decode.ENV, "0")
+    engine = Engine(model_dir, dtype=dtype, kv_cache_tokens=2048, attention="cpu")
+    _randomize_vectors(engine)
+    logits: list[torch.Tensor] = []
+    engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+    outputs = engine.generate(prompts, GREEDY)
+    return [o.token_ids for o in outputs], logits, engine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
+    _needs_kernel(getattr(torch, dtype))
+    arch, overrides = MODELS[name]
+    model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))
+    for prompts in (random_prompts((9,), seed=1), random_prompts((5, 40), seed=2)):  # (fp32 takes <= 2 rows)
+        tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True)
+        want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False)
+        assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step
+        assert reference.runner.model.fused_decode.batches == 0
+        assert tokens == want_tokens
+        assert len(logits) == len(want_logits)
+        for step, (got, want) in enumerate(zip(logits, want_logits)):
+            assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+
+
+def test_models_it_cannot_take_run_layer_by_layer(tmp_path, monkeypatch, tiny_models):
+    """QK norm (Qwen3) and forward hooks on a layer (tensor parallelism's all-reduce) keep the
+    layers; so do batches too large for the small-M kernel (a prefill)."""
+    _needs_kernel(torch.float32)
+    prompts = random_prompts((6, 11), seed=4)
+    qwen3 = Engine(tiny_models["qwen3"], kv_cache_tokens=2048, attention="cpu")
+    qwen3.generate(prompts, GREEDY)
+    assert qwen3.runner.model.fused_decode.batches == 0
+
+    llama = Engine(tiny_models["llama"], kv_cache_tokens=2048, attention="cpu")
+    _randomize_vectors(llama)
+    seen = []
+    llama.runner.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    hooked = [o.token_ids for o in llama.generate(prompts, GREEDY)]
+    assert llama.runner.model.fused_decode.batches == 0
+    assert len(seen) == GREEDY.max_tokens  # the hook ran at every step: prefill and each decode
+    plain, _, engine = _run(tiny_models["llama"], "float32", prompts, monkeypatch, fused=True)
+    assert hooked == plain
+    assert engine.runner.model.fused_decode.batches == GREEDY.max_tokens - 1  # decodes only, not the prefill
