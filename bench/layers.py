@@ -144,7 +144,7 @@ def run(args) -> int:
             x, pending = x0.clone(), pending0.clone()
             start = time.perf_counter()
             if mode == "old":
-                cos, sin = rope._tables(batch.positions, dtype)
+                cos, sin = rope.tables(batch.positions, dtype)
                 out = old(x, pending, batch, cos, sin)
             else:
                 out = layer(x, pending, batch)
