@@ -432,79 +432,88 @@ inline void gather_tile(const Problem<T>& p, const int32_t* pages, int head, int
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// attend_small on AVX-512 registers, for head_dim a multiple of 16: fp32 K/V read in place, the
-// online softmax of a 32-key tile in two vectors, P V with every output block live at once. The
+// One row of a tile on AVX-512 registers (head_dim a multiple of 16): the scores q . k of keys
+// [0, valid), the online-softmax update of the row's max m, sum l and output orow, and the
+// probabilities left in s[0, 32) (0 past valid) for P V. The tile's softmax is two vectors. The
 // auto-vectorised loops of attend_small reduced each score and ran the exp scalar (perf: ~3x
 // slower on decode rows).
-template <typename T>
-void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse) {
+inline void softmax_tile_row(const float* qr, const float* const* krow, int valid, int D, float& m, float& l, float* s,
+                             float* orow) {
   static_assert(kChunk == 32, "the softmax below holds a tile in two vectors");
-  const int D = p.dim;
-  const int R = head_rows(it);  // rows of each KV head
-  const int NH = it.h1 - it.head;
-  alignas(64) float qb[kMaxRows * kMaxDim];
-  alignas(64) float kc[kChunk * kMaxDim];
-  alignas(64) float vc[kChunk * kMaxDim];
-  alignas(64) float s[kChunk];
-  const float* krow[kChunk];
-  const float* vrow[kChunk];
-  float m[kMaxRows], l[kMaxRows];
-  int limit[kMaxRows];
-  const Rows rows = start_rows(p, it, qb, m, l, limit, out);
-  const int kend = rows.kend;
-  const int32_t* pages = rows.pages;
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  for (int c = it.k0; c < kend; c += kChunk) {
-    const int n = std::min(kChunk, kend - c);
-    for (int h = 0; h < NH; ++h) {
-      gather_tile(p, pages, it.head + h, c, n, kc, vc, krow, vrow);
-      for (int r = h * R; r < (h + 1) * R; ++r) {
-        const int valid = std::min(n, limit[r] - c + 1);
-        if (valid <= 0) continue;
-        const float* qr = qb + r * D;
-        for (int j = 0; j < valid; ++j) {
-          const float* kr = krow[j];
-          __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
-          __m512 a1 = _mm512_setzero_ps();
-          int d = 16;
-          for (; d + 32 <= D; d += 32) {
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d + 16), _mm512_loadu_ps(kr + d + 16), a0);
-          }
-          if (d < D) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
-          s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        }
-        const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
-        const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, m0, s), s1 = _mm512_mask_loadu_ps(neg_inf, m1, s + 16);
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-        const __m512 vm = _mm512_set1_ps(m_new);
-        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
-        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
-        _mm512_storeu_ps(s, e0);
-        _mm512_storeu_ps(s + 16, e1);
-        float* orow = out + r * D;
-        if (m[r] != m_new) {
-          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
-          l[r] *= alpha;
-          const __m512 va = _mm512_set1_ps(alpha);
-          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
-          m[r] = m_new;
-        }
-        l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-        pv_row(s, valid, vrow, D, orow);
-      }
+  for (int j = 0; j < valid; ++j) {
+    const float* kr = krow[j];
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
+    __m512 a1 = _mm512_setzero_ps();
+    int d = 16;
+    for (; d + 32 <= D; d += 32) {
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d + 16), _mm512_loadu_ps(kr + d + 16), a0);
     }
+    if (d < D) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), a1);
+    s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
   }
-  finish_rows(NH * R, D, m, l, out, lse);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
+  const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, m0, s), s1 = _mm512_mask_loadu_ps(neg_inf, m1, s + 16);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const __m512 vm = _mm512_set1_ps(m_new);
+  const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
+  const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
+  _mm512_storeu_ps(s, e0);
+  _mm512_storeu_ps(s + 16, e1);
+  if (m != m_new) {
+    const float alpha = m == kNegInf ? 0.0f : exp2_approx(m - m_new);
+    l *= alpha;
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
+    m = m_new;
+  }
+  l += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// attend_small_v of the AVX-512 build on AVX2 registers (CPUs without AVX-512): 8 lanes, the
-// 32-key tile's softmax in four vectors, lanes past a row's last key set to -inf and zeroed after
-// the exp. On an AVX2-only AMD EPYC the auto-vectorised attend_small took ~2x as long per decode
-// row (python -m bench kernels --modes decode).
+// The same on AVX2 registers (CPUs without AVX-512): 8 lanes, the tile's softmax in four vectors,
+// lanes past the row's last key set to -inf and zeroed after the exp. On an AVX2-only AMD EPYC the
+// auto-vectorised attend_small took ~2x as long per decode row (python -m bench kernels --modes decode).
+inline void softmax_tile_row(const float* qr, const float* const* krow, int valid, int D, float& m, float& l, float* s,
+                             float* orow) {
+  static_assert(kChunk == 32, "the softmax below holds a tile in four vectors");
+  for (int j = 0; j < valid; ++j) {
+    const float* kr = krow[j];
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
+    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qr + 8), _mm256_loadu_ps(kr + 8));
+    for (int d = 16; d < D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
+    }
+    s[j] = reduce_add8(_mm256_add_ps(a0, a1));
+  }
+  std::fill(s + valid, s + kChunk, kNegInf);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 sv[4], e[4];
+  for (int b = 0; b < 4; ++b) sv[b] = _mm256_load_ps(s + 8 * b);
+  const __m256 mx = _mm256_max_ps(_mm256_max_ps(sv[0], sv[1]), _mm256_max_ps(sv[2], sv[3]));
+  const float m_new = std::max(m, reduce_max8(mx));
+  const __m256 vm = _mm256_set1_ps(m_new);
+  for (int b = 0; b < 4; ++b) {
+    e[b] = _mm256_and_ps(exp2_poly7(_mm256_sub_ps(sv[b], vm)), _mm256_cmp_ps(sv[b], neg_inf, _CMP_NEQ_OQ));
+    _mm256_store_ps(s + 8 * b, e[b]);
+  }
+  if (m != m_new) {
+    const float alpha = m == kNegInf ? 0.0f : exp2_approx(m - m_new);
+    l *= alpha;
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(va, _mm256_loadu_ps(orow + d)));
+    m = m_new;
+  }
+  l += reduce_add8(_mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])));
+}
+#endif
+
+#ifdef RADIXSERVE_DECODE_VECTOR
+// attend_small on vector registers: K/V rows read in place (fp32) or widened a tile at a time,
+// each row's tile through softmax_tile_row, then P V with every output block live at once.
 template <typename T>
 void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse) {
-  static_assert(kChunk == 32, "the softmax below holds a tile in four vectors");
   const int D = p.dim;
   const int R = head_rows(it);  // rows of each KV head
   const int NH = it.h1 - it.head;
@@ -517,47 +526,15 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
   float m[kMaxRows], l[kMaxRows];
   int limit[kMaxRows];
   const Rows rows = start_rows(p, it, qb, m, l, limit, out);
-  const int kend = rows.kend;
-  const int32_t* pages = rows.pages;
-  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-  for (int c = it.k0; c < kend; c += kChunk) {
-    const int n = std::min(kChunk, kend - c);
+  for (int c = it.k0; c < rows.kend; c += kChunk) {
+    const int n = std::min(kChunk, rows.kend - c);
     for (int h = 0; h < NH; ++h) {
-      gather_tile(p, pages, it.head + h, c, n, kc, vc, krow, vrow);
+      gather_tile(p, rows.pages, it.head + h, c, n, kc, vc, krow, vrow);
       for (int r = h * R; r < (h + 1) * R; ++r) {
         const int valid = std::min(n, limit[r] - c + 1);
         if (valid <= 0) continue;
-        const float* qr = qb + r * D;
-        for (int j = 0; j < valid; ++j) {
-          const float* kr = krow[j];
-          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
-          __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qr + 8), _mm256_loadu_ps(kr + 8));
-          for (int d = 16; d < D; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
-          }
-          s[j] = reduce_add8(_mm256_add_ps(a0, a1));
-        }
-        std::fill(s + valid, s + kChunk, kNegInf);
-        __m256 sv[4], e[4];
-        for (int b = 0; b < 4; ++b) sv[b] = _mm256_load_ps(s + 8 * b);
-        const __m256 mx = _mm256_max_ps(_mm256_max_ps(sv[0], sv[1]), _mm256_max_ps(sv[2], sv[3]));
-        const float m_new = std::max(m[r], reduce_max8(mx));
-        const __m256 vm = _mm256_set1_ps(m_new);
-        for (int b = 0; b < 4; ++b) {
-          e[b] = _mm256_and_ps(exp2_poly7(_mm256_sub_ps(sv[b], vm)), _mm256_cmp_ps(sv[b], neg_inf, _CMP_NEQ_OQ));
-          _mm256_store_ps(s + 8 * b, e[b]);
-        }
-        float* orow = out + r * D;
-        if (m[r] != m_new) {
-          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
-          l[r] *= alpha;
-          const __m256 va = _mm256_set1_ps(alpha);
-          for (int d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(va, _mm256_loadu_ps(orow + d)));
-          m[r] = m_new;
-        }
-        l[r] += reduce_add8(_mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])));
-        pv_row(s, valid, vrow, D, orow);
+        softmax_tile_row(qb + r * D, krow, valid, D, m[r], l[r], s, out + r * D);
+        pv_row(s, valid, vrow, D, out + r * D);
       }
     }
   }
