@@ -3,19 +3,21 @@
 A batch-1 decode step reads every weight once (the output embedding included), so it cannot
 beat ``weight bytes / memory bandwidth``. This command measures the read bandwidth (a sum over
 a buffer far larger than the caches, with the engine's thread count), the model's weight bytes,
-and the median decode step of one request (``--context`` tokens of prompt, then
-``--steps`` decodes through ``Engine.step``), and prints their ratio.
+and the median decode step of one request (``--context`` tokens of prompt, then ``--steps``
+decodes through ``Engine.step``), and prints their ratio. ``--batch N`` decodes N requests with
+distinct prompts together (no shared prefix, so no cascade group); a step still reads every
+weight once.
 
-Where radixserve's linear layers send one-row batches to the small-M kernel
+Where radixserve's linear layers send the batch to the small-M kernel
 (``radixserve.model.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
 steps alternate between the kernel and the path the layers take without it (``F.linear``, or
-oneDNN's prepacked GEMM for fp32), step by step on the same request, and both medians are
-printed. Where the decoder layers of such a step also run in one native call
-(``radixserve.model.fused_decode``, the default), a third set of steps runs the same kernels
-layer by layer from Python, and its median is printed too. ``--gemv`` adds a table of the bench model's linear shapes at several row counts: the
-kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and oneDNN's prepacked GEMM where
-torch has it for the dtype, in ms and GB/s of weights read, with weights rotated over
-``--gemv-mib`` MiB of copies so they come from memory, as in a decode step.
+oneDNN's prepacked GEMM), step by step on the same requests, and both medians are printed.
+Where the decoder layers of a step run in one native call (``radixserve.model.fused_decode``,
+the default), another set of steps runs the same operators layer by layer from Python, and its
+median is printed too. ``--gemv`` adds a table of the bench model's linear shapes at several
+row counts: the kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and oneDNN's
+prepacked GEMM where torch has it for the dtype, in ms and GB/s of weights read, with weights
+rotated over ``--gemv-mib`` MiB of copies so they come from memory, as in a decode step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (bandwidth and engine)")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the decodes")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="requests decoding together (distinct prompts, so no shared prefix); default 1")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
     parser.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth buffer (MiB)")
     parser.add_argument("--gemv", action="store_true", help="also print the per-shape linear kernel table")
@@ -155,22 +159,31 @@ def run(args) -> int:
 
         args.model = str(bench_model_path())
     bw = bandwidth(args.buffer_mib)
-    engine = Engine(args.model, dtype=args.dtype, max_running=1, seed=0)
+    if args.batch < 1:
+        raise SystemExit("--batch must be at least 1")
+    engine = Engine(args.model, dtype=args.dtype, max_running=args.batch, seed=0)
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # A/B: the decode steps alternate between the kernel and the path without it (when the kernel
-    # takes one-row batches of this dtype): F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
+    # takes batches of this many rows of this dtype): F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
     param_dtype = next(model.parameters()).dtype
-    kernel = lin.kernel() if lin.max_rows(param_dtype) > 0 else None
-    fallback = "oneDNN" if param_dtype == torch.float32 and lin.gemm_backend(param_dtype) == "onednn" else "F.linear"
-    # ... and, where the kernel runs, between the decoder layers in one native call
-    # (radixserve.model.fused_decode, the default) and layer by layer
-    fused = model.fused_decode.enabled and kernel is not None and fused_decode.unsupported(model, param_dtype) is None
-    modes = (["kernel", "layers", fallback] if fused else ["kernel", fallback]) if kernel is not None else [fallback]
-    ids = [7 + i % 1000 for i in range(args.context)]
-    engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2, temperature=0.0,
-                                                               ignore_eos=True)))
-    engine.step()  # drains the inbox and prefills
+    kernel = lin.kernel() if 0 < args.batch <= lin.max_rows(param_dtype) else None
+    onednn = lin.gemm_backend(param_dtype) in ("onednn", "amx") and (param_dtype == torch.float32 or args.batch > 1)
+    fallback = "oneDNN" if onednn else "F.linear"
+    # ... and between the decoder layers in one native call (radixserve.model.fused_decode, the
+    # default, which the steps without the kernel do not take) and layer by layer
+    was_enabled = model.fused_decode.enabled
+    fused = was_enabled and fused_decode.unsupported(model, param_dtype) is None
+    first = "kernel" if kernel is not None else fallback
+    modes = [first] + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
+    span = min(1000, model.config.vocab_size - 7)  # ids 7.. skip the special tokens
+    for i in range(args.batch):  # distinct prompts: no shared prefix, so no cascade group
+        ids = [7 + (i * 7919 + j) % span for j in range(args.context)]
+        engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2,
+                                                                   temperature=0.0, ignore_eos=True)))
+    engine.step()  # drains the inbox and starts the prefills
+    while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
+        engine.step()
     times: dict[str, list[float]] = {m: [] for m in modes}
     step_no = 0
     try:
@@ -178,7 +191,7 @@ def run(args) -> int:
             mode = modes[step_no % len(modes)]
             if kernel is not None:
                 lin._state["op"] = None if mode == fallback else kernel
-                model.fused_decode.enabled = mode == "kernel"
+            model.fused_decode.enabled = fused and mode == first
             start = time.perf_counter()
             engine.step()
             times[mode].append(time.perf_counter() - start)
@@ -186,7 +199,7 @@ def run(args) -> int:
     finally:
         if kernel is not None:
             lin._state["op"] = kernel
-            model.fused_decode.enabled = fused
+        model.fused_decode.enabled = was_enabled
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches
     step = steps[modes[0]]
@@ -194,7 +207,7 @@ def run(args) -> int:
               "floor_ms": floor * 1e3, "decode_step_ms": step * 1e3, "ratio": step / floor,
               "backend": type(engine.runner.attention).__name__,
               # what radixserve's linear layers run for one row on this CPU
-              "linear": modes[0], "fallback": fallback}
+              "linear": modes[0], "fallback": fallback, "batch": args.batch}
     if kernel is not None:
         result["decode_step_fallback_ms"] = steps[fallback] * 1e3
         result["ratio_fallback"] = steps[fallback] / floor
@@ -210,7 +223,7 @@ def run(args) -> int:
         print(json.dumps(result))
         return 0
     print(f"{args.dtype}, {args.threads} thread(s), {result['backend']}: read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, "
-          f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-1 decode step "
+          f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-{args.batch} decode step "
           f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor")
     if "layers" in steps:
         print(f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "

@@ -906,6 +906,7 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
 
 // decode.cpp
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
+                            const std::vector<torch::Tensor>& packed,
                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
                             torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
@@ -930,7 +931,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"));
   m.def("decode_layers", &decode_layers,
         "A decode batch's decoder layers in one call (csrc/decode.cpp); returns the last MLP output",
-        py::arg("x"), py::arg("params"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
+        py::arg("x"), py::arg("params"), py::arg("packed"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("slots"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
         py::arg("kv_last_page_len"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("eps"), py::arg("scale"));

@@ -40,6 +40,9 @@ using NormFn = void(const at::Tensor&, const std::optional<at::Tensor>&, const a
 using RopeFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using SiluFn = void(const at::Tensor&, const at::Tensor&);
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, int64_t);
+// torch's oneDNN product over a prepacked weight (aten/src/ATen/native/mkldnn/Linear.cpp)
+using OnednnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> find_op(const char* name) {
@@ -53,6 +56,12 @@ struct Ops {
   c10::TypedOperatorHandle<LinearFn> linear = find_op<LinearFn>("radixserve_linear::linear");
 };
 
+// The oneDNN op, looked up at its first use (only batches beyond the small-M kernel's rows need it).
+const c10::TypedOperatorHandle<OnednnFn>& onednn_op() {
+  static const c10::TypedOperatorHandle<OnednnFn> op = find_op<OnednnFn>("mkldnn::_linear_pointwise");
+  return op;
+}
+
 const Ops& ops() {
   static const Ops instance;  // (looked up once; the ops are registered when the library loads)
   return instance;
@@ -64,16 +73,28 @@ std::optional<at::Tensor> bias_of(const at::Tensor& b) {
   return b;
 }
 
+// x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
+// oneDNN over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs).
+at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                   const at::Tensor& packed) {
+  if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);
+  return onednn_op().call(x, packed, bias_of(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
 }  // namespace
 
-constexpr int64_t kPerLayer = 10;  // ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down
+// per layer: ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down
+constexpr int64_t kPerLayer = 10;
 
 // x [T, hidden] (the embeddings; updated in place as the residual stream); params: kPerLayer
-// tensors per layer in that order (empty tensors for absent biases); k_caches, v_caches: each
+// tensors per layer in that order (empty tensors for absent biases); packed: each layer's
+// oneDNN-prepacked qkv, o, gate_up and down weights for a batch beyond the small-M kernel's rows
+// (empty: none, the kernel runs); k_caches, v_caches: each
 // layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
 // FlashInfer-format metadata of a batch that is all on the decode kernel. Returns the last
 // layer's MLP output (the pending residual).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
+                            const std::vector<torch::Tensor>& packed,
                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
                             torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
@@ -82,6 +103,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(params.size()) == kPerLayer * layers &&
                   static_cast<int64_t>(v_caches.size()) == layers,
               "decode_layers: need ", kPerLayer, " parameters and one K and one V cache per layer");
+  TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == 4 * layers,
+              "decode_layers: packed must be empty or hold 4 prepacked weights per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be a contiguous [tokens, hidden] tensor");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0, "decode_layers: bad head counts");
   const Ops& op = ops();
@@ -89,9 +112,12 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
   std::optional<at::Tensor> pending;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = params.data() + layer * kPerLayer;
+    const at::Tensor none;  // (undefined: the kernel)
+    const at::Tensor* pk = packed.empty() ? nullptr : packed.data() + layer * 4;
+    const auto pw = [&](int i) -> const at::Tensor& { return pk == nullptr ? none : pk[i]; };
     at::Tensor h = at::empty_like(x);
     op.norm.call(x, pending, w[0], eps, h);
-    const at::Tensor qkv = op.linear.call(h, w[1], bias_of(w[2]), false, 0);
+    const at::Tensor qkv = product(op, h, w[1], w[2], pw(0));
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv_proj has ", qkv.size(1),
                 " outputs, not (num_heads + 2 * num_kv_heads) * head_dim");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
@@ -101,13 +127,13 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     store_kv(k_caches[layer], v_caches[layer], slots, k, v);
     const at::Tensor attn = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr, kv_indices,
                                             kv_last_page_len, scale, true)[0];
-    const at::Tensor o = op.linear.call(attn.view({T, q_size}), w[3], bias_of(w[4]), false, 0);
+    const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1));
     h = at::empty_like(x);
     op.norm.call(x, o, w[5], eps, h);
-    const at::Tensor gate_up = op.linear.call(h, w[6], bias_of(w[7]), false, 0);
+    const at::Tensor gate_up = product(op, h, w[6], w[7], pw(2));
     const at::Tensor act = at::empty({T, gate_up.size(1) / 2}, x.options());
     op.silu.call(gate_up, act);
-    pending = op.linear.call(act, w[8], bias_of(w[9]), false, 0);
+    pending = product(op, act, w[8], w[9], pw(3));
   }
   return *pending;
 }

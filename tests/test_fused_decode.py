@@ -1,6 +1,7 @@
 """The fused decode path (csrc/decode.cpp through radixserve/model/fused_decode.py) gives the same
-logits as the layer-by-layer path, bit for bit, on every decode batch it takes; and models or
-batches it cannot take fall back to the layers."""
+logits as the layer-by-layer path, bit for bit, on every decode batch it takes (on the small-M
+kernel, and on oneDNN where that is the GEMM for the batch); and models or batches it cannot take
+fall back to the layers."""
 
 from __future__ import annotations
 
@@ -63,10 +64,21 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
     _needs_kernel(getattr(torch, dtype))
     arch, overrides = MODELS[name]
     model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))
-    for prompts in (random_prompts((9,), seed=1), random_prompts((5, 40), seed=2)):  # (fp32 takes <= 2 rows)
+    # batch 1 and 2 on the small-M kernel; 6 on oneDNN where it is the GEMM for that batch (more
+    # rows than the kernel takes in fp32 and in bf16 without AMX), else layer by layer
+    for prompts in (random_prompts((9,), seed=1), random_prompts((5, 40), seed=2),
+                    random_prompts((3, 8, 13, 21, 34, 55), seed=3)):
         tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True)
         want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False)
-        assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step
+        qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
+        rows = len(prompts)
+        with torch.inference_mode():  # (as the engine's forward runs)
+            onednn = lin.onednn_weight(rows, qkv.weight, qkv.bias, qkv.packed) is not None
+        fusable = rows <= lin.max_rows(qkv.weight.dtype) or onednn
+        if fusable:
+            assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step
+        else:
+            assert engine.runner.model.fused_decode.batches == 0
         assert reference.runner.model.fused_decode.batches == 0
         assert tokens == want_tokens
         assert len(logits) == len(want_logits)
@@ -93,3 +105,27 @@ def test_models_it_cannot_take_run_layer_by_layer(tmp_path, monkeypatch, tiny_mo
     plain, _, engine = _run(tiny_models["llama"], "float32", prompts, monkeypatch, fused=True)
     assert hooked == plain
     assert engine.runner.model.fused_decode.batches == GREEDY.max_tokens - 1  # decodes only, not the prefill
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
+    """``bench roofline --batch N``: N requests decode together; where their layers run in one
+    call (here on oneDNN beyond the kernel's rows) the steps alternate with layer-by-layer ones."""
+    import argparse
+    import json
+
+    from bench import roofline
+
+    parser = argparse.ArgumentParser()
+    roofline.add_arguments(parser)
+    args = parser.parse_args(["--model", llama_dir, "--dtype", dtype, "--batch", "6", "--context", "8", "--steps", "3",
+                              "--buffer-mib", "8", "--json"])
+    assert roofline.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["batch"] == 6 and result["decode_step_ms"] > 0
+    engine = Engine(llama_dir, dtype=dtype, kv_cache_tokens=512)
+    qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    with torch.inference_mode():
+        onednn = lin.onednn_weight(6, qkv.weight, qkv.bias, qkv.packed) is not None
+    assert result["fused_layers"] == onednn
+    assert ("decode_step_layers_ms" in result) == onednn

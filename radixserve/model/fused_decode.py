@@ -15,8 +15,10 @@ It runs when all of these hold, and the layers run one by one otherwise:
   all-reduce as one) and plain 2-D weights;
 - the batch: every sequence on the csrc/ decode kernel (``AttentionBackend.decode_kernel_args``:
   the CPU backend with no cascade group and no many-row chunk), the KV pool in the model's
-  dtype, and at most :func:`radixserve.model.linear.max_rows` rows, so that every linear layer
-  takes the small-M kernel, as it would layer by layer.
+  dtype, and a row count at which the linear layers take the path ``decode_layers`` runs, as
+  they would layer by layer: the small-M kernel (at most :func:`radixserve.model.linear.max_rows`
+  rows), or oneDNN over every weight's prepacked copy
+  (:func:`radixserve.model.linear.onednn_weight`; larger decode batches where oneDNN is the GEMM).
 
 ``RADIXSERVE_FUSED_DECODE=0`` turns it off (``python -m bench roofline`` compares the two, step by
 step).
@@ -59,6 +61,8 @@ class FusedDecode:
         self._shape: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # heads, KV heads, head_dim, eps
         self._ext: Any = None  # the extension module (radixserve.attention.cpu_ext.load)
         self.batches = 0  # batches whose layers ran in one call
+        self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight]] = []
+        self._not_onednn: set[int] = set()  # row counts some linear layer does not run on oneDNN
 
     def __deepcopy__(self, memo) -> FusedDecode:
         return FusedDecode()  # (a copy of the model has parameters of its own: check and build again)
@@ -76,18 +80,37 @@ class FusedDecode:
         if self._params is False or not self.enabled:
             return None
         args = batch.attention.decode_kernel_args()
-        if args is None or not 0 < x.shape[0] <= lin.max_rows(x.dtype) or args.k_caches[0].dtype != x.dtype:
+        rows = x.shape[0]
+        if args is None or rows == 0 or args.k_caches[0].dtype != x.dtype:
             return None
         if self._params is None:
             self._params = self._build(model, x.dtype)
             if self._params is False:
                 return None
+        packed = self._onednn(rows) if rows > lin.max_rows(x.dtype) else []
+        if packed is None:
+            return None
         heads, kv_heads, head_dim, eps = self._shape
         cos, sin = model.model.rotary.tables(batch.positions, x.dtype)
         self.batches += 1
         return self._ext.decode_layers(
-            x, self._params, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr, args.kv_indptr,
-            args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale)
+            x, self._params, packed, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr,
+            args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale)
+
+    def _onednn(self, rows: int) -> list[torch.Tensor] | None:
+        """Each layer's oneDNN-prepacked qkv, o, gate_up and down weights, when
+        :func:`radixserve.model.linear.linear` takes oneDNN for every one of them at ``rows`` rows;
+        else None (the row counts found so are remembered)."""
+        if rows in self._not_onednn:
+            return None
+        out = []
+        for weight, bias, cache in self._linears:
+            buf = lin.onednn_weight(rows, weight, bias, cache)
+            if buf is None:
+                self._not_onednn.add(rows)
+                return None
+            out.append(buf)
+        return out
 
     def _build(self, model: CausalLM, dtype: torch.dtype) -> list[torch.Tensor] | bool:
         why = unsupported(model, dtype)
@@ -101,6 +124,8 @@ class FusedDecode:
         params: list[torch.Tensor] = []
         for layer in _layers(model):
             attn, mlp = layer.self_attn, layer.mlp
+            self._linears += [(m.weight, m.bias, m.packed) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                       mlp.down_proj)]
             for t in (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                       attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
                       mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias):
@@ -108,8 +133,8 @@ class FusedDecode:
         first = _layers(model)[0]
         self._shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
                        float(first.input_layernorm.eps))
-        log.info("decode batches of up to %d rows run their decoder layers in one native call "
-                 "(%s=0 turns this off)", lin.max_rows(dtype), ENV)
+        log.info("decode batches run their decoder layers in one native call: up to %d rows, and beyond where "
+                 "every linear layer runs oneDNN (%s=0 turns this off)", lin.max_rows(dtype), ENV)
         return params
 
 

@@ -552,6 +552,21 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return ops.packed_linear(rows, buf, n, k, bias).view(*x.shape[:-1], n)
 
 
+def onednn_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: PackedWeight) -> torch.Tensor | None:
+    """The oneDNN-prepacked copy of ``weight`` that :func:`linear` multiplies a batch of ``rows``
+    rows (of the weight's dtype) by, or None when it would take another path for that batch
+    (the small-M kernel, MKL, F.linear). For callers that run the same products natively
+    (csrc/decode.cpp), so that they stay bit-identical to :func:`linear`."""
+    if weight.dim() != 2 or rows <= max_rows(weight.dtype):
+        return None
+    x = torch.empty((rows, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # (shape only)
+    if not _packed_usable(x, weight, bias):
+        return None
+    buf = packed.get(weight, packed_ops())
+    return buf if buf is not None and buf.is_mkldnn else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            fp32_out: bool = False, packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (cast to float32 when ``fp32_out``) through the small-M kernel
