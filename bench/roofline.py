@@ -158,9 +158,9 @@ def run(args) -> int:
         from bench.models import bench_model_path
 
         args.model = str(bench_model_path())
-    bw = bandwidth(args.buffer_mib)
     if args.batch < 1:
         raise SystemExit("--batch must be at least 1")
+    bw = bandwidth(args.buffer_mib)
     engine = Engine(args.model, dtype=args.dtype, max_running=args.batch, seed=0)
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -168,7 +168,8 @@ def run(args) -> int:
     # takes batches of this many rows of this dtype): F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
     param_dtype = next(model.parameters()).dtype
     kernel = lin.kernel() if 0 < args.batch <= lin.max_rows(param_dtype) else None
-    onednn = lin.gemm_backend(param_dtype) in ("onednn", "amx") and (param_dtype == torch.float32 or args.batch > 1)
+    lo, hi = lin._row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
+    onednn = lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
     fallback = "oneDNN" if onednn else "F.linear"
     # ... and between the decoder layers in one native call (radixserve.model.fused_decode, the
     # default, which the steps without the kernel do not take) and layer by layer

@@ -1,5 +1,5 @@
-// A decode step's decoder layers in one call: what the Python layers do for a batch of a few
-// rows, with the same kernels in the same order, minus about a dozen Python-level calls per layer.
+// A decode step's decoder layers in one call: what the Python layers do for a decode batch, with
+// the same kernels in the same order, minus about a dozen Python-level calls per layer.
 //
 // At batch 1 the kernels themselves are short: the linear kernel reads a layer's weights in about
 // a third of a millisecond, and the norms, RoPE, KV store and attention take microseconds each.
@@ -110,9 +110,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
   const Ops& op = ops();
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   std::optional<at::Tensor> pending;
+  const at::Tensor none;  // (undefined: the small-M kernel)
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = params.data() + layer * kPerLayer;
-    const at::Tensor none;  // (undefined: the kernel)
     const at::Tensor* pk = packed.empty() ? nullptr : packed.data() + layer * 4;
     const auto pw = [&](int i) -> const at::Tensor& { return pk == nullptr ? none : pk[i]; };
     at::Tensor h = at::empty_like(x);
