@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
+import signal
 import threading
 import time
 import urllib.parse
@@ -377,31 +379,53 @@ def test_tenants_and_keys_file(tmp_path):
     assert "sk-two" not in keys["sk-two"]
 
 
+def _gateway_inflight(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, body = _raw(server, "GET", "/metrics")
+    return next(s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+                if s.name == "radixserve_http_inflight")
+
+
 def test_client_disconnect_aborts_the_request(server):
+    """Clients that go away (mid-stream, and while a non-streaming call runs) abort their router
+    requests. The worker is paused while they leave: on the tiny model a request's ~1000 tokens
+    take a fraction of a second, so an unpaused worker can finish one before its client is gone,
+    and the test would not be testing an abort."""
     from radixserve.client import Client
 
-    def aborted():
+    def counters():
         with Client(server.address) as sdk:
-            return sdk.stats()["router"]["counters"]["aborted"]
+            return sdk.stats()["router"]
 
-    before = aborted()
+    def wait(cond, what: str, timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    before = counters()["counters"]["aborted"]
+    worker = server.pids["w0"]
     c = _client(server)
     stream = c.completions.create(model="llama", prompt=[9] * 10, max_tokens=2000, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
     next(iter(stream))
-    stream.close()  # the client goes away mid-stream
-    # and a non-streaming request whose client goes away
-    u = urllib.parse.urlparse(server.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [8] * 10, "max_tokens": 2000,
-                                                             "ignore_eos": True}).encode(),
-                 headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"})
-    time.sleep(0.5)
-    conn.close()
-    deadline = time.monotonic() + 20
-    while aborted() < before + 2:
-        assert time.monotonic() < deadline, "the router never saw the aborts"
-        time.sleep(0.2)
+    os.kill(worker, signal.SIGSTOP)  # under the 3 s heartbeat timeout: the router keeps it
+    try:
+        stream.close()  # the client goes away mid-stream
+        # and a non-streaming request whose client goes away once the router has dispatched it
+        u = urllib.parse.urlparse(server.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [8] * 10, "max_tokens": 2000,
+                                                                 "ignore_eos": True}).encode(),
+                     headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"})
+        wait(lambda: counters()["gauges"]["inflight"] == 2, "the router never dispatched the request", 1.0)
+        conn.close()
+        wait(lambda: _gateway_inflight(server) == 0, "the gateway never saw the clients leave", 1.0)
+        time.sleep(0.2)  # the cancelled calls' aborts reach the router
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    wait(lambda: counters()["counters"]["aborted"] >= before + 2, "the router never saw the aborts")
     assert _client(server).completions.create(model="llama", prompt="still serving", max_tokens=2).choices
 
 
