@@ -136,11 +136,11 @@ def test_silent_worker_is_declared_dead_by_heartbeat(llama_dir):
 
         async def main():
             async with AsyncClient(cluster.address, timeout=60) as client:
-                tasks = [asyncio.ensure_future(client.generate(p, max_tokens=300, **LONG)) for p in prompts]
-                # soon after sending: w0 must still hold requests (300 tokens of the tiny model take
-                # about 0.2 s on a fast machine, so a later stop found w0 already done)
-                await asyncio.sleep(0.05)
+                # Stopped before the requests go out, so w0 surely holds some when it goes silent
+                # (300 tokens of the tiny model take a fraction of a second: a stop after sending
+                # could find w0 already done). Round robin still dispatches half of them to it.
                 os.kill(cluster.pids["w0"], signal.SIGSTOP)
+                tasks = [asyncio.ensure_future(client.generate(p, max_tokens=300, **LONG)) for p in prompts]
                 outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
                 return outs, await client.stats()
 
