@@ -19,8 +19,9 @@
 //   every x86 CPU): the same tiles on 8 fp32 lanes, bf16/fp16 widened (bf16 by a 16-bit shift).
 //   On an AVX2-only AMD EPYC it is 1.2-1.7x faster than torch's bf16 F.linear at 1 row and 2.3-3x
 //   at 4 rows (`python -m bench roofline --dtype bfloat16 --gemv`).
-// - With 1-2 rows of x (kStreamMaxRows) both vector paths take W one row at a time, in order, with
-//   two accumulators per row: one sequential stream per thread instead of four interleaved ones.
+// - With 1-2 rows of x (kStreamMaxRows; 1-4 for bf16 on vdpbf16ps, kStreamMaxRowsBf16) both vector
+//   paths take W one row at a time, in order, with two accumulators per row: one sequential stream
+//   per thread instead of four interleaved ones.
 // On the Xeon of bench/RESULTS.md vdpbf16ps has no more MACs per cycle than fp32 FMAs, so the
 // vector paths are compute-bound beyond a few rows; AMX stays bandwidth-bound up to 16-32 rows.
 //
@@ -84,6 +85,11 @@ constexpr int kTileM = 4;  // rows of x per tile
 // tiles win again (4x fewer loads of x per FMA). `python -m bench roofline --gemv`, fp32, 2
 // threads, AMD EPYC Zen 4: 1 row 1.3-2x faster (lm_head 3.3-3.5 -> 2.6-2.9 ms), 4 rows 0.7-1.0x.
 constexpr int64_t kStreamMaxRows = 2;
+// bf16 with vdpbf16ps (AVX512-BF16, no AMX) streams W one row at a time up to 4 rows (the kernel's
+// most on such CPUs): on an AMD EPYC Zen 4 the 4-column tiles read W at about half the rate of
+// one stream there, and vdpbf16ps (two MACs per fp32 lane) keeps up with it. `python -m bench
+// roofline --dtype bfloat16 --gemv --gemv-rows 3,4` (bench/RESULTS.md section 24).
+constexpr int64_t kStreamMaxRowsBf16 = 4;
 constexpr int kAmxMaxM = 32;  // most rows of x on the AMX path (two C tiles of 16)
 
 // The element types of x and W: bf16 and fp16 as raw 16-bit values, fp32 as floats.
@@ -425,12 +431,22 @@ inline Out cast_out(float v) {
   return static_cast<Out>(v);
 }
 
+// Most rows of x for which dtype D reads W one row at a time (column_block); at most kTileM.
+template <Dt D>
+constexpr int64_t stream_max_rows() {
+#if defined(RADIXSERVE_BF16_AVX512)
+  if constexpr (D == Dt::bf16) return kStreamMaxRowsBf16;
+#endif
+  return kStreamMaxRows;
+}
+
 // Columns [n0, n0 + cols) for all M rows.
 template <Dt D, typename Out>
 void column_block(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t M,
                   int64_t K, int64_t N, int64_t n0, int cols, const float* bias, Out* y) {
+  static_assert(stream_max_rows<D>() <= kTileM, "the streaming tiles come from tile_fn's table");
   float sums[kTileM * kTileN];
-  if (M <= kStreamMaxRows) {  // one W row at a time: a single sequential stream per thread
+  if (M <= stream_max_rows<D>()) {  // one W row at a time: a single sequential stream per thread
     const TileFn<D> tile = tile_fn<D>(static_cast<int>(M), 1);
     for (int j = 0; j < cols; ++j) {
       tile(x, ldx, w + (n0 + j) * ldw, ldw, K, sums);

@@ -84,7 +84,9 @@ log = logging.getLogger("radixserve")
 # weights from memory, 1 thread): bf16 on AMX tiles is 1.4-2.4x faster than oneDNN at 1-16 rows
 # and 1.06-1.24x at 32; the AMX path stops at 32 rows (beyond, the vector path is 4-5x slower).
 # fp16 (fp32 FMAs; also the bf16 path of CPUs without AMX) is compute-bound: 1.06-1.75x faster
-# at 1-4 rows, slower from 8.
+# at 1-4 rows, slower from 8. bf16 on vdpbf16ps (AVX512-BF16 without AMX) reads W one row at a
+# time at all of its 1-4 rows, 1.1-2.7x faster than 4-column tiles at 3-4 rows on an AMD EPYC
+# Zen 4 (bench/RESULTS.md section 24); it is compute-bound by 8 rows in that order too.
 MAX_ROWS = 32
 MAX_ROWS_VECTOR = 4
 # fp32 (8-lane FMA tiles, bound by reading W) against oneDNN's prepacked fp32 GEMM, the bench
