@@ -288,20 +288,31 @@ def test_413_body_too_large(server):
 
 
 def test_503_when_overloaded_with_retry_after(server):
-    """2 in flight + 2 queued fit; the rest of a burst is refused at once with Retry-After."""
+    """2 in flight + 2 queued fit; the rest of a burst is refused at once with Retry-After. The
+    worker is paused during the burst (under the 3 s heartbeat timeout), so no call can finish and
+    free its place before the last one arrives: the tiny model's 300 tokens take a fraction of a
+    second."""
+    worker = server.pids["w0"]
+
     async def main():
         async with _client(server, cls=openai.AsyncOpenAI) as c:
             async def one(i):
                 return await c.completions.with_raw_response.create(
                     model="llama", prompt=[7 + i] * 8, max_tokens=300, temperature=0,
                     extra_body={"ignore_eos": True})
-            return await asyncio.gather(*(one(i) for i in range(8)), return_exceptions=True)
+            tasks = [asyncio.ensure_future(one(i)) for i in range(8)]
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                await asyncio.wait(tasks, timeout=1.5)  # the refusals come back at once
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            return await asyncio.gather(*tasks, return_exceptions=True)
 
     t0 = time.monotonic()
     results = asyncio.run(main())
     refused = [r for r in results if isinstance(r, openai.APIStatusError)]
     ok = [r for r in results if not isinstance(r, BaseException)]
-    assert len(ok) >= 4 and len(refused) >= 1, results
+    assert len(ok) == 4 and len(refused) == 4, results
     for r in refused:
         assert r.status_code == 503 and r.body["code"] == "overloaded"
         assert int(r.response.headers["retry-after"]) >= 1
