@@ -178,13 +178,13 @@ def test_async_stream_and_abort(llama_dir):
         assert sum((c.token_ids for c in chunks), []) == expected.token_ids
         assert "".join(c.text for c in chunks) == expected.text
 
-        long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+        long = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)  # near the tiny model's 1,024
         got = []
         async for chunk in engine.stream("abort me", long, request_id="victim"):
             got.append(chunk)
             if len(got) == 2:
                 engine.abort("victim")
-        assert got[-1].output.finish_reason == "abort" and len(got[-1].output.token_ids) < 500
+        assert got[-1].output.finish_reason == "abort" and len(got[-1].output.token_ids) < 1000
 
     try:
         asyncio.run(main())

@@ -184,7 +184,7 @@ def test_timeout_aborts(cluster):
 
     with Client(cluster.address) as c:
         with pytest.raises(RequestTimeoutError):
-            c.generate([5, 6, 7], max_tokens=900, ignore_eos=True, timeout=0.05)
+            c.generate([5, 6, 7], max_tokens=1000, ignore_eos=True, timeout=0.05)
         assert c.generate([5, 6, 7], max_tokens=2).finish_reason == "length"
 
 
