@@ -15,6 +15,17 @@ from radixserve.testing import TINY_ARCHS, make_tiny_model_dir
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_extension():
+    """The csrc/ extension, built (or loaded from its cache) once, before the first test. A fresh
+    checkout's first build takes a minute or more; left to whichever test came first, it could
+    fall to the worker processes of a test cluster, whose wait for them to be ready it outlasts.
+    None where it cannot be built (the torch paths run instead)."""
+    from radixserve.attention import cpu_ext
+
+    return cpu_ext.load()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """One tiny random checkpoint per supported architecture (fp32)."""
