@@ -288,6 +288,30 @@ def test_each_version_of_the_sources_builds_in_its_own_directory(monkeypatch, tm
     assert cpu_ext.build_dir().parent == dirs["a"].parent
 
 
+def test_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch, tmp_path):
+    """The build compiles copies of csrc/ kept in its directory, so torch's ninja file names the
+    same paths whichever checkout loads it (it named each checkout's own csrc/, and every switch
+    rebuilt). A copy is rewritten only when it differs: ninja must see the old file times."""
+    import os
+
+    build = tmp_path / "build"
+    build.mkdir()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "attention.cpp").write_text("// one\n")
+        (tmp_path / name / "common.h").write_text("// header\n")
+    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "a")
+    staged = cpu_ext._stage_sources(build)
+    assert staged.parent == build and sorted(p.name for p in staged.iterdir()) == ["attention.cpp", "common.h"]
+    os.utime(staged / "attention.cpp", (1_000_000, 1_000_000))
+    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "b")
+    assert cpu_ext._stage_sources(build) == staged
+    assert (staged / "attention.cpp").stat().st_mtime == 1_000_000  # the same contents: untouched
+    (tmp_path / "b" / "common.h").write_text("// header, changed\n")
+    cpu_ext._stage_sources(build)
+    assert (staged / "common.h").read_text() == "// header, changed\n"
+
+
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog, llama_dir):
     from radixserve import Engine
 

@@ -6,8 +6,10 @@ The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (
 file lock keeps concurrent first uses from building twice. The directory name includes a hash of
 the CPU's feature flags, so a cache shared between different machines never loads code built for
 another CPU, and a hash of csrc/, so different versions of the kernels never build over each
-other. When the build is impossible (no compiler, no ninja, no sources) :func:`load` returns None
-and logs one warning; callers then fall back to the torch backend.
+other. It compiles copies of csrc/'s files kept in that directory, so checkouts of the same
+sources in different places share one build rather than rebuilding it in turn. When the build
+is impossible (no compiler, no ninja, no sources) :func:`load` returns None and logs one
+warning; callers then fall back to the torch backend.
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ def _build_lock(directory: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _stage_sources(directory: Path) -> Path:
+    """Copies of csrc/'s files in ``directory/src``, the paths the build compiles: the same for
+    every checkout whose sources hash to this directory. torch writes the source paths into the
+    build's ninja file, so building from each checkout's own csrc/ made two checkouts sharing the
+    cache rebuild the extension at every switch (a minute or more each), though the sources were
+    the same. A copy is written only where it is missing or differs, so ninja sees the same files
+    (and times) as at the last build."""
+    staged = directory / "src"
+    staged.mkdir(exist_ok=True)
+    for path in sorted(csrc_dir().glob("*")):
+        if not path.is_file():
+            continue
+        data, copy = path.read_bytes(), staged / path.name
+        if not copy.exists() or copy.read_bytes() != data:
+            tmp = copy.with_name(copy.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(copy)
+    return staged
+
+
 def _build():
     if os.environ.get("RADIXSERVE_NO_EXT"):
         log.info("CPU kernels disabled by RADIXSERVE_NO_EXT; using the torch backend and torch ops")
@@ -133,8 +155,9 @@ def _build():
             log.info("loading the CPU kernels from %s", directory)
         start = time.perf_counter()
         with _build_lock(directory):
+            copies = _stage_sources(directory)
             module = cpp_extension.load(
-                name=NAME, sources=[str(s) for s in sources], build_directory=str(directory),
+                name=NAME, sources=[str(copies / s.name) for s in sources], build_directory=str(directory),
                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
             )
         elapsed = time.perf_counter() - start
