@@ -15,15 +15,15 @@ from radixserve.testing import TINY_ARCHS, make_tiny_model_dir
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_extension():
-    """The csrc/ extension, built (or loaded from its cache) once, before the first test. A fresh
-    checkout's first build takes a minute or more; left to whichever test came first, it could
-    fall to the worker processes of a test cluster, whose wait for them to be ready it outlasts.
-    None where it cannot be built (the torch paths run instead)."""
+def pytest_sessionstart(session):
+    """Build the csrc/ extension (or load it from its cache) once, before any test. A fresh
+    checkout's first build takes a minute or two; left to whichever test came first, it could
+    fall to the worker processes of a test cluster, whose wait for them to be ready it outlasts,
+    and inside a test it would count against that test's timeout. Where it cannot be built, the
+    torch paths run instead (one warning)."""
     from radixserve.attention import cpu_ext
 
-    return cpu_ext.load()
+    cpu_ext.load()
 
 
 @pytest.fixture(scope="session")
