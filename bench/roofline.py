@@ -168,7 +168,7 @@ def run(args) -> int:
     # takes batches of this many rows of this dtype): F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
     param_dtype = next(model.parameters()).dtype
     kernel = lin.kernel() if 0 < args.batch <= lin.max_rows(param_dtype) else None
-    lo, hi = lin._row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
+    lo, hi = lin.packed_row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
     onednn = lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
     fallback = "oneDNN" if onednn else "F.linear"
     # ... and between the decoder layers in one native call (radixserve.model.fused_decode, the

@@ -853,6 +853,46 @@ def test_bf16_on_onednn_without_amx(monkeypatch):
 
 
 @needs_ext
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_weight_names_the_batches_linear_sends_to_onednn(monkeypatch, dtype):
+    """The fused decode path (csrc/decode.cpp) multiplies by onednn_weight's copy exactly where
+    linear() would run oneDNN: for each row count, it returns the copy linear() used, or None
+    where linear() took another path (the kernel, F.linear: a float64 bias, a weight that needs
+    grad, an inference tensor)."""
+    if dtype == torch.bfloat16 and not lin._has_onednn_ops(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 GEMM here")
+    pin_gemm(monkeypatch, dtype, "onednn")
+    monkeypatch.setitem(lin._state, "policy", "all")
+    monkeypatch.delitem(lin._state, "packed", raising=False)
+    rows_seen = spy_onednn(monkeypatch)
+    g = torch.Generator().manual_seed(33)
+    layers = {"plain": lin.Linear(40, 24, bias=True).to(dtype), "f64 bias": lin.Linear(40, 24, bias=True).to(dtype),
+              "grad": lin.Linear(40, 24, bias=False).to(dtype)}
+    layers["f64 bias"].bias.data = layers["f64 bias"].bias.data.double()
+    with torch.inference_mode():
+        frozen = lin.Linear(40, 24, bias=False).to(dtype)  # an inference tensor: never packed
+    for name, layer in {**layers, "inference": frozen}.items():
+        layer.weight.requires_grad_(name == "grad")
+        for rows in range(1, 41):
+            x = torch.randn(rows, 40, generator=g).to(dtype)
+            del rows_seen[:]
+            with torch.inference_mode() if name != "grad" else torch.enable_grad():
+                try:
+                    layer(x)
+                except RuntimeError:  # (F.linear refuses the float64 bias with bf16 input)
+                    assert name == "f64 bias"
+                buf = lin.onednn_weight(rows, layer.weight, layer.bias, layer.packed)
+            assert (buf is not None) == (rows_seen == [rows]), (name, rows)
+            if buf is not None:
+                assert buf is layer.packed._entry[2]
+    # the kernel's rows and the weights linear() never packs: None; the plain layer beyond them: a copy
+    with torch.inference_mode():
+        assert lin.onednn_weight(lin.max_rows(dtype) + 5, layers["plain"].weight, layers["plain"].bias,
+                                 layers["plain"].packed) is not None
+
+
+@needs_ext
 def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
     """auto measures MKL against oneDNN once per dtype and takes oneDNN only when it is more than
     1.1x faster; RADIXSERVE_CPU_GEMM=mkl/onednn chooses; anything else warns and measures; bf16

@@ -322,7 +322,7 @@ class PackedWeight:
         elif onednn:
             if not _state.get(("onednn_logged", weight.dtype)):
                 _state[("onednn_logged", weight.dtype)] = True
-                lo, hi = _row_range(weight.dtype)
+                lo, hi = packed_row_range(weight.dtype)
                 log.info("%s linear layers: keeping oneDNN-prepacked copies of the weights for batches of %d%s rows "
                          "(as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off",
                          str(weight.dtype).removeprefix("torch."), lo, f"-{hi}" if hi < 1 << 40 else " or more")
@@ -458,7 +458,7 @@ def _choose_backend(dtype: torch.dtype) -> str:
     return choice
 
 
-def _row_range(dtype: torch.dtype) -> tuple[int, int]:
+def packed_row_range(dtype: torch.dtype) -> tuple[int, int]:
     """Rows of a batch of ``dtype`` that take the packed copy, inclusive (see :func:`gemm_backend`)."""
     backend = gemm_backend(dtype)
     if backend == "mkl":
@@ -508,27 +508,38 @@ def prepack(model: nn.Module) -> int:
 def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # cheapest tests first; fp32 batches below PACKED_MIN_ROWS never load the extension while
     # MKL is the backend
-    if x.dtype != weight.dtype or not (x.is_cpu and weight.is_cpu):
+    if x.dtype != weight.dtype or not x.is_cpu:
         return False
     k = x.shape[-1] if x.dim() else 0
-    if k == 0 or weight.dtype not in (torch.float32, torch.bfloat16):
+    if k == 0 or weight.dim() != 2 or weight.shape[1] != k:
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False  # no backward through the packed op
+    return _packed_rows(x.numel() // k, weight, bias)
+
+
+def _packed_rows(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a batch of ``rows`` rows of the weight's dtype (and device, not requiring grad)
+    takes ``weight``'s packed copy in :func:`linear`: the checks that need only the batch's
+    shape, so that :func:`onednn_weight` makes no tensor to ask."""
+    if not weight.is_cpu or weight.dtype not in (torch.float32, torch.bfloat16) or rows <= 0:
         return False
     if weight.dtype == torch.float32:
-        if x.numel() < PACKED_MIN_ROWS * k and gemm_backend(torch.float32) != "onednn":
+        if rows < PACKED_MIN_ROWS and gemm_backend(torch.float32) != "onednn":
             return False
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
             return False  # (F.linear refuses or converts it, as before)
     else:
-        if x.numel() <= MAX_ROWS_VECTOR * k:
+        if rows <= MAX_ROWS_VECTOR:
             return False
         if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_cpu):
             return False
-    lo, hi = _row_range(weight.dtype)
-    if not lo * k <= x.numel() <= hi * k:
+    lo, hi = packed_row_range(weight.dtype)
+    if not lo <= rows <= hi:
         return False
-    if weight.dim() != 2 or weight.stride(-1) != 1 or weight.shape[1] != k or weight.is_inference():
+    if weight.dim() != 2 or weight.stride(-1) != 1 or weight.is_inference():
         return False  # (an inference tensor has no version counter to key the packed copy on)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and weight.requires_grad:
         return False  # no backward through the packed op
     return packed_ops() is not None
 
@@ -560,10 +571,7 @@ def onednn_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
     rows (of the weight's dtype) by, or None when it would take another path for that batch
     (the small-M kernel, MKL, F.linear). For callers that run the same products natively
     (csrc/decode.cpp), so that they stay bit-identical to :func:`linear`."""
-    if weight.dim() != 2 or rows <= max_rows(weight.dtype):
-        return None
-    x = torch.empty((rows, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # (shape only)
-    if not _packed_usable(x, weight, bias):
+    if rows <= max_rows(weight.dtype) or not _packed_rows(rows, weight, bias):
         return None
     buf = packed.get(weight, packed_ops())
     return buf if buf is not None and buf.is_mkldnn else None
