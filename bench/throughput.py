@@ -1,7 +1,8 @@
 """Decode throughput vs. concurrency, beside a naive serial transformers loop.
 
 At each concurrency N, N distinct random prompts (token ids, fixed seeds) are submitted at
-once; greedy, ignore_eos, --gen-len new tokens each; prefix cache off. Reported per N (median
+once; greedy (or sampled: --temperature, --top-p), ignore_eos, --gen-len new tokens each;
+prefix cache off. Reported per N (median
 of --repeats): aggregate tokens/s (all generated tokens / wall time), per-stream tokens/s, the
 ratio to N=1, the prefill phase (until every request has its first token) and the decode
 phase (the rest) separately. The serial baseline runs ``model.generate`` one prompt at a time.
@@ -33,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serial baseline of the largest concurrency: time K prompts and extrapolate "
                         "(serial time is linear in the number of requests)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="engine token budget per step")
+    p.add_argument("--temperature", type=float, default=0.0, help="engine sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="engine nucleus sampling (with --temperature > 0)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="engine dtype (default: the checkpoint's); the serial baseline stays fp32")
     add_common_args(p)
@@ -44,11 +47,12 @@ def prompts_for(concurrency: int, repeat: int, prompt_len: int, vocab: int) -> l
 
 
 # -- engine ------------------------------------------------------------------------------------
-def run_engine_once(engine, prompts: list[list[int]], gen_len: int) -> dict:
+def run_engine_once(engine, prompts: list[list[int]], gen_len: int, temperature: float = 0.0,
+                    top_p: float = 1.0) -> dict:
     """Submit all prompts at once and step the engine until they finish."""
     from radixserve import SamplingParams
 
-    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=gen_len, temperature=temperature, top_p=top_p, ignore_eos=True)
     t0 = time.perf_counter()
     reqs = [engine.make_request(p, params) for p in prompts]
     for r in reqs:
@@ -97,7 +101,8 @@ def measure_engine(args, model_dir: str, vocab_holder: dict) -> tuple[list[dict]
         runs = []
         for r in range(args.repeats):
             log(f"  engine: concurrency {c}, run {r + 1}/{args.repeats} ...")
-            runs.append(run_engine_once(engine, prompts_for(c, r, args.prompt_len, vocab), args.gen_len))
+            runs.append(run_engine_once(engine, prompts_for(c, r, args.prompt_len, vocab), args.gen_len,
+                                        args.temperature, args.top_p))
             log(f"    {runs[-1]['wall_s']:.2f} s, {runs[-1]['generated_tokens'] / runs[-1]['wall_s']:.1f} tok/s")
         walls = [x["wall_s"] for x in runs]
         agg = [x["generated_tokens"] / x["wall_s"] for x in runs]

@@ -82,14 +82,20 @@ def engine(llama_dir):
 
 def test_failing_request_fails_alone(engine, monkeypatch):
     """A request whose sampling raises ends with finish_reason 'error'; its batch-mates finish."""
-    real = sampler_mod.Sampler._sample_row
+    real_rows, real_row = sampler_mod.Sampler._sample_rows, sampler_mod.Sampler._sample_row
 
-    def flaky(self, row, r):
+    def flaky_rows(self, logits, reqs):  # the batched draw fails for any batch that holds "bad" ...
+        if any(r.rid == "bad" for r in reqs):
+            raise RuntimeError("probability tensor contains inf/nan")
+        return real_rows(self, logits, reqs)
+
+    def flaky_row(self, row, r):  # ... and so does "bad" alone, when its batch is redone row by row
         if r.rid == "bad":
             raise RuntimeError("probability tensor contains inf/nan")
-        return real(self, row, r)
+        return real_row(self, row, r)
 
-    monkeypatch.setattr(sampler_mod.Sampler, "_sample_row", flaky)
+    monkeypatch.setattr(sampler_mod.Sampler, "_sample_rows", flaky_rows)
+    monkeypatch.setattr(sampler_mod.Sampler, "_sample_row", flaky_row)
     prompts = random_prompts([12, 15, 9, 20, 11], seed=5)
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
     reqs = [engine.make_request(p, params, request_id=rid) for p, rid in zip(prompts, ["a", "b", "bad", "c", "d"])]
