@@ -6,7 +6,9 @@ a buffer far larger than the caches, with the engine's thread count), the model'
 and the median decode step of one request (``--context`` tokens of prompt, then ``--steps``
 decodes through ``Engine.step``), and prints their ratio. ``--batch N`` decodes N requests with
 distinct prompts together (no shared prefix, so no cascade group); a step still reads every
-weight once.
+weight once. ``--shared-prefix P`` puts a cached P-token prefix in front of every prompt, so the
+N requests decode in one cascade group (where N x P reaches the engine's threshold), as an
+agent fleet under one system prompt does.
 
 Where radixserve's linear layers send the batch to the small-M kernel
 (``radixserve.model.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
@@ -36,6 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the decodes")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests decoding together (distinct prompts, so no shared prefix); default 1")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="P",
+                        help="a cached prefix of P tokens shared by every request (a cascade group)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
     parser.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth buffer (MiB)")
     parser.add_argument("--gemv", action="store_true", help="also print the per-shape linear kernel table")
@@ -178,14 +182,18 @@ def run(args) -> int:
     first = "kernel" if kernel is not None else fallback
     modes = [first] + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
     span = min(1000, model.config.vocab_size - 7)  # ids 7.. skip the special tokens
-    for i in range(args.batch):  # distinct prompts: no shared prefix, so no cascade group
-        ids = [7 + (i * 7919 + j) % span for j in range(args.context)]
+    shared = [7 + (j * 104729 + 13) % span for j in range(args.shared_prefix)]
+    if shared:  # cached before the requests arrive, so that they all hit it
+        engine.generate([shared], SamplingParams(max_tokens=1, temperature=0.0))
+    for i in range(args.batch):  # distinct prompts (after the shared prefix, if any)
+        ids = shared + [7 + (i * 7919 + j) % span for j in range(args.context)]
         engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2,
                                                                    temperature=0.0, ignore_eos=True)))
     engine.step()  # drains the inbox and starts the prefills
     while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
         engine.step()
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cascade_before = engine.stats()["cascade_steps"]
     step_no = 0
     try:
         while engine.scheduler.has_work:
@@ -208,7 +216,8 @@ def run(args) -> int:
               "floor_ms": floor * 1e3, "decode_step_ms": step * 1e3, "ratio": step / floor,
               "backend": type(engine.runner.attention).__name__,
               # what radixserve's linear layers run for one row on this CPU
-              "linear": modes[0], "fallback": fallback, "batch": args.batch}
+              "linear": modes[0], "fallback": fallback, "batch": args.batch, "shared_prefix": args.shared_prefix,
+              "cascade_steps": int(engine.stats()["cascade_steps"] - cascade_before), "steps": step_no}
     if kernel is not None:
         result["decode_step_fallback_ms"] = steps[fallback] * 1e3
         result["ratio_fallback"] = steps[fallback] / floor
@@ -226,6 +235,9 @@ def run(args) -> int:
     print(f"{args.dtype}, {args.threads} thread(s), {result['backend']}: read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, "
           f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-{args.batch} decode step "
           f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor")
+    if args.shared_prefix:
+        print(f"  {args.shared_prefix} shared prefix tokens (+ {args.context} own): {result['cascade_steps']} of "
+              f"{step_no} decode steps ran in cascade groups")
     if "layers" in steps:
         print(f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "
               f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)")

@@ -14,7 +14,9 @@
 //   x += pending; h = rmsnorm(x) * ln1             add_rms_norm
 //   q, k, v = split(h W_qkv^T + b_qkv)             linear (views of one output)
 //   rotate q, k in place                           rope
-//   write k, v to the cache slots; attend          store_kv, paged_attention (decode kernel)
+//   write k, v to the cache slots; attend          store_kv, paged_attention (decode kernel); in
+//                                                  cascade groups also prefill_attention over the
+//                                                  shared prefix, then merge_state
 //   x += o W_o^T + b_o; h = rmsnorm(x) * ln2      linear, add_rms_norm
 //   pending = silu_and_mul(h W_gu^T + b_gu) W_down^T + b_down
 // The caller adds the last layer's pending into x with the final norm.
@@ -24,6 +26,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 // attention.cpp
@@ -32,6 +35,12 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                            double scale, bool causal);
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b);
+// prefill.cpp
+std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                                             torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
+                                             double scale, bool causal, const std::string& bf16_gemm);
 
 namespace {
 
@@ -91,14 +100,19 @@ constexpr int64_t kPerLayer = 10;
 // oneDNN-prepacked qkv, o, gate_up and down weights for a batch beyond the small-M kernel's rows
 // (empty: none, the kernel runs); k_caches, v_caches: each
 // layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
-// FlashInfer-format metadata of a batch that is all on the decode kernel. Returns the last
-// layer's MLP output (the pending residual).
+// FlashInfer-format metadata of a batch that is all on the decode kernel. prefix: empty, or, for a
+// batch whose rows are all decodes in cascade groups (in row order), the groups' shared-prefix
+// metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), the other four then being the
+// members' own suffixes: each layer attends to both and merges them by LSE, as
+// radixserve/attention/cpu_backend.py does. Returns the last layer's MLP output (the pending
+// residual).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                             const std::vector<torch::Tensor>& packed,
                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
                             torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                            const std::vector<torch::Tensor>& prefix) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(params.size()) == kPerLayer * layers &&
                   static_cast<int64_t>(v_caches.size()) == layers,
@@ -107,6 +121,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
               "decode_layers: packed must be empty or hold 4 prepacked weights per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be a contiguous [tokens, hidden] tensor");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0, "decode_layers: bad head counts");
+  TORCH_CHECK(prefix.empty() || prefix.size() == 4,
+              "decode_layers: prefix must be empty or (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)");
   const Ops& op = ops();
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   std::optional<at::Tensor> pending;
@@ -125,8 +141,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     op.rope.call(q, k, cos, sin);
     store_kv(k_caches[layer], v_caches[layer], slots, k, v);
-    const at::Tensor attn = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr, kv_indices,
-                                            kv_last_page_len, scale, true)[0];
+    std::vector<torch::Tensor> own = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr,
+                                                     kv_indices, kv_last_page_len, scale, true);
+    at::Tensor attn = own[0];
+    if (!prefix.empty()) {  // level 0: each group's queries against its shared prefix, not causal
+      const std::vector<torch::Tensor> shared = prefill_attention(q, k_caches[layer], v_caches[layer], prefix[0],
+                                                                  prefix[1], prefix[2], prefix[3], scale, false, "auto");
+      attn = merge_state(shared[0], shared[1], own[0], own[1]);
+    }
     const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1));
     h = at::empty_like(x);
     op.norm.call(x, o, w[5], eps, h);

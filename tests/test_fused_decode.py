@@ -86,6 +86,42 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
             assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
 
 
+def _run_grouped(model_dir: str, dtype: str, shared, tails, monkeypatch, fused: bool) -> tuple[list, list, Engine]:
+    """A greedy run of requests that share a cached prefix and decode in one cascade group."""
+    if fused:
+        monkeypatch.delenv(fused_decode.ENV, raising=False)
+    else:
+        monkeypatch.setenv(fused_decode.ENV, "0")
+    engine = Engine(model_dir, dtype=dtype, kv_cache_tokens=4096, attention="cpu", cascade_min_shared_tokens=8)
+    _randomize_vectors(engine)
+    engine.generate([shared], SamplingParams(max_tokens=1, temperature=0.0))  # the prefix, cached
+    logits: list[torch.Tensor] = []
+    engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+    outputs = engine.generate([shared + tail for tail in tails], GREEDY)
+    return [o.token_ids for o in outputs], logits, engine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "llama-biases", "llama-mqa"])
+def test_fused_decode_of_cascade_groups_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
+    """Decodes that are all in cascade groups run fused too (each layer also attends to the
+    shared prefix and merges, in csrc/decode.cpp), with the layer-by-layer path's logits."""
+    _needs_kernel(getattr(torch, dtype))
+    arch, overrides = MODELS[name]
+    model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))
+    shared = random_prompts((70,), seed=7)[0]
+    tails = random_prompts((3, 9, 5), seed=8)  # 3 rows: the kernel's, in every dtype it takes
+    tokens, logits, engine = _run_grouped(model_dir, dtype, shared, tails, monkeypatch, fused=True)
+    want_tokens, want_logits, reference = _run_grouped(model_dir, dtype, shared, tails, monkeypatch, fused=False)
+    assert engine.stats()["cascade_steps"] >= GREEDY.max_tokens - 1  # the decodes did run in a group
+    assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step, fused
+    assert reference.runner.model.fused_decode.batches == 0
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+
+
 def test_models_it_cannot_take_run_layer_by_layer(tmp_path, monkeypatch, tiny_models):
     """QK norm (Qwen3) and forward hooks on a layer (tensor parallelism's all-reduce) keep the
     layers; so do batches too large for the small-M kernel (a prefill)."""

@@ -12,7 +12,10 @@ from radixserve.attention.metadata import AttentionMetadata
 
 class DecodeKernelArgs(NamedTuple):
     """A planned batch's attention on the csrc/ decode kernel: every layer's K/V cache, the new
-    tokens' slots and the batch's FlashInfer-format metadata, and the softmax scale."""
+    tokens' slots and the batch's FlashInfer-format metadata, and the softmax scale. ``prefix``:
+    empty, or for a batch of decodes that are all in cascade groups (in row order), the groups'
+    shared-prefix metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len); the four above
+    are then each member's own suffix."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
@@ -22,6 +25,7 @@ class DecodeKernelArgs(NamedTuple):
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     scale: float
+    prefix: tuple[torch.Tensor, ...] = ()
 
 
 class AttentionBackend(ABC):

@@ -80,6 +80,7 @@ class CpuAttention(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._flat: tuple | None = None  # (rows or None: all, qo_indptr, kv_indptr, kv_indices, last_page_len)
         self._grouped: tuple | None = None  # (rows, every member a decode, plan_prefixes)
+        self._in_order = False  # the grouped sequences are the batch's, in order (rows need no gather)
         self._path = "gemm"  # the many-row path of the planned batch (see dense_path)
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -88,10 +89,12 @@ class CpuAttention(AttentionBackend):
         cascade = metadata.cascade
         self._flat = None
         self._grouped = None
+        self._in_order = False
         members: set[int] = set()
         if cascade is not None:
             grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
             members = set(grouped)
+            self._in_order = grouped == list(range(metadata.num_seqs))
             qo = metadata.qo_indptr.tolist()
             self._grouped = (
                 torch.tensor([r for i in grouped for r in range(qo[i], qo[i + 1])], dtype=torch.long),
@@ -119,12 +122,24 @@ class CpuAttention(AttentionBackend):
 
     def decode_kernel_args(self) -> DecodeKernelArgs | None:
         """The batch's attention arguments when every sequence of it is on the decode kernel (no
-        cascade group, no many-row chunk), else None."""
-        if self._meta is None or self._flat is None or self._flat[0] is not None or self._grouped is not None:
+        many-row chunk): with no cascade group, or with every row a decode in a cascade group, in
+        row order (then with the groups' prefix metadata). Else None."""
+        meta = self._meta
+        if meta is None or self._gemm is not None or self._dense:
             return None
-        _, qo_indptr, kv_indptr, kv_indices, last = self._flat
-        return DecodeKernelArgs(self.pool.k, self.pool.v, self._meta.out_slots, qo_indptr, kv_indptr, kv_indices,
-                                last, self.scale)
+        if self._grouped is None:
+            if self._flat is None or self._flat[0] is not None:
+                return None
+            _, qo_indptr, kv_indptr, kv_indices, last = self._flat
+            return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices,
+                                    last, self.scale)
+        c = meta.cascade
+        if self._flat is not None or not self._grouped[1] or self._path == "flash" or c is None or not self._in_order:
+            return None
+        return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, c.suffix_qo_indptr, c.suffix_kv_indptr,
+                                c.suffix_kv_indices, c.suffix_kv_last_page_len, self.scale,
+                                (c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices,
+                                 c.prefix_kv_last_page_len))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         meta = self._meta

@@ -14,7 +14,9 @@ It runs when all of these hold, and the layers run one by one otherwise:
   float32 or bfloat16, with the extension built, no forward hooks (tensor parallelism adds its
   all-reduce as one) and plain 2-D weights;
 - the batch: every sequence on the csrc/ decode kernel (``AttentionBackend.decode_kernel_args``:
-  the CPU backend with no cascade group and no many-row chunk), the KV pool in the model's
+  the CPU backend with no many-row chunk, and either no cascade group or every row a decode in
+  one, in row order: then each layer also attends to the groups' shared prefixes and merges the
+  two, as the backend does), the KV pool in the model's
   dtype, and a row count at which the linear layers take the path ``decode_layers`` runs, as
   they would layer by layer: the small-M kernel (at most :func:`radixserve.model.linear.max_rows`
   rows), or oneDNN over every weight's prepacked copy
@@ -95,7 +97,8 @@ class FusedDecode:
         self.batches += 1
         return self._ext.decode_layers(
             x, self._params, packed, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr,
-            args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale)
+            args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale,
+            list(args.prefix))
 
     def _onednn(self, rows: int) -> list[torch.Tensor] | None:
         """Each layer's oneDNN-prepacked qkv, o, gate_up and down weights, when
