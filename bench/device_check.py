@@ -234,11 +234,58 @@ def environment() -> None:
         info(f"no nvcc: {exc!r}")
 
 
+def sampled_generation(device: str, dtype_name: str) -> None:
+    """Sampled decoding (temperature, top-k, top-p, min-p) on the device: tokens in range, a
+    seeded request repeats its tokens whatever shares its batch, and other seeds differ."""
+    from radixserve import Engine, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine(tiny_model(tmp, dtype_name), device=device, dtype=dtype_name, page_size=16,
+                        kv_cache_tokens=16384)
+        prompts = [[random.Random(i).randrange(7, 512) for _ in range(20 + i)] for i in range(6)]
+        seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=100, seed=1234, ignore_eos=True)
+        others = [SamplingParams(max_tokens=24, temperature=0.8, min_p=0.02, ignore_eos=True)] * 5
+        alone = engine.generate([prompts[0]], seeded)[0].token_ids
+        mixed = engine.generate(prompts, [seeded, *others])
+        reseeded = engine.generate([prompts[0]], SamplingParams(**{**_fields(seeded), "seed": 99}))[0].token_ids
+        in_range = all(0 <= t < 512 for o in mixed for t in o.token_ids)
+        ok = in_range and mixed[0].token_ids == alone and reseeded != alone and len(set(alone)) > 3
+        report(f"sampled generation ({dtype_name})", ok,
+               f"seeded alone == in a batch: {mixed[0].token_ids == alone}; another seed differs: {reseeded != alone}; "
+               f"ids in range: {in_range}")
+        engine.shutdown()
+
+
+def _fields(params) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(params)
+
+
+def gpu_checks(dtype: torch.dtype, args: argparse.Namespace) -> None:
+    name = str(dtype)[6:]
+    if not warm_up([dtype], budget=args.budget * 0.6):
+        report(f"FlashInfer {name} modules", False, "did not build in time")
+        return
+    info(f"FlashInfer modules ready for {name}")
+    for page_size in (16,) if args.quick else (1, 16):
+        for heads, kv_heads in ((32, 8), (16, 16)) if args.quick else ((32, 8), (16, 16), (8, 1)):
+            compare_backends(page_size, heads, kv_heads, dtype, seed=page_size + heads)
+    greedy_vs_transformers("cuda", name)
+    sampled_generation("cuda", name)
+    if not args.no_throughput:
+        decode_throughput("cuda", name, (1, 8, 32, 64, 128, 256), deadline=START + args.budget * 0.85)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run without FlashInfer")
     ap.add_argument("--budget", type=float, default=float(os.environ.get("DEVICE_CHECK_BUDGET", 480)),
                     help="seconds for the whole run (default 480)")
+    ap.add_argument("--dtypes", default="bfloat16",
+                    help="comma list of bfloat16, float16: each builds its own FlashInfer modules (minutes)")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the decode throughput table")
+    ap.add_argument("--quick", action="store_true", help="compare the backends at page size 16, GQA and MHA only")
     ap.add_argument("--warm", choices=sorted(WARM), help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -248,24 +295,15 @@ def main() -> None:
         sys.exit(1 if failures else 0)
     environment()
     if args.device == "cuda":
-        # bf16 first: fp16 builds only start once bf16's are done, so they cannot delay its checks.
-        ready = warm_up([torch.bfloat16], budget=args.budget * 0.55)
-        info(f"FlashInfer modules ready for {[str(d)[6:] for d in ready]}")
-        if ready:
-            for page_size in (1, 16):
-                for heads, kv_heads in ((32, 8), (16, 16), (8, 1)):
-                    compare_backends(page_size, heads, kv_heads, torch.bfloat16, seed=page_size + heads)
-            greedy_vs_transformers("cuda", "bfloat16")
-            decode_throughput("cuda", "bfloat16", (1, 8, 32, 64, 128, 256), deadline=START + args.budget * 0.85)
-        else:
-            report("FlashInfer bf16 modules", False, "did not build in time")
-        if time.monotonic() - START < args.budget * 0.6 and warm_up([torch.float16], budget=args.budget * 0.9):
-            for heads, kv_heads in ((32, 8), (16, 16)):
-                compare_backends(16, heads, kv_heads, torch.float16, seed=heads)
-        else:
-            info("float16 not checked: no time left for its builds")
+        # one dtype at a time: a later dtype's builds cannot delay an earlier one's checks
+        for name in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+            if time.monotonic() - START > args.budget * 0.6:
+                info(f"{name} not checked: no time left for its builds")
+                continue
+            gpu_checks(getattr(torch, name), args)
     else:
         greedy_vs_transformers("cpu", "float32")
+        sampled_generation("cpu", "float32")
         decode_throughput("cpu", "float32", (1, 8), deadline=START + args.budget)
     print(f"{failures} failed checks after {time.monotonic() - START:.0f} s", flush=True)
     sys.exit(1 if failures else 0)
