@@ -237,6 +237,8 @@ def environment() -> None:
 def sampled_generation(device: str, dtype_name: str) -> None:
     """Sampled decoding (temperature, top-k, top-p, min-p) on the device: tokens in range, a
     seeded request repeats its tokens whatever shares its batch, and other seeds differ."""
+    import msgspec
+
     from radixserve import Engine, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,19 +249,13 @@ def sampled_generation(device: str, dtype_name: str) -> None:
         others = [SamplingParams(max_tokens=24, temperature=0.8, min_p=0.02, ignore_eos=True)] * 5
         alone = engine.generate([prompts[0]], seeded)[0].token_ids
         mixed = engine.generate(prompts, [seeded, *others])
-        reseeded = engine.generate([prompts[0]], SamplingParams(**{**_fields(seeded), "seed": 99}))[0].token_ids
+        reseeded = engine.generate([prompts[0]], msgspec.structs.replace(seeded, seed=99))[0].token_ids
         in_range = all(0 <= t < 512 for o in mixed for t in o.token_ids)
         ok = in_range and mixed[0].token_ids == alone and reseeded != alone and len(set(alone)) > 3
         report(f"sampled generation ({dtype_name})", ok,
                f"seeded alone == in a batch: {mixed[0].token_ids == alone}; another seed differs: {reseeded != alone}; "
                f"ids in range: {in_range}")
         engine.shutdown()
-
-
-def _fields(params) -> dict:
-    import msgspec
-
-    return msgspec.structs.asdict(params)
 
 
 def gpu_checks(dtype: torch.dtype, args: argparse.Namespace) -> None:

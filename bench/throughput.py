@@ -2,10 +2,9 @@
 
 At each concurrency N, N distinct random prompts (token ids, fixed seeds) are submitted at
 once; greedy (or sampled: --temperature, --top-p), ignore_eos, --gen-len new tokens each;
-prefix cache off. Reported per N (median
-of --repeats): aggregate tokens/s (all generated tokens / wall time), per-stream tokens/s, the
-ratio to N=1, the prefill phase (until every request has its first token) and the decode
-phase (the rest) separately. The serial baseline runs ``model.generate`` one prompt at a time.
+prefix cache off. Reported per N (median of --repeats): aggregate tokens/s (all generated
+tokens / wall time), per-stream tokens/s, the ratio to N=1, the prefill phase (until every
+request has its first token) and the decode phase (the rest) separately. The serial baseline runs ``model.generate`` one prompt at a time.
 """
 
 from __future__ import annotations

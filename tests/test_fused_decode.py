@@ -44,14 +44,18 @@ def _randomize_vectors(engine: Engine) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
 
 
-def _run(model_dir: str, dtype: str, prompts, monkeypatch, fused: bool) -> tuple[list, list, Engine]:
-    """Token ids and every step's logits of a greedy run, with the fused path on or off."""
+def _run(model_dir: str, dtype: str, prompts, monkeypatch, fused: bool, *, cached: list[int] | None = None,
+         **options) -> tuple[list, list, Engine]:
+    """Token ids and every step's logits of a greedy run, with the fused path on or off;
+    ``cached``: a prompt prefilled first, so that prompts starting with it hit the cache."""
     if fused:
         monkeypatch.delenv(fused_decode.ENV, raising=False)
     else:
         monkeypatch.setenv(fused_decode.ENV, "0")
-    engine = Engine(model_dir, dtype=dtype, kv_cache_tokens=2048, attention="cpu")
+    engine = Engine(model_dir, dtype=dtype, attention="cpu", **{"kv_cache_tokens": 2048, **options})
     _randomize_vectors(engine)
+    if cached is not None:
+        engine.generate([cached], SamplingParams(max_tokens=1, temperature=0.0))
     logits: list[torch.Tensor] = []
     engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
     outputs = engine.generate(prompts, GREEDY)
@@ -86,21 +90,6 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
             assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
 
 
-def _run_grouped(model_dir: str, dtype: str, shared, tails, monkeypatch, fused: bool) -> tuple[list, list, Engine]:
-    """A greedy run of requests that share a cached prefix and decode in one cascade group."""
-    if fused:
-        monkeypatch.delenv(fused_decode.ENV, raising=False)
-    else:
-        monkeypatch.setenv(fused_decode.ENV, "0")
-    engine = Engine(model_dir, dtype=dtype, kv_cache_tokens=4096, attention="cpu", cascade_min_shared_tokens=8)
-    _randomize_vectors(engine)
-    engine.generate([shared], SamplingParams(max_tokens=1, temperature=0.0))  # the prefix, cached
-    logits: list[torch.Tensor] = []
-    engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
-    outputs = engine.generate([shared + tail for tail in tails], GREEDY)
-    return [o.token_ids for o in outputs], logits, engine
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["llama", "llama-biases", "llama-mqa"])
 def test_fused_decode_of_cascade_groups_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
@@ -111,8 +100,10 @@ def test_fused_decode_of_cascade_groups_equals_layer_by_layer(tmp_path, monkeypa
     model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))
     shared = random_prompts((70,), seed=7)[0]
     tails = random_prompts((3, 9, 5), seed=8)  # 3 rows: the kernel's, in every dtype it takes
-    tokens, logits, engine = _run_grouped(model_dir, dtype, shared, tails, monkeypatch, fused=True)
-    want_tokens, want_logits, reference = _run_grouped(model_dir, dtype, shared, tails, monkeypatch, fused=False)
+    prompts = [shared + tail for tail in tails]
+    grouped = dict(cached=shared, kv_cache_tokens=4096, cascade_min_shared_tokens=8)
+    tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True, **grouped)
+    want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False, **grouped)
     assert engine.stats()["cascade_steps"] >= GREEDY.max_tokens - 1  # the decodes did run in a group
     assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step, fused
     assert reference.runner.model.fused_decode.batches == 0
