@@ -5,9 +5,11 @@ Modes (same random weights, same inputs):
                SiLU, mul and the residual adds as separate torch ops
   fused-torch  fused qkv_proj / gate_up_proj GEMMs, the torch fallbacks of radixserve.model.fused
                (what RADIXSERVE_NO_EXT=1 runs)
-  fused        fused GEMMs and the csrc/layers.cpp kernels (the default); fp32 GEMMs of >= 16
-               rows on MKL's packed weights (radixserve.model.linear, RADIXSERVE_PACKED_LINEAR)
-  fused-unpacked  the same with every GEMM on F.linear (fp32 only; RADIXSERVE_PACKED_LINEAR=0)
+  fused        fused GEMMs and the csrc/layers.cpp kernels (the default); GEMMs on the packed
+               weights of radixserve.model.linear's backend (fp32: MKL's, from 16 rows; bf16 on
+               AMX: csrc/linear.cpp's AMX GEMM beyond 32 rows; RADIXSERVE_PACKED_LINEAR)
+  fused-unpacked  the same with every GEMM beyond the small-M kernel on F.linear
+               (RADIXSERVE_PACKED_LINEAR=0; where the dtype has a packed backend)
 Attention itself is the same in all modes and left out: a stub stores K/V into a pool layer
 (``index_copy_``; the CPU backend now has its own ``store_kv`` kernel) and returns q. Timed ``--repeats`` times with the modes
 interleaved; the median per layer forward is printed, the ratio old / fused, and how far each
@@ -125,7 +127,7 @@ def run(args) -> int:
     layer = layer.to(dtype).eval()
     old = _old_layer(layer)
     kernels = fused.kernels()
-    packed = lin.packed_ops() if dtype == torch.float32 and kernels is not None else None
+    packed = lin.packed_ops() if kernels is not None and lin.gemm_backend(dtype) != "none" else None
     modes = [m for m in MODES if (m != "fused" or kernels is not None) and (m != "fused-unpacked" or packed is not None)]
     if kernels is None:
         print("csrc/ kernels unavailable: timing old and fused-torch only", file=sys.stderr)

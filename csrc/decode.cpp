@@ -71,6 +71,13 @@ const c10::TypedOperatorHandle<OnednnFn>& onednn_op() {
   return op;
 }
 
+// The AMX GEMM over pack_amx's tiles (linear.cpp), likewise.
+using AmxFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool);
+const c10::TypedOperatorHandle<AmxFn>& amx_op() {
+  static const c10::TypedOperatorHandle<AmxFn> op = find_op<AmxFn>("radixserve_linear::amx_linear");
+  return op;
+}
+
 const Ops& ops() {
   static const Ops instance;  // (looked up once; the ops are registered when the library loads)
   return instance;
@@ -83,10 +90,12 @@ std::optional<at::Tensor> bias_of(const at::Tensor& b) {
 }
 
 // x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
-// oneDNN over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs).
+// the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
+// oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                    const at::Tensor& packed) {
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);
+  if (!packed.is_mkldnn()) return amx_op().call(x, packed, bias_of(b), false);
   return onednn_op().call(x, packed, bias_of(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
@@ -97,8 +106,8 @@ constexpr int64_t kPerLayer = 10;
 
 // x [T, hidden] (the embeddings; updated in place as the residual stream); params: kPerLayer
 // tensors per layer in that order (empty tensors for absent biases); packed: each layer's
-// oneDNN-prepacked qkv, o, gate_up and down weights for a batch beyond the small-M kernel's rows
-// (empty: none, the kernel runs); k_caches, v_caches: each
+// prepacked (oneDNN or AMX GEMM) qkv, o, gate_up and down weights for a batch beyond the small-M
+// kernel's rows (empty: none, the kernel runs); k_caches, v_caches: each
 // layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
 // FlashInfer-format metadata of a batch that is all on the decode kernel. prefix: empty, or, for a
 // batch whose rows are all decodes in cascade groups (in row order), the groups' shared-prefix

@@ -384,6 +384,116 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
     for (int j = 0; j < kAmxRows; ++j) row[j] = static_cast<Out>(col[j * 16] + (bias ? bias[n0 + j] : 0.0f));
   }
 }
+
+// ---- bf16 on AMX, any number of rows: a GEMM over a weight packed once into B tiles ----
+#if defined(__AVX512BF16__)
+#define RADIXSERVE_HAVE_AMX_GEMM 1
+//
+// y[M, N] = x[M, K] W^T: the transposed orientation of amx_block, for batches of more than
+// kAmxMaxM rows. A tiles are 16 rows x 32 k of x, loaded in place (x's row stride); B tiles are W
+// packed once (pack_amx) into [N/16][K/32][16 k pairs][16 columns][2], so one tile load reads a
+// contiguous 1 KiB. The micro-kernel keeps four C tiles (32 rows x 32 columns) over all of K: per
+// 32 k, two A and two B loads feed four tile products. Work: the columns cut into chunks (256
+// columns: a chunk's B tiles, 256-720 KiB for the bench model, stay in L2) times row chunks of
+// 256; tasks are column-major, so a thread's consecutive tasks reuse one chunk of B while its 32
+// rows of A sit in L1 across the chunk's column pairs. Row tails (M % 32) go through a zero-padded
+// copy of those rows. oneDNN's brgemm matmul (F.linear, or its prepacked copy) on the bench
+// model's shapes, 2 threads: 650-1,460 GFLOP/s at 64-512 rows and 900-1,000 on the K = 1408
+// down_proj up to 1,088 rows, against 1,500-2,700 here (bench/RESULTS.md section 27).
+constexpr int64_t kAmxGemmCols = 256;  // columns per chunk (a multiple of 32)
+constexpr int64_t kAmxGemmRows = 256;  // rows per chunk (a multiple of 32)
+constexpr int64_t kAmxTile = 16 * 32;  // bf16 values of one packed B tile
+
+template <typename Out>
+inline void amx_store_rows(const float* c, int rows, int cols, Out* y, int64_t ldy, const float* bias) {
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < cols; h += 16) {
+      __m512 v = _mm512_loadu_ps(c + r * 32 + h);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + h));
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_storeu_ps(y + r * ldy + h, v);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + h), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+// Rows [m0, m0 + rows) (rows <= 32; a contiguous A of row stride lda) times columns [n0, n1) of B.
+template <typename Out>
+void amx_gemm_rows(const uint16_t* a, int64_t lda, int rows, const uint16_t* b, int64_t kblocks, int64_t n0,
+                   int64_t n1, const float* bias, Out* y, int64_t ldy) {
+  alignas(64) float c[32 * 32];
+  const bool two = rows > 16;
+  for (int64_t n = n0; n < n1; n += 32) {
+    const uint16_t* b0 = b + (n / 16) * kblocks * kAmxTile;
+    const uint16_t* b1 = b0 + kblocks * kAmxTile;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      _tile_loadd(4, a + kb * 32, lda * 2);
+      _tile_loadd(6, b0 + kb * kAmxTile, 64);
+      _tile_loadd(7, b1 + kb * kAmxTile, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+      _tile_stored(2, c + 512, 128);
+      _tile_stored(3, c + 512 + 16, 128);
+    }
+    memory_barrier();
+    amx_store_rows<Out>(c, rows, 32, y + n, ldy, bias ? bias + n : nullptr);
+  }
+}
+
+template <typename Out>
+void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t M, int64_t K, int64_t N, const float* bias,
+              Out* y) {
+  const int64_t kblocks = K / 32;
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_chunks = (M + kAmxGemmRows - 1) / kAmxGemmRows;
+  int64_t cols = kAmxGemmCols;  // narrower chunks while there are fewer tasks than threads
+  while (cols > 32 && row_chunks * ((N + cols - 1) / cols) < threads) cols /= 2;
+  const int64_t col_chunks = (N + cols - 1) / cols;
+  at::parallel_for(0, row_chunks * col_chunks, 1, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
+    std::vector<uint16_t> tail;  // the zero-padded rows of a chunk's last, partial 32-row block
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t cc = task / row_chunks, rc = task % row_chunks;
+      const int64_t n0 = cc * cols, n1 = std::min(N, n0 + cols);
+      const int64_t m_end = std::min(M, (rc + 1) * kAmxGemmRows);
+      for (int64_t m = rc * kAmxGemmRows; m < m_end; m += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, m_end - m));
+        const uint16_t* a = x + m * ldx;
+        int64_t lda = ldx;
+        if (rows < 32) {
+          tail.assign(static_cast<size_t>(32 * K), 0);
+          for (int r = 0; r < rows; ++r) std::memcpy(tail.data() + r * K, a + r * ldx, static_cast<size_t>(K) * 2);
+          memory_barrier();
+          a = tail.data();
+          lda = K;
+        }
+        amx_gemm_rows<Out>(a, lda, rows, b, kblocks, n0, n1, bias, y + m * N, N);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // __AVX512BF16__
 #endif
 
 template <Dt D>
@@ -549,6 +659,29 @@ bool supports_fp32() {
 #endif
 }
 
+// The bias as float32 values: bias's own data when it is a contiguous float32 [N], else a copy in
+// ``storage`` (a std::vector: cheaper than a tensor op per call). nullptr without a bias.
+const float* bias_fp32(const c10::optional<torch::Tensor>& bias, int64_t N, at::ScalarType dtype,
+                       std::vector<float>& storage, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [N]=[", N, "], got ", bias->sizes());
+  const auto bt = bias->scalar_type();
+  TORCH_CHECK(bt == at::kFloat || bt == dtype, op, ": bias must be float32 or ", dtype, ", got ", bt);
+  if (bt == at::kFloat && bias->is_contiguous()) return bias->data_ptr<float>();
+  const auto bc = bias->contiguous();
+  storage.resize(static_cast<size_t>(N));
+  if (bt == at::kFloat) {
+    std::copy_n(bc.data_ptr<float>(), N, storage.data());
+  } else if (bt == at::kBFloat16) {
+    const auto* src = bc.data_ptr<c10::BFloat16>();
+    for (int64_t j = 0; j < N; ++j) storage[j] = static_cast<float>(src[j]);
+  } else {
+    const auto* src = bc.data_ptr<c10::Half>();
+    for (int64_t j = 0; j < N; ++j) storage[j] = static_cast<float>(src[j]);
+  }
+  return storage.data();
+}
+
 torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
                              const c10::optional<torch::Tensor>& bias, bool fp32_out, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear: CPU tensors only");
@@ -572,30 +705,8 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   const bool amx_ok = dtype == at::kBFloat16 && supports_amx() && M <= kAmxMaxM;
   TORCH_CHECK(impl != 2 || amx_ok, "linear: the AMX path needs bf16, at most 32 rows, and AMX");
   const bool amx = impl == 2 || (impl == 0 && amx_ok);
-  std::vector<float> bias_fp32;  // (a std::vector: cheaper than a tensor op per call)
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias must be [N]=[", N, "], got ",
-                bias->sizes());
-    const auto bt = bias->scalar_type();
-    TORCH_CHECK(bt == at::kFloat || bt == dtype, "linear: bias must be float32 or ", dtype, ", got ", bt);
-    if (bt == at::kFloat && bias->is_contiguous()) {
-      bp = bias->data_ptr<float>();
-    } else {
-      const auto bc = bias->contiguous();
-      bias_fp32.resize(static_cast<size_t>(N));
-      if (bt == at::kFloat) {
-        std::copy_n(bc.data_ptr<float>(), N, bias_fp32.data());
-      } else if (bt == at::kBFloat16) {
-        const auto* src = bc.data_ptr<c10::BFloat16>();
-        for (int64_t j = 0; j < N; ++j) bias_fp32[j] = static_cast<float>(src[j]);
-      } else {
-        const auto* src = bc.data_ptr<c10::Half>();
-        for (int64_t j = 0; j < N; ++j) bias_fp32[j] = static_cast<float>(src[j]);
-      }
-      bp = bias_fp32.data();
-    }
-  }
+  std::vector<float> bias_storage;
+  const float* bp = bias_fp32(bias, N, dtype, bias_storage, "linear");
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : dtype));
   if (M == 0) return y;
   const int64_t ldx = x.stride(0), ldw = weight.stride(0);
@@ -617,6 +728,73 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
     else
       run<Dt::fp16, c10::Half>(xp, ldx, wp, ldw, M, K, N, bp, y.data_ptr<c10::Half>(), false);
   }
+  return y;
+}
+
+// ---- bf16 on AMX: the packed weight and the GEMM over it (amx_gemm) ----
+
+bool supports_amx_gemm() {
+#if defined(RADIXSERVE_HAVE_AMX_GEMM)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// W [N, K] bf16 (N and K multiples of 32) -> [N/16, K/32, 16, 32] bf16: B tiles of 16 k pairs x 16
+// columns x 2, each tile's 1 KiB contiguous, a column block's K tiles in order.
+torch::Tensor pack_amx(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "pack_amx: weight must be a bfloat16 [N, K] CPU tensor, got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N > 0 && K > 0 && N % 32 == 0 && K % 32 == 0, "pack_amx: N and K must be positive multiples of 32, got ",
+              weight.sizes());
+  const auto w = weight.contiguous();
+  auto packed = torch::empty({N / 16, K / 32, 16, 32}, weight.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t kblocks = K / 32;
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        uint16_t* tile = dst + (nb * kblocks + kb) * 512;
+        for (int pair = 0; pair < 16; ++pair)
+          for (int col = 0; col < 16; ++col) {
+            const uint16_t* from = src + (nb * 16 + col) * K + kb * 32 + pair * 2;
+            tile[(pair * 16 + col) * 2] = from[0];
+            tile[(pair * 16 + col) * 2 + 1] = from[1];
+          }
+      }
+  });
+  return packed;
+}
+
+// y = x W^T (+ b) from pack_amx's packed W: x [M, K] bf16 (rows may be strided, the last dimension
+// contiguous), y [M, N] bf16, or float32 (the sums unrounded) with fp32_out.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                         bool fp32_out) {
+  TORCH_CHECK(supports_amx_gemm(), "amx_linear: this build or CPU has no AMX GEMM");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "amx_linear: x must be a bfloat16 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 32 && packed.is_contiguous(),
+              "amx_linear: packed must be the [N/16, K/32, 16, 32] tensor pack_amx returned, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 32 == K, "amx_linear: x has K=", K, " but the packed weight has K=", packed.size(1) * 32);
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) >= K, "amx_linear: x's rows must be contiguous and not overlap (strides ",
+              x.strides(), ")");
+  std::vector<float> bias_storage;
+  const float* bp = bias_fp32(bias, N, at::kBFloat16, bias_storage, "amx_linear");
+  auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+#if defined(RADIXSERVE_HAVE_AMX_GEMM)
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  if (fp32_out)
+    amx_gemm<float>(xp, x.stride(0), wp, M, K, N, bp, y.data_ptr<float>());
+  else
+    amx_gemm<c10::BFloat16>(xp, x.stride(0), wp, M, K, N, bp, y.data_ptr<c10::BFloat16>());
+#endif
   return y;
 }
 
@@ -730,7 +908,10 @@ TORCH_LIBRARY(radixserve_linear, m) {
   m.def("pack_fp32(Tensor weight, int rows=256) -> Tensor", &pack_fp32);  // (rows: see the top of the file)
   m.def("packed_linear(Tensor x, Tensor packed, int n, int k, Tensor? bias) -> Tensor", &packed_linear);
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out, int impl=0) -> Tensor", &small_m_linear);
+  m.def("pack_amx(Tensor weight) -> Tensor", &pack_amx);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, bool fp32_out=False) -> Tensor", &amx_linear);
   m.def("supports_amx() -> bool", &supports_amx);
+  m.def("supports_amx_gemm() -> bool", &supports_amx_gemm);
   m.def("supports_bf16() -> bool", &supports_bf16);
   m.def("supports_fp16() -> bool", &supports_fp16);
   m.def("supports_fp32() -> bool", &supports_fp32);

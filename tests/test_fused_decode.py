@@ -77,7 +77,7 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
         qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
         rows = len(prompts)
         with torch.inference_mode():  # (as the engine's forward runs)
-            onednn = lin.onednn_weight(rows, qkv.weight, qkv.bias, qkv.packed) is not None
+            onednn = lin.prepacked_weight(rows, qkv.weight, qkv.bias, qkv.packed) is not None
         fusable = rows <= lin.max_rows(qkv.weight.dtype) or onednn
         if fusable:
             assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step
@@ -88,6 +88,27 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
         assert len(logits) == len(want_logits)
         for step, (got, want) in enumerate(zip(logits, want_logits)):
             assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-biases"])
+def test_fused_decode_on_the_amx_gemm_equals_layer_by_layer(tmp_path, monkeypatch, name):
+    """bf16 decode batches beyond the kernel's rows run fused over the AMX GEMM's packed weights
+    (csrc/decode.cpp calls amx_linear, as linear() does layer by layer): the same logits."""
+    if lin.gemm_backend(torch.bfloat16) != "amx" or not torch.ops.radixserve_linear.supports_amx_gemm():
+        pytest.skip("no AMX GEMM here")
+    arch, overrides = MODELS[name]
+    model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))
+    prompts = random_prompts(tuple(3 + i % 7 for i in range(40)), seed=4)
+    tokens, logits, engine = _run(model_dir, "bfloat16", prompts, monkeypatch, fused=True)
+    want_tokens, want_logits, _ = _run(model_dir, "bfloat16", prompts, monkeypatch, fused=False)
+    qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    with torch.inference_mode():
+        packed = lin.prepacked_weight(40, qkv.weight, qkv.bias, qkv.packed)
+    assert packed is not None and packed.dim() == 4  # the AMX GEMM's tiles, not oneDNN's copy
+    assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits, strict=True)):
+        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -153,7 +174,7 @@ def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
     engine = Engine(llama_dir, dtype=dtype, kv_cache_tokens=512)
     qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
     with torch.inference_mode():
-        onednn = lin.onednn_weight(6, qkv.weight, qkv.bias, qkv.packed) is not None
+        onednn = lin.prepacked_weight(6, qkv.weight, qkv.bias, qkv.packed) is not None
     fused = 6 <= lin.max_rows(getattr(torch, dtype)) or onednn  # (the kernel takes 6 bf16 rows with AMX)
     assert result["fused_layers"] == fused
     assert ("decode_step_layers_ms" in result) == fused

@@ -742,31 +742,93 @@ def test_prepack_skips_what_never_packs(spy, monkeypatch):
     assert lin.prepack(torch.nn.Sequential(lin.Linear(32, 16))) == 0
 
 
+def _packed_kind(layer) -> str | None:
+    entry = layer.packed._entry
+    buf = None if entry is None else entry[2]
+    return None if buf is None else "onednn" if buf.is_mkldnn else "amx" if buf.dim() == 4 else "other"
+
+
 @needs_ext
-def test_bf16_on_amx_runs_33_to_128_rows_on_prepacked_onednn(fresh_state):
-    """With AMX, bf16 batches of MAX_ROWS+1 to ONEDNN_MAX_ROWS rows use a oneDNN-prepacked copy of
-    the weight (made once, remade when the weight changes); fewer rows keep the kernel, more
-    F.linear. Results match F.linear to bf16 rounding (oneDNN may sum in another order)."""
+@pytest.mark.parametrize("shape, kind, most", [((96, 160), "amx", None), ((100, 72), "onednn", "ONEDNN_MAX_ROWS")])
+def test_bf16_on_amx_runs_batches_beyond_the_kernel_on_a_prepacked_copy(fresh_state, shape, kind, most):
+    """With AMX, bf16 batches of more than MAX_ROWS rows use a packed copy of the weight (made
+    once, remade when the weight changes): the AMX GEMM's tiles when both sizes are multiples of
+    32, at every row count; otherwise oneDNN's prepacked copy up to ONEDNN_MAX_ROWS rows and
+    F.linear beyond. Fewer rows keep the kernel. Results match F.linear to bf16 rounding (the
+    GEMMs sum in other orders)."""
     if lin.gemm_backend(torch.bfloat16) != "amx":
         pytest.skip("no AMX here (or torch lacks the mkldnn linear ops): bf16 never takes this path")
+    if kind == "amx" and not torch.ops.radixserve_linear.supports_amx_gemm():
+        pytest.skip("this build has no AMX GEMM")
     g = torch.Generator().manual_seed(21)
-    layer = lin.Linear(96, 160, bias=True).bfloat16()
+    k, n = shape
+    layer = lin.Linear(k, n, bias=True).bfloat16()
+    hi = getattr(lin, most) if most else 1000
     with torch.inference_mode():
-        for rows in (lin.MAX_ROWS, lin.MAX_ROWS + 1, 64, lin.ONEDNN_MAX_ROWS, lin.ONEDNN_MAX_ROWS + 1):
-            x = torch.randn(rows, 96, generator=g).bfloat16()
+        for rows in (lin.MAX_ROWS, lin.MAX_ROWS + 1, 64, 128, 129, 300):
+            x = torch.randn(rows, k, generator=g).bfloat16()
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
-            entry = layer.packed._entry
-            packed = entry is not None and entry[2] is not None and entry[2].is_mkldnn
-            assert packed == (rows > lin.MAX_ROWS), rows  # made at the first batch in range, then kept
-        x3 = torch.randn(2, 40, 96, generator=g).bfloat16()  # 80 rows in a 3-D batch
+            assert _packed_kind(layer) == (kind if rows > lin.MAX_ROWS else None), rows  # made at the first batch in range
+            assert (lin.prepacked_weight(rows, layer.weight, layer.bias, layer.packed) is not None) == (
+                lin.MAX_ROWS < rows <= hi), rows
+        x3 = torch.randn(2, 40, k, generator=g).bfloat16()  # 80 rows in a 3-D batch
         torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
         old = layer.packed._entry[2]
     with torch.no_grad():
         layer.weight.mul_(2)  # an in-place write: the next batch repacks
     with torch.inference_mode():
-        x = torch.randn(64, 96, generator=g).bfloat16()
+        x = torch.randn(64, k, generator=g).bfloat16()
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=4e-2, rtol=2e-2)
         assert layer.packed._entry[2] is not old
+
+
+needs_amx_gemm = pytest.mark.skipif(ext is None or not torch.ops.radixserve_linear.supports_amx_gemm(),
+                                    reason="no AMX GEMM here (the CPU or the build)")
+
+
+@needs_amx_gemm
+@pytest.mark.parametrize("n, k", [(32, 32), (96, 64), (160, 96), (512, 1408)])
+def test_amx_gemm_equals_a_float64_product(n, k):
+    """amx_linear over pack_amx's tiles is x W^T (+ b) with fp32 sums: against a float64 product of
+    the same bf16 values, within fp32 rounding with fp32_out and within bf16's half ulp otherwise,
+    at row counts around its 32-row blocks and 256-row chunks, on strided rows, with and without a
+    bias (bf16 or fp32)."""
+    ops = torch.ops.radixserve_linear
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    packed = ops.pack_amx(w)
+    assert packed.shape == (n // 16, k // 32, 16, 32) and packed.dtype == torch.bfloat16
+    for rows in (1, 15, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 600):
+        wide = torch.randn(rows, k + 16, generator=g).bfloat16()
+        x = wide[:, 3:3 + k]  # strided rows (and not 64-byte aligned)
+        for bias in (None, torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g)):
+            want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+            got = ops.amx_linear(x, packed, bias, True)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+            rounded = ops.amx_linear(x, packed, bias, False)
+            assert rounded.dtype == torch.bfloat16
+            assert torch.equal(rounded, got.bfloat16()), rows  # the same sums, rounded to nearest even
+
+
+@needs_amx_gemm
+def test_amx_gemm_refuses_bad_input():
+    ops = torch.ops.radixserve_linear
+    w = torch.randn(64, 64).bfloat16()
+    packed = ops.pack_amx(w)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.pack_amx(torch.randn(48, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.pack_amx(torch.randn(64, 64))
+    with pytest.raises(RuntimeError, match="K=32"):
+        ops.amx_linear(torch.randn(4, 32).bfloat16(), packed, None, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_linear(torch.randn(4, 64), packed, None, False)
+    with pytest.raises(RuntimeError, match="pack_amx"):
+        ops.amx_linear(torch.randn(4, 64).bfloat16(), w, None, False)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.amx_linear(torch.randn(4, 64).bfloat16(), packed, torch.randn(63), False)
+    assert ops.amx_linear(torch.randn(0, 64).bfloat16(), packed, None, False).shape == (0, 64)
 
 
 needs_onednn = pytest.mark.skipif(not lin._has_onednn_ops(), reason="torch lacks the mkldnn linear ops")
@@ -855,8 +917,8 @@ def test_bf16_on_onednn_without_amx(monkeypatch):
 @needs_ext
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_onednn_weight_names_the_batches_linear_sends_to_onednn(monkeypatch, dtype):
-    """The fused decode path (csrc/decode.cpp) multiplies by onednn_weight's copy exactly where
+def test_prepacked_weight_names_the_batches_linear_sends_to_a_prepacked_copy(monkeypatch, dtype):
+    """The fused decode path (csrc/decode.cpp) multiplies by prepacked_weight's copy exactly where
     linear() would run oneDNN: for each row count, it returns the copy linear() used, or None
     where linear() took another path (the kernel, F.linear: a float64 bias, a weight that needs
     grad, an inference tensor)."""
@@ -882,13 +944,13 @@ def test_onednn_weight_names_the_batches_linear_sends_to_onednn(monkeypatch, dty
                     layer(x)
                 except RuntimeError:  # (F.linear refuses the float64 bias with bf16 input)
                     assert name == "f64 bias"
-                buf = lin.onednn_weight(rows, layer.weight, layer.bias, layer.packed)
+                buf = lin.prepacked_weight(rows, layer.weight, layer.bias, layer.packed)
             assert (buf is not None) == (rows_seen == [rows]), (name, rows)
             if buf is not None:
                 assert buf is layer.packed._entry[2]
     # the kernel's rows and the weights linear() never packs: None; the plain layer beyond them: a copy
     with torch.inference_mode():
-        assert lin.onednn_weight(lin.max_rows(dtype) + 5, layers["plain"].weight, layers["plain"].bias,
+        assert lin.prepacked_weight(lin.max_rows(dtype) + 5, layers["plain"].weight, layers["plain"].bias,
                                  layers["plain"].packed) is not None
 
 

@@ -19,8 +19,8 @@ It runs when all of these hold, and the layers run one by one otherwise:
   two, as the backend does), the KV pool in the model's
   dtype, and a row count at which the linear layers take the path ``decode_layers`` runs, as
   they would layer by layer: the small-M kernel (at most :func:`radixserve.model.linear.max_rows`
-  rows), or oneDNN over every weight's prepacked copy
-  (:func:`radixserve.model.linear.onednn_weight`; larger decode batches where oneDNN is the GEMM).
+  rows), or the GEMM over every weight's prepacked copy (oneDNN's, or the AMX GEMM's:
+  :func:`radixserve.model.linear.prepacked_weight`; larger decode batches).
 
 ``RADIXSERVE_FUSED_DECODE=0`` turns it off (``python -m bench roofline`` compares the two, step by
 step).
@@ -64,7 +64,7 @@ class FusedDecode:
         self._ext: Any = None  # the extension module (radixserve.attention.cpu_ext.load)
         self.batches = 0  # batches whose layers ran in one call
         self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight]] = []
-        self._not_onednn: set[int] = set()  # row counts some linear layer does not run on oneDNN
+        self._not_prepacked: set[int] = set()  # row counts some linear layer runs on no prepacked copy
 
     def __deepcopy__(self, memo) -> FusedDecode:
         return FusedDecode()  # (a copy of the model has parameters of its own: check and build again)
@@ -89,7 +89,7 @@ class FusedDecode:
             self._params = self._build(model, x.dtype)
             if self._params is False:
                 return None
-        packed = self._onednn(rows) if rows > lin.max_rows(x.dtype) else []
+        packed = self._prepacked(rows) if rows > lin.max_rows(x.dtype) else []
         if packed is None:
             return None
         heads, kv_heads, head_dim, eps = self._shape
@@ -100,17 +100,17 @@ class FusedDecode:
             args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale,
             list(args.prefix))
 
-    def _onednn(self, rows: int) -> list[torch.Tensor] | None:
-        """Each layer's oneDNN-prepacked qkv, o, gate_up and down weights, when
-        :func:`radixserve.model.linear.linear` takes oneDNN for every one of them at ``rows`` rows;
-        else None (the row counts found so are remembered)."""
-        if rows in self._not_onednn:
+    def _prepacked(self, rows: int) -> list[torch.Tensor] | None:
+        """Each layer's prepacked qkv, o, gate_up and down weights (oneDNN's or the AMX GEMM's),
+        when :func:`radixserve.model.linear.linear` takes a prepacked copy for every one of them at
+        ``rows`` rows; else None (the row counts found so are remembered)."""
+        if rows in self._not_prepacked:
             return None
         out = []
         for weight, bias, cache in self._linears:
-            buf = lin.onednn_weight(rows, weight, bias, cache)
+            buf = lin.prepacked_weight(rows, weight, bias, cache)
             if buf is None:
-                self._not_onednn.add(rows)
+                self._not_prepacked.add(rows)
                 return None
             out.append(buf)
         return out

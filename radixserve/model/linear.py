@@ -60,9 +60,15 @@ bf16 weights on a CPU without AMX where MKL wins take the same packed fp32 GEMM 
 more than :data:`MAX_ROWS_VECTOR` rows (fewer go to the bf16 vector kernel): the weight is widened
 to fp32 once (exactly) and packed, the rows are widened per call, and the fp32 sums are rounded to
 bf16: the arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation
-order. The packed copy costs twice the bf16 weight memory. With AMX, bf16 stays on oneDNN (AMX
-tiles), and batches of :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows (a fleet's decode
-steps and their logits) use the oneDNN-prepacked copy.
+order. The packed copy costs twice the bf16 weight memory.
+
+With AMX, bf16 batches of more than :data:`MAX_ROWS` rows run csrc/linear.cpp's AMX GEMM over a
+copy of the weight packed into AMX tiles (``pack_amx`` / ``amx_linear``; weights whose two sizes
+are multiples of 32, every Llama-family projection and output embedding in practice): oneDNN's
+bf16 GEMM has slow regimes on these shapes (650-1,460 GFLOP/s at 64-512 rows, ~1,000 on a K = 1408
+down_proj up to 1,088 rows, against 1,500-2,700 for the AMX GEMM; bench/RESULTS.md section 27).
+Other shapes keep oneDNN's prepacked copy for :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS`
+rows and ``F.linear`` beyond. Either copy is as large as the weight.
 """
 
 from __future__ import annotations
@@ -126,6 +132,7 @@ ONEDNN_FP32_MIN_ROWS = 1
 # with AMX; fewer than MAX_ROWS + 1 go to the kernel. F.linear hands oneDNN the plain weight every
 # call: 2 threads, the bench model's five shapes, F.linear time / prepacked time at 33 / 64 / 128
 # rows: 1.39-1.86 / 1.25-2.02 / 1.17-1.73; from 256 rows some shapes lose (0.69-0.81 at 256-320).
+# (Only for weights the AMX GEMM cannot take: see _amx_shape.)
 ONEDNN_MAX_ROWS = 128
 POLICIES = ("off", "exact", "all")
 
@@ -267,8 +274,9 @@ def _release(nbytes: int) -> None:
 
 
 class PackedWeight:
-    """The packed copy of one weight for its GEMM backend (MKL's packed fp32, or oneDNN's prepacked
-    layout; :func:`gemm_backend`), rebuilt when the weight or the backend changes.
+    """The packed copy of one weight for its GEMM backend (MKL's packed fp32, oneDNN's prepacked
+    layout, or the AMX GEMM's tiles; :func:`gemm_backend`), rebuilt when the weight or the backend
+    changes.
 
     Not a tensor attribute of the module (so not in ``state_dict``, ``parameters()`` or what
     ``Module.to`` moves). :meth:`get` returns the packed tensor for ``weight`` (None: use
@@ -299,14 +307,17 @@ class PackedWeight:
         if entry is not None and entry[0]() is weight and entry[1] == key:
             return entry[2]
         self._entry = None  # free the stale copy before packing the new one
-        onednn = backend in ("onednn", "amx")
+        amx = backend == "amx" and _amx_shape(weight)
+        onednn = backend in ("onednn", "amx") and not amx
         widened = backend == "widen"
-        # (MKL's packed copy is about the fp32 weight's size, oneDNN's the weight's own)
-        nbytes = (weight.element_size() if onednn else 4) * weight.numel()
+        # (MKL's packed copy is about the fp32 weight's size, oneDNN's and the AMX GEMM's the weight's own)
+        nbytes = (weight.element_size() if onednn or amx else 4) * weight.numel()
         if not _reserve(nbytes):
             self._entry = (weakref.ref(weight), key, None)
             return None
-        if onednn:
+        if amx:
+            packed = ops.pack_amx(weight.detach())
+        elif onednn:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:
             packed = ops.pack_fp32(weight.detach().float() if widened else weight.detach())
@@ -319,6 +330,12 @@ class PackedWeight:
                 log.info("%s linear %dx%d: the packed GEMM is not bit-identical to F.linear at this shape; "
                          "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)",
                          str(weight.dtype).removeprefix("torch."), *weight.shape)
+        elif amx:
+            if not _state.get("amx_logged"):
+                _state["amx_logged"] = True
+                log.info("bf16 linear layers: keeping AMX-packed copies of the weights for batches of more than %d "
+                         "rows (as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off",
+                         MAX_ROWS)
         elif onednn:
             if not _state.get(("onednn_logged", weight.dtype)):
                 _state[("onednn_logged", weight.dtype)] = True
@@ -407,7 +424,8 @@ def gemm_backend(dtype: torch.dtype) -> str:
     (decided once per process, logged): ``"mkl"`` (fp32: MKL's packed GEMM, :data:`PACKED_MIN_ROWS`
     to :data:`PACKED_MAX_ROWS` rows), ``"widen"`` (bf16 without AMX: the same, on the widened weight,
     from :data:`MAX_ROWS_VECTOR` + 1 rows), ``"onednn"`` (oneDNN over a prepacked weight: fp32 from
-    one row, bf16 without AMX from :data:`MAX_ROWS_VECTOR` + 1 rows), ``"amx"`` (bf16 with AMX:
+    one row, bf16 without AMX from :data:`MAX_ROWS_VECTOR` + 1 rows), ``"amx"`` (bf16 with AMX: the
+    AMX GEMM over a packed copy from :data:`MAX_ROWS` + 1 rows, or for shapes it does not take
     oneDNN prepacked for :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS` rows) or ``"none"``
     (``F.linear`` for all of them: no extension, packing off, fp16).
 
@@ -458,9 +476,23 @@ def _choose_backend(dtype: torch.dtype) -> str:
     return choice
 
 
-def packed_row_range(dtype: torch.dtype) -> tuple[int, int]:
-    """Rows of a batch of ``dtype`` that take the packed copy, inclusive (see :func:`gemm_backend`)."""
+def _amx_shape(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (bf16, on a CPU whose backend is ``"amx"``) takes the AMX GEMM: both sizes
+    multiples of 32 and the extension built with it."""
+    if weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32:
+        return False
+    if "amx_gemm" not in _state:  # (asked once: this runs on every product)
+        ops = packed_ops()
+        _state["amx_gemm"] = ops is not None and bool(ops.supports_amx_gemm())
+    return bool(_state["amx_gemm"])
+
+
+def packed_row_range(dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple[int, int]:
+    """Rows of a batch of ``dtype`` that take the packed copy, inclusive (see :func:`gemm_backend`);
+    with ``weight``, for that weight's shape (bf16 on AMX: the AMX GEMM's range or oneDNN's)."""
     backend = gemm_backend(dtype)
+    if backend == "amx" and weight is not None and _amx_shape(weight):
+        return MAX_ROWS + 1, 1 << 62
     if backend == "mkl":
         return PACKED_MIN_ROWS, PACKED_MAX_ROWS
     if backend == "onednn" and dtype == torch.float32:
@@ -521,7 +553,7 @@ def _packed_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _packed_rows(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a batch of ``rows`` rows of the weight's dtype (and device, not requiring grad)
     takes ``weight``'s packed copy in :func:`linear`: the checks that need only the batch's
-    shape, so that :func:`onednn_weight` makes no tensor to ask."""
+    shape, so that :func:`prepacked_weight` makes no tensor to ask."""
     if not weight.is_cpu or weight.dtype not in (torch.float32, torch.bfloat16) or rows <= 0:
         return False
     if weight.dtype == torch.float32:
@@ -534,7 +566,7 @@ def _packed_rows(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             return False
         if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_cpu):
             return False
-    lo, hi = packed_row_range(weight.dtype)
+    lo, hi = packed_row_range(weight.dtype, weight)
     if not lo <= rows <= hi:
         return False
     if weight.dim() != 2 or weight.stride(-1) != 1 or weight.is_inference():
@@ -554,6 +586,11 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     n, k = weight.shape
     if buf.is_mkldnn:  # oneDNN over the prepacked weight
         return _onednn_linear(x, buf, None if bias is None else bias.to(weight.dtype))
+    if buf.dim() == 4:  # the AMX GEMM's packed tiles (pack_amx)
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return ops.amx_linear(rows, buf, bias, False).view(*x.shape[:-1], n)
     if weight.dtype == torch.bfloat16:  # widened: fp32 rows in, fp32 sums rounded to bf16 out
         fb = None if bias is None else bias.float()
         return ops.packed_linear(x.reshape(-1, k).float(), buf, n, k, fb).view(*x.shape[:-1], n).to(x.dtype)
@@ -565,16 +602,16 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return ops.packed_linear(rows, buf, n, k, bias).view(*x.shape[:-1], n)
 
 
-def onednn_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
-                  packed: PackedWeight) -> torch.Tensor | None:
-    """The oneDNN-prepacked copy of ``weight`` that :func:`linear` multiplies a batch of ``rows``
-    rows (of the weight's dtype) by, or None when it would take another path for that batch
-    (the small-M kernel, MKL, F.linear). For callers that run the same products natively
-    (csrc/decode.cpp), so that they stay bit-identical to :func:`linear`."""
+def prepacked_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                     packed: PackedWeight) -> torch.Tensor | None:
+    """The prepacked copy of ``weight`` (oneDNN's, or the AMX GEMM's 4-D tiles) that :func:`linear`
+    multiplies a batch of ``rows`` rows (of the weight's dtype) by, or None when it would take
+    another path for that batch (the small-M kernel, MKL, F.linear). For callers that run the same
+    products natively (csrc/decode.cpp), so that they stay bit-identical to :func:`linear`."""
     if rows <= max_rows(weight.dtype) or not _packed_rows(rows, weight, bias):
         return None
     buf = packed.get(weight, packed_ops())
-    return buf if buf is not None and buf.is_mkldnn else None
+    return buf if buf is not None and (buf.is_mkldnn or buf.dim() == 4) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
