@@ -11,7 +11,9 @@
 // Registered as torch.ops.radixserve_layers.* (the extension's pybind module is attention.cpp's).
 //
 // Inner loops have fixed-width blocks (16 floats) so -O3 -march=native vectorises them; bf16 is
-// widened to fp32 by a shift and narrowed by round-to-nearest-even, as c10::BFloat16 does.
+// widened to fp32 by a shift and narrowed by round-to-nearest-even, as c10::BFloat16 does. With
+// AVX-512 the bf16 loops are written with intrinsics instead (the compiler's code for the scalar
+// rounding was 2-3x slower), narrowing with vcvtneps2bf16 where the CPU has AVX512-BF16.
 // Contraction into FMA is off in this file so fp32 results equal torch's separate mul/add;
 // -fno-trapping-math (no effect on results) lets the float->int conversion of exp vectorise.
 
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "avx512_math.h"
@@ -75,6 +78,96 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(1) == 1, name, " must have a contiguous last dimension");
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
+#define RADIXSERVE_LAYERS_AVX512 1
+// 16 lanes in and out: fp32 as is, bf16 (raw 16-bit) widened by a shift and narrowed by
+// round-to-nearest-even (NaN -> 0x7fc0), exactly as Cvt<at::BFloat16> does one value.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// v rounded to bf16 by integer arithmetic (nearest even; NaN -> 0x7fc0), in the low 16 bits of
+// each lane: Cvt<at::BFloat16>::out on 16 lanes.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+#if defined(__AVX512BF16__)
+// One vcvtneps2bf16: the same rounding (nearest even) in one instruction instead of about eight;
+// it treats fp32 denormals (below 1.2e-38) as zero and keeps a NaN's sign and payload (a NaN
+// still). bench/RESULTS.md section 27: bf16 add_rms_norm 2-3x faster.
+inline __m256i bf16_round(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+#else
+inline __m256i bf16_round(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits(v)); }
+#endif
+// v rounded to the dtype of the pointer and widened back, in registers: what store16 and load16
+// give, without the round trip (a masked store does not forward to the load that follows it).
+inline __m512 round16(float*, __m512 v) { return v; }  // (fp32: nothing to round)
+inline __m512 round16(uint16_t*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+}
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {  // round to nearest even
+  _mm256_mask_storeu_epi16(p, m, bf16_round(v));
+}
+#endif
+
+#ifdef RADIXSERVE_LAYERS_AVX512
+// add_rms_norm's rows [begin, end) on 16 lanes, with the scalar loop's arithmetic in the same order
+// (lane l sums the squares of elements l, l + 16, ...; the lanes are then added 0..15; no FMAs),
+// so results are bit-identical to it.
+template <typename R>
+void add_rms_norm_rows_avx512(R* xp, int64_t xs, const R* rp, int64_t rs, const R* wp, R* op, int64_t os, int64_t h,
+                              float eps, int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) {
+    R* xr = xp + row * xs;
+    R* orow = op + row * os;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += kLanes) {
+      const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(h - i, kLanes)));
+      __m512 v = load16(xr + i, m);
+      if (rp != nullptr) {
+        v = round16(xr, _mm512_add_ps(v, load16(rp + row * rs + i, m)));  // the sum as stored, as the scalar loop squares it
+        store16(xr + i, v, m);
+      }
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    alignas(64) float lanes[kLanes];
+    _mm512_store_ps(lanes, acc);
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+    const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(sum / static_cast<float>(h) + eps));
+    for (int64_t i = 0; i < h; i += kLanes) {
+      const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(h - i, kLanes)));
+      const __m512 normed = round16(orow, _mm512_mul_ps(load16(xr + i, m), scale));  // rounded to the dtype,
+      store16(orow + i, _mm512_mul_ps(normed, load16(wp + i, m)), m);                  // then times the weight
+    }
+  }
+}
+
+// rope's items [begin, end) of (token, head) on 16 lanes: the scalar loop's products and sums
+// (no FMAs), so results are bit-identical to it.
+template <typename R>
+void rope_items_avx512(R* qp, R* kp, const R* cp, const R* sp, int64_t qs0, int64_t qs1, int64_t ks0, int64_t ks1,
+                       int64_t cs, int64_t ss, int64_t hq, int64_t heads, int64_t half, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t tok = item / heads, head = item % heads;
+    R* x = head < hq ? qp + tok * qs0 + head * qs1 : kp + tok * ks0 + (head - hq) * ks1;
+    R* x2 = x + half;
+    const R* c = cp + tok * cs;
+    const R* sn = sp + tok * ss;
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(half - i, kLanes)));
+      const __m512 a = load16(x + i, m), b = load16(x2 + i, m), ci = load16(c + i, m), si = load16(sn + i, m);
+      store16(x + i, _mm512_sub_ps(_mm512_mul_ps(a, ci), _mm512_mul_ps(b, si)), m);
+      store16(x2 + i, _mm512_add_ps(_mm512_mul_ps(b, ci), _mm512_mul_ps(a, si)), m);
+    }
+  }
+}
+#endif
+
 template <typename T>
 void add_rms_norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
                        double eps, const at::Tensor& out) {
@@ -89,6 +182,12 @@ void add_rms_norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& res
   const int64_t blocks = h / kLanes * kLanes;
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
+#ifdef RADIXSERVE_LAYERS_AVX512
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // (fp32 auto-vectorises; bf16's scalar rounding did not)
+      add_rms_norm_rows_avx512(xp, xs, rp, rs, wp, op, os, h, feps, begin, end);
+      return;
+    }
+#endif
     for (int64_t row = begin; row < end; ++row) {
       R* xr = xp + row * xs;
       R* orow = op + row * os;
@@ -161,6 +260,12 @@ void rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, 
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
   at::parallel_for(0, t * heads, grain_rows(2 * half), [&](int64_t begin, int64_t end) {
+#ifdef RADIXSERVE_LAYERS_AVX512
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      rope_items_avx512(qp, kp, cp, sp, qs0, qs1, ks0, ks1, cs, ss, hq, heads, half, begin, end);
+      return;
+    }
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tok = item / heads, head = item % heads;
       R* x = head < hq ? qp + tok * qs0 + head * qs1 : kp + tok * ks0 + (head - hq) * ks1;
@@ -218,31 +323,30 @@ inline float exp_poly(float x) {
   return p * scale;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-#define RADIXSERVE_SILU_AVX512 1
+#ifdef RADIXSERVE_LAYERS_AVX512
 // 16 lanes of silu(g) * u with explicit FMAs: e^-x as 2^t, t = -x log2(e), by a degree-6
 // polynomial of t - round(t) (relative error ~1.2e-7) scaled by vscalefps (x > 87: e^-x -> 0;
 // x < -88.7: inf, so silu -> -0). About 2.5x faster than the scalar code's auto-vectorised
 // loop; within a few ulps of it (6e-7 relative at most over [-6, 6]). NaN stays NaN.
+// Reciprocal: with a bf16 output the division is a vrcp14ps estimate and one Newton step
+// (relative error ~1e-7, far below bf16's 2^-9); fp32 keeps the exact vdivps. The division was
+// about half of the op's time (bench/RESULTS.md section 27).
+template <bool Reciprocal>
 inline __m512 silu_mul_v(__m512 x, __m512 u) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-87.0f)),
                                  _mm512_set1_ps(1.44269504088896341f));
   const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), radixserve::exp2_poly<6>(t));
-  return _mm512_mul_ps(_mm512_div_ps(x, d), u);
+  if constexpr (Reciprocal) {
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    // d = inf (x < -88.7): the Newton step made NaN; 1/d is 0, so silu -> -0 as with the division
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), r, _mm512_setzero_ps());
+    return _mm512_mul_ps(_mm512_mul_ps(x, r), u);
+  } else {
+    return _mm512_mul_ps(_mm512_div_ps(x, d), u);
+  }
 }
 
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) {  // round to nearest even; NaN -> 0x7fc0
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
 #endif
 
 template <typename T>
@@ -258,10 +362,10 @@ void silu_and_mul_impl(const at::Tensor& gate_up, const at::Tensor& out) {
       const R* g = gp + row * gs;
       const R* u = g + inter;
       R* o = op + row * os;
-#ifdef RADIXSERVE_SILU_AVX512
+#ifdef RADIXSERVE_LAYERS_AVX512
       for (int64_t i = 0; i < inter; i += 16) {
         const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(inter - i, 16)));
-        store16(o + i, silu_mul_v(load16(g + i, m), load16(u + i, m)), m);
+        store16(o + i, silu_mul_v<std::is_same_v<T, at::BFloat16>>(load16(g + i, m), load16(u + i, m)), m);
       }
 #else
       for (int64_t i = 0; i < inter; ++i) {
