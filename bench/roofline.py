@@ -13,7 +13,9 @@ agent fleet under one system prompt does.
 Where radixserve's linear layers send the batch to the small-M kernel
 (``radixserve.model.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
 steps alternate between the kernel and the path the layers take without it (``F.linear``, or
-oneDNN's prepacked GEMM), step by step on the same requests, and both medians are printed.
+oneDNN's prepacked GEMM), step by step on the same requests, and both medians are printed. bf16
+on AMX takes csrc/linear.cpp's AMX GEMM over packed weights at every row count instead of the
+kernel ("amx"); its alternate steps run ``F.linear`` with no packed copies.
 Where the decoder layers of a step run in one native call (``radixserve.model.fused_decode``,
 the default), another set of steps runs the same operators layer by layer from Python, and its
 median is printed too. ``--gemv`` adds a table of the bench model's linear shapes at several
@@ -168,18 +170,22 @@ def run(args) -> int:
     engine = Engine(args.model, dtype=args.dtype, max_running=args.batch, seed=0)
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # A/B: the decode steps alternate between the kernel and the path without it (when the kernel
-    # takes batches of this many rows of this dtype): F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
+    # A/B: the decode steps alternate between the fast path (the small-M kernel, or bf16 on AMX the
+    # AMX GEMM) and the path without it (when it takes batches of this many rows of this dtype):
+    # F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
     param_dtype = next(model.parameters()).dtype
-    kernel = lin.kernel() if 0 < args.batch <= lin.max_rows(param_dtype) else None
+    # bf16 on AMX: the AMX GEMM over packed weights at every row count (where the model's sizes allow)
+    amx = lin._amx_first(model.model.layers[0].self_attn.qkv_proj.weight)
+    kernel = lin.kernel() if amx or 0 < args.batch <= lin.max_rows(param_dtype) else None
+    packed_ops = lin._state.get("packed")
     lo, hi = lin.packed_row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
-    onednn = lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
+    onednn = not amx and lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
     fallback = "oneDNN" if onednn else "F.linear"
     # ... and between the decoder layers in one native call (radixserve.model.fused_decode, the
     # default, which the steps without the kernel do not take) and layer by layer
     was_enabled = model.fused_decode.enabled
     fused = was_enabled and fused_decode.unsupported(model, param_dtype) is None
-    first = "kernel" if kernel is not None else fallback
+    first = "amx" if amx else "kernel" if kernel is not None else fallback
     modes = [first] + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
     span = min(1000, model.config.vocab_size - 7)  # ids 7.. skip the special tokens
     shared = [7 + (j * 104729 + 13) % span for j in range(args.shared_prefix)]
@@ -200,6 +206,8 @@ def run(args) -> int:
             mode = modes[step_no % len(modes)]
             if kernel is not None:
                 lin._state["op"] = None if mode == fallback else kernel
+                if amx:  # (F.linear's steps: no packed copies either)
+                    lin._state["packed"] = None if mode == fallback else packed_ops
             model.fused_decode.enabled = fused and mode == first
             start = time.perf_counter()
             engine.step()
@@ -208,6 +216,8 @@ def run(args) -> int:
     finally:
         if kernel is not None:
             lin._state["op"] = kernel
+            if amx:
+                lin._state["packed"] = packed_ops
         model.fused_decode.enabled = was_enabled
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches
@@ -243,7 +253,7 @@ def run(args) -> int:
               f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)")
     if kernel is not None:
         print(f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
-              f"{result['ratio_fallback']:.2f}x the floor (kernel step {steps[fallback] / step:.2f}x faster)")
+              f"{result['ratio_fallback']:.2f}x the floor ({first} step {steps[fallback] / step:.2f}x faster)")
     if table is not None:
         print_gemv(table, args.dtype, args.threads)
     return 0

@@ -106,8 +106,8 @@ constexpr int64_t kPerLayer = 10;
 
 // x [T, hidden] (the embeddings; updated in place as the residual stream); params: kPerLayer
 // tensors per layer in that order (empty tensors for absent biases); packed: each layer's
-// prepacked (oneDNN or AMX GEMM) qkv, o, gate_up and down weights for a batch beyond the small-M
-// kernel's rows (empty: none, the kernel runs); k_caches, v_caches: each
+// prepacked (oneDNN or AMX GEMM) qkv, o, gate_up and down weights, an empty tensor for a weight
+// on the small-M kernel (an empty list: all of them on the kernel); k_caches, v_caches: each
 // layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
 // FlashInfer-format metadata of a batch that is all on the decode kernel. prefix: empty, or, for a
 // batch whose rows are all decodes in cascade groups (in row order), the groups' shared-prefix

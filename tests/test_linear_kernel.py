@@ -231,10 +231,11 @@ def test_state_dict_is_nn_linears():
 
 @needs_ext
 def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatch):
-    """bf16 greedy tokens with the fast paths (the small-M kernel; without AMX also the widened
-    packed GEMM) vs with F.linear everywhere: the sums are added in another order, so near-ties may
-    flip; most requests must agree token for token (measured: 10 of 12 here, before the logits
-    were rounded alike on both paths)."""
+    """bf16 greedy tokens with the fast paths (the small-M kernel; with AMX the AMX GEMM, which
+    takes this model's weights at every row count; without AMX also the widened packed GEMM) vs
+    with F.linear everywhere: the sums are added in another order, so near-ties may flip; most
+    requests must agree token for token (measured: 10 of 12 here, before the logits were rounded
+    alike on both paths)."""
     from conftest import random_prompts
 
     from radixserve import Engine, SamplingParams
@@ -254,7 +255,11 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
     onednn_rows = spy_onednn(monkeypatch)
     with_kernel = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     assert all(n <= lin.max_rows(torch.bfloat16) for n in calls)
-    if lin.max_rows(torch.bfloat16) >= len(prompts):  # (AMX: the decode steps, 12 rows, on the kernel)
+    if lin.gemm_backend(torch.bfloat16) == "amx" and torch.ops.radixserve_linear.supports_amx_gemm():
+        # every product on the AMX GEMM (the tiny model's sizes are multiples of 32): prefills and
+        # the 12-row decode steps (layer by layer for the logits; decode.cpp for the layers)
+        assert not calls and 12 in widened.calls and max(widened.calls) > lin.MAX_ROWS, widened.calls[:20]
+    elif lin.max_rows(torch.bfloat16) >= len(prompts):  # (AMX: the decode steps, 12 rows, on the kernel)
         assert calls, "the bf16 decode steps did not use the kernel"
     else:  # no AMX: batches of more than MAX_ROWS_VECTOR rows widened or on oneDNN, whichever is faster here
         rows = widened.calls if lin.gemm_backend(torch.bfloat16) == "widen" else onednn_rows
@@ -284,7 +289,9 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys, dtype)
     assert result["decode_step_ms"] > 0 and result["floor_ms"] > 0
     assert len(result["gemv"]) == 7 * 2 and all(r["torch_ms"] > 0 and r["torch_fp32_gb_s"] > 0 for r in result["gemv"])
     if lin.kernel() is not None:
-        assert result["linear"] == "kernel" and result["decode_step_fallback_ms"] > 0
+        amx = dtype == "bfloat16" and lin.gemm_backend(torch.bfloat16) == "amx" and \
+            torch.ops.radixserve_linear.supports_amx_gemm()  # (the tiny model's sizes are multiples of 32)
+        assert result["linear"] == ("amx" if amx else "kernel") and result["decode_step_fallback_ms"] > 0
         assert result["fallback"] == "F.linear"
         assert all(r["kernel_ms"] > 0 and r["dispatched"] for r in result["gemv"])
         # bf16: the kernel steps ran the layers in one native call, the "layers" steps one by one
@@ -463,6 +470,10 @@ class _Spy:
     def packed_linear(self, x, p, n, k, b):
         self.calls.append(x.shape[0])
         return self.real.packed_linear(x, p, n, k, b)
+
+    def amx_linear(self, x, p, b, fp32_out):
+        self.calls.append(x.shape[0])
+        return self.real.amx_linear(x, p, b, fp32_out)
 
     def __getattr__(self, name):  # supports_amx and the rest: the real ops
         return getattr(self.real, name)
@@ -749,13 +760,13 @@ def _packed_kind(layer) -> str | None:
 
 
 @needs_ext
-@pytest.mark.parametrize("shape, kind, most", [((96, 160), "amx", None), ((100, 72), "onednn", "ONEDNN_MAX_ROWS")])
-def test_bf16_on_amx_runs_batches_beyond_the_kernel_on_a_prepacked_copy(fresh_state, shape, kind, most):
-    """With AMX, bf16 batches of more than MAX_ROWS rows use a packed copy of the weight (made
-    once, remade when the weight changes): the AMX GEMM's tiles when both sizes are multiples of
-    32, at every row count; otherwise oneDNN's prepacked copy up to ONEDNN_MAX_ROWS rows and
-    F.linear beyond. Fewer rows keep the kernel. Results match F.linear to bf16 rounding (the
-    GEMMs sum in other orders)."""
+@pytest.mark.parametrize("shape, kind", [((96, 160), "amx"), ((100, 72), "onednn")])
+def test_bf16_on_amx_runs_on_a_prepacked_copy(fresh_state, shape, kind):
+    """With AMX, bf16 products use a packed copy of the weight (made once, remade when the weight
+    changes): the AMX GEMM's tiles when both sizes are multiples of 32, at every row count (the
+    small-M kernel's rows too); otherwise oneDNN's prepacked copy for MAX_ROWS + 1 to
+    ONEDNN_MAX_ROWS rows, the kernel below and F.linear above. Results match F.linear to bf16
+    rounding (the GEMMs sum in other orders)."""
     if lin.gemm_backend(torch.bfloat16) != "amx":
         pytest.skip("no AMX here (or torch lacks the mkldnn linear ops): bf16 never takes this path")
     if kind == "amx" and not torch.ops.radixserve_linear.supports_amx_gemm():
@@ -763,14 +774,18 @@ def test_bf16_on_amx_runs_batches_beyond_the_kernel_on_a_prepacked_copy(fresh_st
     g = torch.Generator().manual_seed(21)
     k, n = shape
     layer = lin.Linear(k, n, bias=True).bfloat16()
-    hi = getattr(lin, most) if most else 1000
+    lo, hi = (1, 1000) if kind == "amx" else (lin.MAX_ROWS + 1, lin.ONEDNN_MAX_ROWS)
     with torch.inference_mode():
-        for rows in (lin.MAX_ROWS, lin.MAX_ROWS + 1, 64, 128, 129, 300):
+        for rows in (1, 7, lin.MAX_ROWS, lin.MAX_ROWS + 1, 64, 128, 129, 300):
             x = torch.randn(rows, k, generator=g).bfloat16()
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
-            assert _packed_kind(layer) == (kind if rows > lin.MAX_ROWS else None), rows  # made at the first batch in range
+            assert _packed_kind(layer) == (kind if rows >= lo else None), rows  # made at the first batch in range
             assert (lin.prepacked_weight(rows, layer.weight, layer.bias, layer.packed) is not None) == (
-                lin.MAX_ROWS < rows <= hi), rows
+                lo <= rows <= hi), rows
+        sums = lin.linear(x, layer.weight, layer.bias, fp32_out=True, packed=layer.packed)
+        assert sums.dtype == torch.float32  # (the AMX GEMM's unrounded sums; the others' cast)
+        torch.testing.assert_close(sums, F.linear(x.float(), layer.weight.float(), layer.bias.float()),
+                                   atol=2e-2, rtol=2e-2)
         x3 = torch.randn(2, 40, k, generator=g).bfloat16()  # 80 rows in a 3-D batch
         torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
         old = layer.packed._entry[2]

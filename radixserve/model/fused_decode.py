@@ -17,10 +17,11 @@ It runs when all of these hold, and the layers run one by one otherwise:
   the CPU backend with no many-row chunk, and either no cascade group or every row a decode in
   one, in row order: then each layer also attends to the groups' shared prefixes and merges the
   two, as the backend does), the KV pool in the model's
-  dtype, and a row count at which the linear layers take the path ``decode_layers`` runs, as
-  they would layer by layer: the small-M kernel (at most :func:`radixserve.model.linear.max_rows`
-  rows), or the GEMM over every weight's prepacked copy (oneDNN's, or the AMX GEMM's:
-  :func:`radixserve.model.linear.prepacked_weight`; larger decode batches).
+  dtype, and a row count at which each linear layer takes a path ``decode_layers`` runs, as it
+  would layer by layer: the small-M kernel (at most :func:`radixserve.model.linear.max_rows`
+  rows), or the GEMM over the weight's prepacked copy (oneDNN's for larger decode batches, or the
+  AMX GEMM's, which bf16 weights on AMX take at every row count:
+  :func:`radixserve.model.linear.prepacked_weight`).
 
 ``RADIXSERVE_FUSED_DECODE=0`` turns it off (``python -m bench roofline`` compares the two, step by
 step).
@@ -64,7 +65,8 @@ class FusedDecode:
         self._ext: Any = None  # the extension module (radixserve.attention.cpu_ext.load)
         self.batches = 0  # batches whose layers ran in one call
         self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight]] = []
-        self._not_prepacked: set[int] = set()  # row counts some linear layer runs on no prepacked copy
+        self._not_prepacked: set[int] = set()  # row counts some linear layer runs on neither path
+        self._none = torch.empty(0)  # a weight on the small-M kernel (decode.cpp reads empty as that)
 
     def __deepcopy__(self, memo) -> FusedDecode:
         return FusedDecode()  # (a copy of the model has parameters of its own: check and build again)
@@ -89,7 +91,7 @@ class FusedDecode:
             self._params = self._build(model, x.dtype)
             if self._params is False:
                 return None
-        packed = self._prepacked(rows) if rows > lin.max_rows(x.dtype) else []
+        packed = self._prepacked(rows, lin.max_rows(x.dtype))
         if packed is None:
             return None
         heads, kv_heads, head_dim, eps = self._shape
@@ -100,19 +102,21 @@ class FusedDecode:
             args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale,
             list(args.prefix))
 
-    def _prepacked(self, rows: int) -> list[torch.Tensor] | None:
-        """Each layer's prepacked qkv, o, gate_up and down weights (oneDNN's or the AMX GEMM's),
-        when :func:`radixserve.model.linear.linear` takes a prepacked copy for every one of them at
-        ``rows`` rows; else None (the row counts found so are remembered)."""
+    def _prepacked(self, rows: int, kernel_rows: int) -> list[torch.Tensor] | None:
+        """Each layer's qkv, o, gate_up and down weights as :func:`radixserve.model.linear.linear`
+        multiplies a batch of ``rows`` rows by them: the prepacked copy (oneDNN's or the AMX
+        GEMM's) where it takes one, an empty tensor where it takes the small-M kernel (at most
+        ``kernel_rows`` rows); None when some weight takes neither (the row counts found so are
+        remembered)."""
         if rows in self._not_prepacked:
             return None
         out = []
         for weight, bias, cache in self._linears:
             buf = lin.prepacked_weight(rows, weight, bias, cache)
-            if buf is None:
+            if buf is None and rows > kernel_rows:
                 self._not_prepacked.add(rows)
                 return None
-            out.append(buf)
+            out.append(self._none if buf is None else buf)
         return out
 
     def _build(self, model: CausalLM, dtype: torch.dtype) -> list[torch.Tensor] | bool:

@@ -487,12 +487,22 @@ def _amx_shape(weight: torch.Tensor) -> bool:
     return bool(_state["amx_gemm"])
 
 
+def _amx_first(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s batches of every size go to the AMX GEMM, the small-M kernel's rows
+    too: a bf16 weight of :func:`_amx_shape` where the backend is ``"amx"``. Reading its packed
+    tiles, the GEMM streams the weights faster than the kernel reads their rows: the bench
+    model's 32 weights at 1 / 16 / 32 rows took 2.50 / 2.64 / 3.06 ms against the kernel's 3.09 /
+    3.90 / 5.41 (2 threads, weights from memory; bench/RESULTS.md section 27)."""
+    return weight.dtype == torch.bfloat16 and gemm_backend(torch.bfloat16) == "amx" and _amx_shape(weight)
+
+
 def packed_row_range(dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple[int, int]:
     """Rows of a batch of ``dtype`` that take the packed copy, inclusive (see :func:`gemm_backend`);
-    with ``weight``, for that weight's shape (bf16 on AMX: the AMX GEMM's range or oneDNN's)."""
+    with ``weight``, for that weight's shape (bf16 on AMX: the AMX GEMM's range, every batch, or
+    oneDNN's)."""
     backend = gemm_backend(dtype)
     if backend == "amx" and weight is not None and _amx_shape(weight):
-        return MAX_ROWS + 1, 1 << 62
+        return 1, 1 << 62
     if backend == "mkl":
         return PACKED_MIN_ROWS, PACKED_MAX_ROWS
     if backend == "onednn" and dtype == torch.float32:
@@ -562,8 +572,6 @@ def _packed_rows(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
             return False  # (F.linear refuses or converts it, as before)
     else:
-        if rows <= MAX_ROWS_VECTOR:
-            return False
         if bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_cpu):
             return False
     lo, hi = packed_row_range(weight.dtype, weight)
@@ -577,20 +585,29 @@ def _packed_rows(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   packed: PackedWeight) -> torch.Tensor | None:
-    """The packed product, or None when this weight keeps F.linear (not bit-identical)."""
+                   packed: PackedWeight, fp32_out: bool = False) -> torch.Tensor | None:
+    """The packed product, or None when this weight keeps F.linear (not bit-identical). With
+    ``fp32_out``, float32: the AMX GEMM's unrounded sums, the other GEMMs' results cast."""
     ops = packed_ops()
     buf = packed.get(weight, ops)
     if buf is None:
         return None
     n, k = weight.shape
-    if buf.is_mkldnn:  # oneDNN over the prepacked weight
-        return _onednn_linear(x, buf, None if bias is None else bias.to(weight.dtype))
-    if buf.dim() == 4:  # the AMX GEMM's packed tiles (pack_amx)
+    if not buf.is_mkldnn and buf.dim() == 4:  # the AMX GEMM's packed tiles (pack_amx)
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return ops.amx_linear(rows, buf, bias, False).view(*x.shape[:-1], n)
+        return ops.amx_linear(rows, buf, bias, fp32_out).view(*x.shape[:-1], n)
+    y = _other_packed_linear(x, weight, bias, buf, ops)
+    return y.float() if fp32_out else y
+
+
+def _other_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, buf: torch.Tensor,
+                         ops) -> torch.Tensor:
+    """oneDNN's product over its prepacked copy, or MKL's over its packed fp32 one."""
+    n, k = weight.shape
+    if buf.is_mkldnn:  # oneDNN over the prepacked weight
+        return _onednn_linear(x, buf, None if bias is None else bias.to(weight.dtype))
     if weight.dtype == torch.bfloat16:  # widened: fp32 rows in, fp32 sums rounded to bf16 out
         fb = None if bias is None else bias.float()
         return ops.packed_linear(x.reshape(-1, k).float(), buf, n, k, fb).view(*x.shape[:-1], n).to(x.dtype)
@@ -608,7 +625,7 @@ def prepacked_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
     multiplies a batch of ``rows`` rows (of the weight's dtype) by, or None when it would take
     another path for that batch (the small-M kernel, MKL, F.linear). For callers that run the same
     products natively (csrc/decode.cpp), so that they stay bit-identical to :func:`linear`."""
-    if rows <= max_rows(weight.dtype) or not _packed_rows(rows, weight, bias):
+    if not _packed_rows(rows, weight, bias) or (rows <= max_rows(weight.dtype) and not _amx_first(weight)):
         return None
     buf = packed.get(weight, packed_ops())
     return buf if buf is not None and (buf.is_mkldnn or buf.dim() == 4) else None
@@ -621,6 +638,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     With ``packed`` (the cache of ``weight``'s packed copy), fp32 batches of
     :data:`PACKED_MIN_ROWS` to :data:`PACKED_MAX_ROWS` rows run MKL's packed GEMM (see the module
     docstring)."""
+    if packed is not None and _amx_first(weight) and _packed_usable(x, weight, bias):
+        y = _packed_linear(x, weight, bias, packed, fp32_out)  # (None: no memory for the copy; the kernel then)
+        if y is not None:
+            return y
     if _usable(x, weight):
         op = _state["op"]
         if x.dim() == 2 and x.stride(-1) == 1:  # the decode case: no reshaping
@@ -630,7 +651,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             rows = rows.contiguous()
         return op(rows, weight, bias, fp32_out).view(*x.shape[:-1], weight.shape[0])  # type: ignore[operator]
     if packed is not None and _packed_usable(x, weight, bias):
-        y = _packed_linear(x, weight, bias, packed)
+        y = _packed_linear(x, weight, bias, packed, fp32_out)
         if y is not None:
             return y
     y = F.linear(x, weight, bias)
