@@ -79,7 +79,8 @@ def _rotating_ms(fn, x, weights: list, repeats: int) -> float:
 def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> list[dict]:
     """ms and GB/s of each linear shape of ``config`` for each row count: the kernel (the automatic
     path of ``torch.ops.radixserve_linear.linear``, where it has one for ``dtype``), ``F.linear`` in
-    ``dtype`` and in fp32, and oneDNN over a prepacked weight (where torch runs it for ``dtype``)."""
+    ``dtype`` and in fp32, oneDNN over a prepacked weight (where torch runs it for ``dtype``), and
+    bf16 on AMX the AMX GEMM over its packed tiles (shapes whose sizes are multiples of 32)."""
     import torch
     import torch.nn.functional as F
 
@@ -95,9 +96,14 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
         return op(a, w, None, False)
 
     prepacked: dict[int, object] = {}
+    amx = dtype == torch.bfloat16 and lin.packed_ops() is not None and bool(torch.ops.radixserve_linear.supports_amx_gemm())
+    tiles: dict[int, object] = {}
 
     def onednn_fn(a, w):
         return lin._onednn_linear(a, prepacked[id(w)], None)
+
+    def amx_fn(a, w):
+        return torch.ops.radixserve_linear.amx_linear(a, tiles[id(w)], None, False)
 
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -113,6 +119,10 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
         if onednn:
             prepacked.clear()
             prepacked.update((id(w), torch.ops.mkldnn._reorder_linear_weight(w)) for w in ws)
+        shape_amx = amx and n % 32 == 0 and k % 32 == 0
+        if shape_amx:
+            tiles.clear()
+            tiles.update((id(w), torch.ops.radixserve_linear.pack_amx(w)) for w in ws)
         for m in rows:
             x = torch.randn(m, k, generator=g).to(dtype)
             x32 = x.float()
@@ -122,6 +132,8 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
                 runs.insert(0, ("kernel", kernel_fn, x, ws))
             if onednn:
                 runs.append(("onednn", onednn_fn, x, ws))
+            if shape_amx:
+                runs.append(("amx", amx_fn, x, ws))
             for key, fn, inp, weights in runs:
                 ms = _rotating_ms(fn, inp, weights, max(repeats, len(weights)))
                 row[f"{key}_ms"] = ms
@@ -129,15 +141,19 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
             out.append(row)
         del ws, ws32
         prepacked.clear()
+        tiles.clear()
     return out
 
 
 def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
     print(f"\nlinear layers, {dtype} weights, {threads} thread(s): median ms (GB/s of weights read); "
           f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL), "
-          f"oneDNN = prepacked {dtype}")
+          f"oneDNN = prepacked {dtype}" + (", AMX = csrc/linear.cpp's AMX GEMM on packed tiles (what bf16 runs here)"
+                                           if any("amx_ms" in r for r in table) else ""))
+    amx = any("amx_ms" in r for r in table)
     print(f"{'shape':22} {'N x K':>11} {'M':>3}  {'kernel':>17} {'torch':>17} {'fp32':>17} {'oneDNN':>17} "
-          f"{'torch/kernel':>12} {'oneDNN/kernel':>13}  used")
+          + (f"{'AMX':>17} " if amx else "") + f"{'torch/kernel':>12} {'oneDNN/kernel':>13}"
+          + (f" {'AMX/kernel':>10}" if amx else "") + "  used")
 
     def cell(r, key):
         return f"{r[key + '_ms']:7.3f} ({r[key + '_gb_s']:5.1f})" if key + "_ms" in r else f"{'-':>17}"
@@ -148,8 +164,9 @@ def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
 
     for r in table:
         print(f"{r['shape']:22} {r['N']:>5}x{r['K']:<5} {r['M']:>3}  {cell(r, 'kernel')} {cell(r, 'torch')} "
-              f"{cell(r, 'torch_fp32')} {cell(r, 'onednn')} {ratio(r, 'torch', 12)} {ratio(r, 'onednn', 13)}  "
-              f"{'yes' if r['dispatched'] else 'no'}")
+              f"{cell(r, 'torch_fp32')} {cell(r, 'onednn')} " + (f"{cell(r, 'amx')} " if amx else "")
+              + f"{ratio(r, 'torch', 12)} {ratio(r, 'onednn', 13)}" + (f" {ratio(r, 'amx', 10)}" if amx else "")
+              + f"  {'yes' if r['dispatched'] else 'no'}")
 
 
 def run(args) -> int:
