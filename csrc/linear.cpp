@@ -397,9 +397,11 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
 // columns: a chunk's B tiles, 256-720 KiB for the bench model, stay in L2) times row chunks of
 // 256; tasks are column-major, so a thread's consecutive tasks reuse one chunk of B while its 32
 // rows of A sit in L1 across the chunk's column pairs. Row tails (M % 32) go through a zero-padded
-// copy of those rows. oneDNN's brgemm matmul (F.linear, or its prepacked copy) on the bench
-// model's shapes, 2 threads: 650-1,460 GFLOP/s at 64-512 rows and 900-1,000 on the K = 1408
-// down_proj up to 1,088 rows, against 1,500-2,700 here (bench/RESULTS.md section 27).
+// copy of those rows. oneDNN's bf16 brgemm matmul (F.linear, or its prepacked copy) has slow
+// regimes on the bench model's shapes (about 1,000 GFLOP/s on the K = 1408 down_proj at 512-1,088
+// rows); at decode sizes, weights from memory, this GEMM took 0.48-0.86x of oneDNN's prepacked
+// time and 0.46-0.84x of the small-M kernel's at 1-32 rows (`python -m bench roofline --dtype
+// bfloat16 --gemv`, bench/RESULTS.md section 27).
 constexpr int64_t kAmxGemmCols = 256;  // columns per chunk (a multiple of 32)
 constexpr int64_t kAmxGemmRows = 256;  // rows per chunk (a multiple of 32)
 constexpr int64_t kAmxTile = 16 * 32;  // bf16 values of one packed B tile

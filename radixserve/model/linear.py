@@ -64,11 +64,13 @@ order. The packed copy costs twice the bf16 weight memory.
 
 With AMX, bf16 batches of more than :data:`MAX_ROWS` rows run csrc/linear.cpp's AMX GEMM over a
 copy of the weight packed into AMX tiles (``pack_amx`` / ``amx_linear``; weights whose two sizes
-are multiples of 32, every Llama-family projection and output embedding in practice): oneDNN's
-bf16 GEMM has slow regimes on these shapes (650-1,460 GFLOP/s at 64-512 rows, ~1,000 on a K = 1408
-down_proj up to 1,088 rows, against 1,500-2,700 for the AMX GEMM; bench/RESULTS.md section 27).
-Other shapes keep oneDNN's prepacked copy for :data:`MAX_ROWS` + 1 to :data:`ONEDNN_MAX_ROWS`
-rows and ``F.linear`` beyond. Either copy is as large as the weight.
+are multiples of 32, every Llama-family projection and output embedding in practice), at every
+row count: oneDNN's bf16 GEMM has slow regimes on these shapes (about 1,000 GFLOP/s on a K = 1408
+down_proj at 512-1,088 rows), and at decode sizes the AMX GEMM took 0.48-0.86x of oneDNN's
+prepacked time and 0.46-0.84x of the small-M kernel's (``python -m bench roofline --dtype bfloat16
+--gemv``; bench/RESULTS.md section 27). Other shapes keep the kernel up to :data:`MAX_ROWS` rows,
+oneDNN's prepacked copy to :data:`ONEDNN_MAX_ROWS` and ``F.linear`` beyond. Either copy is as
+large as the weight.
 """
 
 from __future__ import annotations
@@ -490,9 +492,9 @@ def _amx_shape(weight: torch.Tensor) -> bool:
 def _amx_first(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s batches of every size go to the AMX GEMM, the small-M kernel's rows
     too: a bf16 weight of :func:`_amx_shape` where the backend is ``"amx"``. Reading its packed
-    tiles, the GEMM streams the weights faster than the kernel reads their rows: the bench
-    model's 32 weights at 1 / 16 / 32 rows took 2.50 / 2.64 / 3.06 ms against the kernel's 3.09 /
-    3.90 / 5.41 (2 threads, weights from memory; bench/RESULTS.md section 27)."""
+    tiles, the GEMM streams the weights faster than the kernel reads their rows: 0.46-0.84x of
+    the kernel's time at 1-32 rows on every bench-model shape (2 threads, weights from memory;
+    ``python -m bench roofline --dtype bfloat16 --gemv``, bench/RESULTS.md section 27)."""
     return weight.dtype == torch.bfloat16 and gemm_backend(torch.bfloat16) == "amx" and _amx_shape(weight)
 
 
