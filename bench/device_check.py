@@ -26,7 +26,7 @@ from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
 from radixserve.kv.pool import KVPool
 
-HEAD_DIM = 128  # every check uses it, so the modules built once serve them all
+HEAD_DIM = 128  # every check uses it, so the modules built once serve them all (--head-dim)
 failures = 0
 START = time.monotonic()
 
@@ -107,7 +107,8 @@ def warm_up(dtypes: list[torch.dtype], budget: float) -> list[torch.dtype]:
     for dtype in dtypes:
         for kind in WARM:
             name = f"{kind}/{str(dtype)[6:]}"
-            cmd = [sys.executable, "-m", "bench.device_check", "--warm", kind, "--dtype", str(dtype)[6:]]
+            cmd = [sys.executable, "-m", "bench.device_check", "--warm", kind, "--dtype", str(dtype)[6:],
+                   "--head-dim", str(HEAD_DIM)]
             procs[name] = (dtype, time.monotonic(),
                            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     ready = set(dtypes)
@@ -263,7 +264,7 @@ def gpu_checks(dtype: torch.dtype, args: argparse.Namespace) -> None:
     if not warm_up([dtype], budget=args.budget * 0.6):
         report(f"FlashInfer {name} modules", False, "did not build in time")
         return
-    info(f"FlashInfer modules ready for {name}")
+    info(f"FlashInfer modules ready for {name}, head_dim {HEAD_DIM}")
     for page_size in (16,) if args.quick else (1, 16):
         for heads, kv_heads in ((32, 8), (16, 16)) if args.quick else ((32, 8), (16, 16), (8, 1)):
             compare_backends(page_size, heads, kv_heads, dtype, seed=page_size + heads)
@@ -274,6 +275,7 @@ def gpu_checks(dtype: torch.dtype, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    global HEAD_DIM
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run without FlashInfer")
     ap.add_argument("--budget", type=float, default=float(os.environ.get("DEVICE_CHECK_BUDGET", 480)),
@@ -282,9 +284,12 @@ def main() -> None:
                     help="comma list of bfloat16, float16: each builds its own FlashInfer modules (minutes)")
     ap.add_argument("--no-throughput", action="store_true", help="skip the decode throughput table")
     ap.add_argument("--quick", action="store_true", help="compare the backends at page size 16, GQA and MHA only")
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, choices=(64, 128, 256),
+                    help="head_dim of every check (FlashInfer builds its modules per head_dim; default 128)")
     ap.add_argument("--warm", choices=sorted(WARM), help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    HEAD_DIM = args.head_dim
     if args.warm:  # one module build, in a process of its own
         heads, kv_heads, case = WARM[args.warm]
         compare_backends(16, heads, kv_heads, getattr(torch, args.dtype), seed=0, cases=(case,))
