@@ -1056,3 +1056,22 @@ def test_fp32_engine_greedy_tokens_equal_transformers_on_each_gemm(llama_dir, mo
     assert lin.max_rows(torch.float32) == 0 or backend == "onednn"
     assert got == hf_greedy(llama_dir, prompts, 8)
     assert alone == got[:1]
+
+
+def test_products_off_the_cpu_never_load_the_extension(monkeypatch):
+    """A model on another device (CUDA; here the meta device) runs F.linear and never loads, let
+    alone builds, the CPU extension, whatever its dtype and batch (a CUDA bf16 model once built it
+    on its first product, through the AMX GEMM's check)."""
+    from radixserve.attention import cpu_ext
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU extension was asked for")
+
+    monkeypatch.setattr(cpu_ext, "ops", refuse)
+    monkeypatch.setattr(cpu_ext, "load", refuse)
+    monkeypatch.setattr(lin, "_state", {})
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        layer = lin.Linear(64, 96, device="meta", dtype=dtype)
+        for rows in (1, 16, 64, 300):
+            assert layer(torch.empty(rows, 64, device="meta", dtype=dtype)).shape == (rows, 96)
+        assert lin.logits(torch.empty(3, 64, device="meta", dtype=dtype), layer.weight, lin.PackedWeight()).shape == (3, 96)

@@ -495,7 +495,9 @@ def _amx_first(weight: torch.Tensor) -> bool:
     tiles, the GEMM streams the weights faster than the kernel reads their rows: 0.46-0.84x of
     the kernel's time at 1-32 rows on every bench-model shape (2 threads, weights from memory;
     ``python -m bench roofline --dtype bfloat16 --gemv``, bench/RESULTS.md section 27)."""
-    return weight.dtype == torch.bfloat16 and gemm_backend(torch.bfloat16) == "amx" and _amx_shape(weight)
+    # (is_cpu first: a CUDA model never loads, let alone builds, the CPU extension)
+    return weight.is_cpu and weight.dtype == torch.bfloat16 and gemm_backend(torch.bfloat16) == "amx" and \
+        _amx_shape(weight)
 
 
 def packed_row_range(dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple[int, int]:
