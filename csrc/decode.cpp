@@ -110,10 +110,10 @@ constexpr int64_t kPerLayer = 10;
 // on the small-M kernel (an empty list: all of them on the kernel); k_caches, v_caches: each
 // layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
 // FlashInfer-format metadata of a batch that is all on the decode kernel. prefix: empty, or, for a
-// batch whose rows are all decodes in cascade groups (in row order), the groups' shared-prefix
+// batch of decodes whose first rows are in cascade groups (in row order), the groups' shared-prefix
 // metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), the other four then being the
-// members' own suffixes: each layer attends to both and merges them by LSE, as
-// radixserve/attention/cpu_backend.py does. Returns the last layer's MLP output (the pending
+// members' own suffixes followed by the whole contexts of the decodes in no group: each layer
+// attends to both and merges the grouped rows by LSE, as radixserve/attention/cpu_backend.py does. Returns the last layer's MLP output (the pending
 // residual).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                             const std::vector<torch::Tensor>& packed,
@@ -134,6 +134,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
               "decode_layers: prefix must be empty or (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)");
   const Ops& op = ops();
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // the rows in cascade groups (the first ones); 0 without a prefix level
+  const int64_t grouped = prefix.empty() ? 0 : prefix[0][prefix[0].size(0) - 1].item<int64_t>();
+  TORCH_CHECK(grouped >= 0 && grouped <= T, "decode_layers: the prefix level covers ", grouped, " of ", T, " rows");
   std::optional<at::Tensor> pending;
   const at::Tensor none;  // (undefined: the small-M kernel)
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -153,10 +156,16 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     std::vector<torch::Tensor> own = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr,
                                                      kv_indices, kv_last_page_len, scale, true);
     at::Tensor attn = own[0];
-    if (!prefix.empty()) {  // level 0: each group's queries against its shared prefix, not causal
+    if (grouped == T) {  // level 0: each group's queries against its shared prefix, not causal
       const std::vector<torch::Tensor> shared = prefill_attention(q, k_caches[layer], v_caches[layer], prefix[0],
                                                                   prefix[1], prefix[2], prefix[3], scale, false, "auto");
       attn = merge_state(shared[0], shared[1], own[0], own[1]);
+    } else if (grouped > 0) {  // the same for the grouped rows (first); the rest are in no group
+      const std::vector<torch::Tensor> shared = prefill_attention(
+          q.narrow(0, 0, grouped), k_caches[layer], v_caches[layer], prefix[0], prefix[1], prefix[2], prefix[3], scale,
+          false, "auto");
+      attn.narrow(0, 0, grouped)
+          .copy_(merge_state(shared[0], shared[1], own[0].narrow(0, 0, grouped), own[1].narrow(0, 0, grouped)));
     }
     const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1));
     h = at::empty_like(x);

@@ -194,6 +194,26 @@ def test_cascade_groups_equal_torch(dtype, page_size, path):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_grouped_decodes_then_ungrouped_decodes_equal_torch(dtype, page_size):
+    """Decodes in cascade groups first, then decodes in none (what the scheduler builds when a
+    group's straggler decodes next to it): one decode-kernel call over the members' suffixes and
+    the others' whole contexts, the prefix level and the merge for the grouped rows only; and
+    the fused decode layers get the same arguments (decode_kernel_args)."""
+    qo_kv = [(1, 300), (1, 290), (1, 333), (1, 270), (1, 264), (1, 50), (1, 1), (1, 700)]
+    groups = ((0, 3, 256), (3, 2, 256))
+    pool, meta, q, k, v = make_case(31 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
+    cpu = CpuAttention(pool, q.shape[-1] ** -0.5, ext)
+    cpu.plan(meta)
+    args = cpu.decode_kernel_args()
+    assert cpu._combined is not None and args is not None and len(args.prefix) == 4
+    assert args.qo_indptr.tolist() == list(range(len(qo_kv) + 1))  # every row, grouped ones first
+    assert int(args.prefix[0][-1]) == 5  # the prefix level covers the five grouped rows
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 @pytest.mark.parametrize("path", ["gemm", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])

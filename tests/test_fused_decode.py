@@ -134,6 +134,32 @@ def test_fused_decode_of_cascade_groups_equals_layer_by_layer(tmp_path, monkeypa
         assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_of_groups_and_ungrouped_decodes_equals_layer_by_layer(tmp_path, monkeypatch, dtype):
+    """Decodes in a cascade group followed by decodes in none (a GSP batch's straggler from
+    another group) run fused too: one decode-kernel call over the members' suffixes and the
+    others' whole contexts, the prefix level and merge for the grouped rows only; the same logits
+    as layer by layer, and the same tokens as the torch backend."""
+    _needs_kernel(getattr(torch, dtype))
+    arch, overrides = MODELS["llama"]
+    model_dir = str(make_tiny_model_dir(tmp_path / "llama", arch, seed=3, **overrides))
+    shared = random_prompts((70,), seed=7)[0]
+    prompts = [shared + tail for tail in random_prompts((3, 9), seed=8)] + random_prompts((12,), seed=9)
+    grouped = dict(cached=shared, kv_cache_tokens=4096, cascade_min_shared_tokens=8)
+    tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True, **grouped)
+    want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False, **grouped)
+    assert engine.stats()["cascade_steps"] >= GREEDY.max_tokens - 1  # the two sharing the prefix ran grouped
+    assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step, fused
+    assert reference.runner.model.fused_decode.batches == 0
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits, strict=True)):
+        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+    if dtype == "float32":  # the combined path against the plain-torch attention oracle
+        oracle = Engine(model_dir, dtype=dtype, attention="torch", kv_cache_tokens=4096)
+        _randomize_vectors(oracle)
+        assert [o.token_ids for o in oracle.generate(prompts, GREEDY)] == tokens
+
+
 def test_models_it_cannot_take_run_layer_by_layer(tmp_path, monkeypatch, tiny_models):
     """QK norm (Qwen3) and forward hooks on a layer (tensor parallelism's all-reduce) keep the
     layers; so do batches too large for the small-M kernel (a prefill)."""

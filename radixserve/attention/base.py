@@ -13,9 +13,10 @@ from radixserve.attention.metadata import AttentionMetadata
 class DecodeKernelArgs(NamedTuple):
     """A planned batch's attention on the csrc/ decode kernel: every layer's K/V cache, the new
     tokens' slots and the batch's FlashInfer-format metadata, and the softmax scale. ``prefix``:
-    empty, or for a batch of decodes that are all in cascade groups (in row order), the groups'
-    shared-prefix metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len); the four above
-    are then each member's own suffix."""
+    empty, or for a batch of decodes whose first rows are in cascade groups (in row order), the
+    groups' shared-prefix metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len); the four
+    above are then each member's own suffix, followed by the whole context of each decode in no
+    group (rows after the grouped ones)."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]

@@ -81,6 +81,10 @@ class CpuAttention(AttentionBackend):
         self._flat: tuple | None = None  # (rows or None: all, qo_indptr, kv_indptr, kv_indices, last_page_len)
         self._grouped: tuple | None = None  # (rows, every member a decode, plan_prefixes)
         self._in_order = False  # the grouped sequences are the batch's, in order (rows need no gather)
+        # Decodes in cascade groups first, then decodes in no group: one decode-kernel call covers
+        # the members' suffixes and the others' whole contexts (qo_indptr, kv_indptr, kv_indices,
+        # last_page_len), and the prefix level and merge take the first rows only.
+        self._combined: tuple | None = None
         self._path = "gemm"  # the many-row path of the planned batch (see dense_path)
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -90,6 +94,7 @@ class CpuAttention(AttentionBackend):
         self._flat = None
         self._grouped = None
         self._in_order = False
+        self._combined = None
         members: set[int] = set()
         if cascade is not None:
             grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
@@ -117,13 +122,22 @@ class CpuAttention(AttentionBackend):
             return
         skip = members.union(dense)
         flat = [i for i in range(metadata.num_seqs) if i not in skip]
-        if flat:
-            self._flat = _subset(metadata, flat)
+        flat_meta = _subset(metadata, flat) if flat else None
+        self._flat = flat_meta
+        if (flat_meta is not None and cascade is not None and not dense and self._path != "flash" and cascade.decodes_only
+                and flat == list(range(len(members), metadata.num_seqs))
+                and all(metadata.qo_lens[i] == 1 for i in flat)
+                and sorted(members) == list(range(len(members)))
+                and int(cascade.suffix_qo_indptr[-1]) == len(members)):
+            # (the grouped decodes are rows 0..len(members)-1: the scheduler puts groups first)
+            self._combined = _concat(
+                (cascade.suffix_qo_indptr, cascade.suffix_kv_indptr, cascade.suffix_kv_indices,
+                 cascade.suffix_kv_last_page_len), flat_meta[1:])
 
     def decode_kernel_args(self) -> DecodeKernelArgs | None:
         """The batch's attention arguments when every sequence of it is on the decode kernel (no
-        many-row chunk): with no cascade group, or with every row a decode in a cascade group, in
-        row order (then with the groups' prefix metadata). Else None."""
+        many-row chunk): with no cascade group, or with every row a decode and the grouped ones
+        first, in row order (then with the groups' prefix metadata). Else None."""
         meta = self._meta
         if meta is None or self._gemm is not None or self._dense:
             return None
@@ -134,12 +148,17 @@ class CpuAttention(AttentionBackend):
             return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices,
                                     last, self.scale)
         c = meta.cascade
-        if self._flat is not None or not self._grouped[1] or self._path == "flash" or c is None or not self._in_order:
+        if c is None or self._path == "flash" or not self._grouped[1]:
+            return None
+        prefix = (c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices, c.prefix_kv_last_page_len)
+        if self._combined is not None:  # groups first, then decodes in no group
+            qo_indptr, kv_indptr, kv_indices, last = self._combined
+            return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices, last,
+                                    self.scale, prefix)
+        if self._flat is not None or not self._in_order:
             return None
         return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, c.suffix_qo_indptr, c.suffix_kv_indptr,
-                                c.suffix_kv_indices, c.suffix_kv_last_page_len, self.scale,
-                                (c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices,
-                                 c.prefix_kv_last_page_len))
+                                c.suffix_kv_indices, c.suffix_kv_last_page_len, self.scale, prefix)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         meta = self._meta
@@ -154,6 +173,16 @@ class CpuAttention(AttentionBackend):
         if q.stride(-1) != 1 or self._dense:
             q = q.contiguous()
         attend = self.ext.paged_attention
+        if self._combined is not None:  # decodes in groups (first), then decodes in none
+            c = meta.cascade
+            assert c is not None
+            out, lse = attend(q, k_cache, v_cache, *self._combined, self.scale, True)
+            g = int(c.prefix_qo_indptr[-1])  # the grouped rows
+            out_p, lse_p = self.ext.prefill_attention(q[:g], k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr,
+                                                      c.prefix_kv_indices, c.prefix_kv_last_page_len, self.scale,
+                                                      False)
+            out[:g] = self.ext.merge_state(out_p, lse_p, out[:g], lse[:g])
+            return out
         if self._flat is not None and self._flat[0] is None:  # every sequence on the decode kernel
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
             return attend(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
@@ -197,6 +226,13 @@ class CpuAttention(AttentionBackend):
                                                       False)
         out.index_copy_(0, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
+
+
+def _concat(a: tuple, b: tuple) -> tuple:
+    """Two batches' (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) as one, a's sequences first."""
+    qo = torch.cat([a[0], b[0][1:] + a[0][-1]])
+    kv = torch.cat([a[1], b[1][1:] + a[1][-1]])
+    return qo.to(torch.int32), kv.to(torch.int32), torch.cat([a[2], b[2]]), torch.cat([a[3], b[3]]).contiguous()
 
 
 def _subset(metadata: AttentionMetadata, seqs: list[int]) -> tuple:

@@ -14,9 +14,9 @@ It runs when all of these hold, and the layers run one by one otherwise:
   float32 or bfloat16, with the extension built, no forward hooks (tensor parallelism adds its
   all-reduce as one) and plain 2-D weights;
 - the batch: every sequence on the csrc/ decode kernel (``AttentionBackend.decode_kernel_args``:
-  the CPU backend with no many-row chunk, and either no cascade group or every row a decode in
-  one, in row order: then each layer also attends to the groups' shared prefixes and merges the
-  two, as the backend does), the KV pool in the model's
+  the CPU backend with no many-row chunk, and either no cascade group or every row a decode with
+  the grouped ones first, in row order: then each layer also attends to the groups' shared
+  prefixes and merges the two for those rows, as the backend does), the KV pool in the model's
   dtype, and a row count at which each linear layer takes a path ``decode_layers`` runs, as it
   would layer by layer: the small-M kernel (at most :func:`radixserve.model.linear.max_rows`
   rows), or the GEMM over the weight's prepacked copy (oneDNN's for larger decode batches, or the
