@@ -111,6 +111,22 @@ def test_fused_decode_on_the_amx_gemm_equals_layer_by_layer(tmp_path, monkeypatc
         assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
 
 
+def _assert_grouped_decodes_fused(model_dir: str, dtype: str, prompts, shared: list[int], monkeypatch) -> list:
+    """Greedy runs fused and layer by layer with ``shared`` cached and cascade groups on: the
+    decodes ran in a group and every decode step fused, with the same tokens and, step by step,
+    bit-identical logits. Returns the tokens."""
+    grouped = dict(cached=shared, kv_cache_tokens=4096, cascade_min_shared_tokens=8)
+    tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True, **grouped)
+    want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False, **grouped)
+    assert engine.stats()["cascade_steps"] >= GREEDY.max_tokens - 1  # the decodes did run in a group
+    assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step, fused
+    assert reference.runner.model.fused_decode.batches == 0
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits, strict=True)):
+        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+    return tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["llama", "llama-biases", "llama-mqa"])
 def test_fused_decode_of_cascade_groups_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
@@ -122,16 +138,7 @@ def test_fused_decode_of_cascade_groups_equals_layer_by_layer(tmp_path, monkeypa
     shared = random_prompts((70,), seed=7)[0]
     tails = random_prompts((3, 9, 5), seed=8)  # 3 rows: the kernel's, in every dtype it takes
     prompts = [shared + tail for tail in tails]
-    grouped = dict(cached=shared, kv_cache_tokens=4096, cascade_min_shared_tokens=8)
-    tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True, **grouped)
-    want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False, **grouped)
-    assert engine.stats()["cascade_steps"] >= GREEDY.max_tokens - 1  # the decodes did run in a group
-    assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step, fused
-    assert reference.runner.model.fused_decode.batches == 0
-    assert tokens == want_tokens
-    assert len(logits) == len(want_logits)
-    for step, (got, want) in enumerate(zip(logits, want_logits)):
-        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+    _assert_grouped_decodes_fused(model_dir, dtype, prompts, shared, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -145,15 +152,7 @@ def test_fused_decode_of_groups_and_ungrouped_decodes_equals_layer_by_layer(tmp_
     model_dir = str(make_tiny_model_dir(tmp_path / "llama", arch, seed=3, **overrides))
     shared = random_prompts((70,), seed=7)[0]
     prompts = [shared + tail for tail in random_prompts((3, 9), seed=8)] + random_prompts((12,), seed=9)
-    grouped = dict(cached=shared, kv_cache_tokens=4096, cascade_min_shared_tokens=8)
-    tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True, **grouped)
-    want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False, **grouped)
-    assert engine.stats()["cascade_steps"] >= GREEDY.max_tokens - 1  # the two sharing the prefix ran grouped
-    assert engine.runner.model.fused_decode.batches >= GREEDY.max_tokens - 1  # every decode step, fused
-    assert reference.runner.model.fused_decode.batches == 0
-    assert tokens == want_tokens
-    for step, (got, want) in enumerate(zip(logits, want_logits, strict=True)):
-        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+    tokens = _assert_grouped_decodes_fused(model_dir, dtype, prompts, shared, monkeypatch)
     if dtype == "float32":  # the combined path against the plain-torch attention oracle
         oracle = Engine(model_dir, dtype=dtype, attention="torch", kv_cache_tokens=4096)
         _randomize_vectors(oracle)
