@@ -259,6 +259,53 @@ def sampled_generation(device: str, dtype_name: str) -> None:
         engine.shutdown()
 
 
+def serve_check(device: str, dtype_name: str) -> None:
+    """``radixserve serve`` on ``device``: one worker, the SDK and the OpenAI HTTP gateway. Greedy
+    tokens over the SDK must equal an in-process Engine's on the same checkpoint, a batch of
+    requests must all finish, and /v1/completions and /metrics must answer."""
+    import json
+    import urllib.request
+
+    from radixserve import Engine, SamplingParams
+    from radixserve.client import Client
+    from radixserve.testing import spawn_server
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model(tmp, dtype_name)
+        prompts = [[random.Random(70 + i).randrange(7, 512) for _ in range(n)] for i, n in enumerate((5, 40, 300))]
+        engine = Engine(model_dir, device=device, dtype=dtype_name, page_size=16, kv_cache_tokens=16384)
+        want = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                                              ignore_eos=True))]
+        engine.shutdown()
+        began = time.monotonic()
+        server = spawn_server(model_dir, "--device", device, "--dtype", dtype_name, "--kv-cache-tokens", "16384",
+                              workers=1, http=True, ready_timeout=300)
+        try:
+            info(f"serve on {device}: ready in {time.monotonic() - began:.0f} s at {server.address}, {server.http_url}")
+            client = Client(server.address, timeout=120)
+            got = [client.generate(p, max_tokens=12, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+            many = client.batch([p[:20] for p in prompts] * 8, max_tokens=8, temperature=0.0, ignore_eos=True)
+            client.close()
+            models = json.load(urllib.request.urlopen(server.http_url + "/models", timeout=60))
+            body = json.dumps({"model": models["data"][0]["id"], "prompt": prompts[1], "max_tokens": 8,
+                               "temperature": 0, "ignore_eos": True}).encode()
+            req = urllib.request.Request(server.http_url + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            http = json.load(urllib.request.urlopen(req, timeout=120))
+            metrics_url = server.http_url.rsplit("/v1", 1)[0] + "/metrics"
+            metrics = urllib.request.urlopen(metrics_url, timeout=60).read().decode()
+            ok = (got == want and all(len(c.token_ids) == 8 for c in many)
+                  and http["usage"]["completion_tokens"] == 8 and "radixserve" in metrics)
+            report(f"serve on {device} ({dtype_name}): SDK, HTTP, metrics", ok,
+                   f"SDK greedy tokens equal the in-process engine's: {got == want}; a batch of {len(many)} finished: "
+                   f"{all(len(c.token_ids) == 8 for c in many)}; /v1/completions tokens: "
+                   f"{http['usage']['completion_tokens']}; /metrics has radixserve series: {'radixserve' in metrics}")
+        except Exception as exc:  # a check, not a crash: report it and go on
+            report(f"serve on {device} ({dtype_name}): SDK, HTTP, metrics", False, repr(exc))
+        finally:
+            server.stop()
+
+
 def gpu_checks(dtype: torch.dtype, args: argparse.Namespace) -> None:
     name = str(dtype)[6:]
     if not warm_up([dtype], budget=args.budget * 0.6):
@@ -284,6 +331,8 @@ def main() -> None:
                     help="comma list of bfloat16, float16: each builds its own FlashInfer modules (minutes)")
     ap.add_argument("--no-throughput", action="store_true", help="skip the decode throughput table")
     ap.add_argument("--quick", action="store_true", help="compare the backends at page size 16, GQA and MHA only")
+    ap.add_argument("--serve", action="store_true",
+                    help="only the serve check: radixserve serve on the device, its SDK, HTTP gateway and metrics")
     ap.add_argument("--head-dim", type=int, default=HEAD_DIM, choices=(64, 128, 256),
                     help="head_dim of every check (FlashInfer builds its modules per head_dim; default 128)")
     ap.add_argument("--warm", choices=sorted(WARM), help=argparse.SUPPRESS)
@@ -295,7 +344,9 @@ def main() -> None:
         compare_backends(16, heads, kv_heads, getattr(torch, args.dtype), seed=0, cases=(case,))
         sys.exit(1 if failures else 0)
     environment()
-    if args.device == "cuda":
+    if args.serve:
+        serve_check(args.device, "bfloat16" if args.device == "cuda" else "float32")
+    elif args.device == "cuda":
         # one dtype at a time: a later dtype's builds cannot delay an earlier one's checks
         for name in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
             if time.monotonic() - START > args.budget * 0.6:

@@ -10,7 +10,8 @@ if [ "${1:-}" = "--fetch" ]; then
   mkdir -p "$WHEELS"
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$WHEELS" flashinfer-python==0.5.3 "apache-tvm-ffi<0.2" msgspec pyzmq
+    -d "$WHEELS" flashinfer-python==0.5.3 "apache-tvm-ffi<0.2" msgspec pyzmq \
+    prometheus-client starlette anyio sniffio idna uvicorn h11 click  # (the last eight: --serve's server)
   du -sh "$WHEELS"
   exit 0
 fi
