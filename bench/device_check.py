@@ -2,6 +2,7 @@
 same metadata, the engine's greedy tokens against transformers, and decode throughput by batch.
 
     bash bench/device_check.sh                 # there: installs the carried wheels, then runs this
+    bash bench/device_check.sh --serve         # there: only ``radixserve serve`` (SDK, HTTP, /metrics)
     python -m bench.device_check --device cpu  # here: a dry run of the engine checks (no FlashInfer)
 
 FlashInfer compiles its kernels at first use (nvcc, minutes each); the kernels the checks need
