@@ -308,6 +308,17 @@ def test_each_version_of_the_sources_builds_in_its_own_directory(monkeypatch, tm
     assert cpu_ext.build_dir().parent == dirs["a"].parent
 
 
+def test_each_torch_install_builds_in_its_own_directory(monkeypatch, tmp_path):
+    """torch's include and library paths are in the build's ninja file: two environments with the
+    same torch version sharing one cache (a checkout's venv and a CI clone's) rebuilt the
+    extension at every switch between them. Each install now has a directory of its own."""
+    here = cpu_ext.build_dir()
+    assert cpu_ext.build_dir() == here  # (stable within one install)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    elsewhere = cpu_ext.build_dir()
+    assert elsewhere != here and elsewhere.parent == here.parent
+
+
 def test_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch, tmp_path):
     """The build compiles copies of csrc/ kept in its directory, so torch's ninja file names the
     same paths whichever checkout loads it (it named each checkout's own csrc/, and every switch

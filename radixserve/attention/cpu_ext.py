@@ -5,9 +5,10 @@ The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (
 (default ``~/.cache/radixserve/ext/...``) and reused from there by every later process; torch's
 file lock keeps concurrent first uses from building twice. The directory name includes a hash of
 the CPU's feature flags, so a cache shared between different machines never loads code built for
-another CPU, and a hash of csrc/, so different versions of the kernels never build over each
-other. It compiles copies of csrc/'s files kept in that directory, so checkouts of the same
-sources in different places share one build rather than rebuilding it in turn. When the build
+another CPU, a hash of csrc/, so different versions of the kernels never build over each
+other, and a hash of torch's install path, so two environments never rebuild each other's. It
+compiles copies of csrc/'s files kept in that directory, so checkouts of the same sources in
+different places share one build rather than rebuilding it in turn. When the build
 is impossible (no compiler, no ninja, no sources) :func:`load` returns None and logs one
 warning; callers then fall back to the torch backend.
 """
@@ -64,9 +65,16 @@ def _sources_tag() -> str:
     return digest.hexdigest()[:10]
 
 
+def _torch_tag() -> str:
+    """A hash of where this torch is installed: torch's include and library paths go into the
+    build's ninja file, so two environments (a checkout's venv and a CI clone's, say) sharing one
+    cache rebuilt the extension at every switch between them, though torch's version was the same."""
+    return hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:6]
+
+
 def build_dir() -> Path:
     root = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
-    tag = (f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    tag = (f"torch{torch.__version__.split('+')[0]}-{_torch_tag()}-py{sys.version_info.major}{sys.version_info.minor}"
            f"-{_cpu_tag()}-{_sources_tag()}")
     return root / "ext" / tag
 
