@@ -113,8 +113,8 @@ constexpr int64_t kPerLayer = 10;
 // batch of decodes whose first rows are in cascade groups (in row order), the groups' shared-prefix
 // metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), the other four then being the
 // members' own suffixes followed by the whole contexts of the decodes in no group: each layer
-// attends to both and merges the grouped rows by LSE, as radixserve/attention/cpu_backend.py does. Returns the last layer's MLP output (the pending
-// residual).
+// attends to both and merges the grouped rows by LSE, as radixserve/attention/cpu_backend.py
+// does. Returns the last layer's MLP output (the pending residual).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                             const std::vector<torch::Tensor>& packed,
                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
@@ -156,16 +156,16 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     std::vector<torch::Tensor> own = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr,
                                                      kv_indices, kv_last_page_len, scale, true);
     at::Tensor attn = own[0];
-    if (grouped == T) {  // level 0: each group's queries against its shared prefix, not causal
-      const std::vector<torch::Tensor> shared = prefill_attention(q, k_caches[layer], v_caches[layer], prefix[0],
-                                                                  prefix[1], prefix[2], prefix[3], scale, false, "auto");
-      attn = merge_state(shared[0], shared[1], own[0], own[1]);
-    } else if (grouped > 0) {  // the same for the grouped rows (first); the rest are in no group
+    if (grouped > 0) {  // level 0: each group's queries (the first rows) against its shared prefix, not causal
       const std::vector<torch::Tensor> shared = prefill_attention(
           q.narrow(0, 0, grouped), k_caches[layer], v_caches[layer], prefix[0], prefix[1], prefix[2], prefix[3], scale,
           false, "auto");
-      attn.narrow(0, 0, grouped)
-          .copy_(merge_state(shared[0], shared[1], own[0].narrow(0, 0, grouped), own[1].narrow(0, 0, grouped)));
+      const at::Tensor merged =
+          merge_state(shared[0], shared[1], own[0].narrow(0, 0, grouped), own[1].narrow(0, 0, grouped));
+      if (grouped == T)
+        attn = merged;
+      else
+        attn.narrow(0, 0, grouped).copy_(merged);  // the rows after them are in no group
     }
     const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1));
     h = at::empty_like(x);

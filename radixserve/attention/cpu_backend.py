@@ -96,10 +96,12 @@ class CpuAttention(AttentionBackend):
         self._in_order = False
         self._combined = None
         members: set[int] = set()
+        grouped_first = False  # the grouped sequences are 0..len-1, in order
         if cascade is not None:
             grouped = [i for first, count, _ in cascade.groups for i in range(first, first + count)]
             members = set(grouped)
-            self._in_order = grouped == list(range(metadata.num_seqs))
+            grouped_first = grouped == list(range(len(grouped)))
+            self._in_order = grouped_first and len(grouped) == metadata.num_seqs
             qo = metadata.qo_indptr.tolist()
             self._grouped = (
                 torch.tensor([r for i in grouped for r in range(qo[i], qo[i + 1])], dtype=torch.long),
@@ -124,12 +126,9 @@ class CpuAttention(AttentionBackend):
         flat = [i for i in range(metadata.num_seqs) if i not in skip]
         flat_meta = _subset(metadata, flat) if flat else None
         self._flat = flat_meta
-        if (flat_meta is not None and cascade is not None and not dense and self._path != "flash" and cascade.decodes_only
-                and flat == list(range(len(members), metadata.num_seqs))
-                and all(metadata.qo_lens[i] == 1 for i in flat)
-                and sorted(members) == list(range(len(members)))
-                and int(cascade.suffix_qo_indptr[-1]) == len(members)):
-            # (the grouped decodes are rows 0..len(members)-1: the scheduler puts groups first)
+        if (flat_meta is not None and cascade is not None and grouped_first and not dense and self._path != "flash"
+                and cascade.decodes_only and all(metadata.qo_lens[i] == 1 for i in flat)):
+            # (the scheduler puts groups first: the ungrouped decodes are then the rows after them)
             self._combined = _concat(
                 (cascade.suffix_qo_indptr, cascade.suffix_kv_indptr, cascade.suffix_kv_indices,
                  cascade.suffix_kv_last_page_len), flat_meta[1:])

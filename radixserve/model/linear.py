@@ -62,10 +62,9 @@ to fp32 once (exactly) and packed, the rows are widened per call, and the fp32 s
 bf16: the arithmetic of a bf16 GEMM with fp32 accumulation, as oneDNN's, in another summation
 order. The packed copy costs twice the bf16 weight memory.
 
-With AMX, bf16 batches of more than :data:`MAX_ROWS` rows run csrc/linear.cpp's AMX GEMM over a
-copy of the weight packed into AMX tiles (``pack_amx`` / ``amx_linear``; weights whose two sizes
-are multiples of 32, every Llama-family projection and output embedding in practice), at every
-row count: oneDNN's bf16 GEMM has slow regimes on these shapes (about 1,000 GFLOP/s on a K = 1408
+With AMX, bf16 batches of every size run csrc/linear.cpp's AMX GEMM over a copy of the weight
+packed into AMX tiles (``pack_amx`` / ``amx_linear``; weights whose two sizes are multiples of 32,
+every Llama-family projection and output embedding in practice): oneDNN's bf16 GEMM has slow regimes on these shapes (about 1,000 GFLOP/s on a K = 1408
 down_proj at 512-1,088 rows), and at decode sizes the AMX GEMM took 0.48-0.86x of oneDNN's
 prepacked time and 0.46-0.84x of the small-M kernel's (``python -m bench roofline --dtype bfloat16
 --gemv``; bench/RESULTS.md section 27). Other shapes keep the kernel up to :data:`MAX_ROWS` rows,
@@ -335,9 +334,8 @@ class PackedWeight:
         elif amx:
             if not _state.get("amx_logged"):
                 _state["amx_logged"] = True
-                log.info("bf16 linear layers: keeping AMX-packed copies of the weights for batches of more than %d "
-                         "rows (as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off",
-                         MAX_ROWS)
+                log.info("bf16 linear layers: keeping AMX-packed copies of the weights for batches of every size "
+                         "(as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off")
         elif onednn:
             if not _state.get(("onednn_logged", weight.dtype)):
                 _state[("onednn_logged", weight.dtype)] = True
