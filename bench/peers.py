@@ -17,7 +17,10 @@ GLIBC_TUNABLES variables you set reach both (and turn radixserve's off). Both ge
 request first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
 (measured the same way for both: submit -> first step that returns a token), computed prompt
 tokens (prompt - cached), the minor page faults and system CPU seconds of the timed part, then
-the radixserve/vLLM ratios and whether every request's tokens are equal. This command installs
+the radixserve/vLLM ratios and whether every request's tokens are equal. With --breakdown,
+radixserve's timed steps are also split into steps with prompt tokens and decode-only steps:
+their seconds, the attention backend's share of the former with its FLOP rate, and the rate of
+the layers' linear maps over the rest (compare with `python -m bench floor`'s GEMM rate). This command installs
 nothing: vLLM must be importable by --vllm-python (default: this interpreter), e.g. a venv made
 as bench/README.md describes.
 """
@@ -66,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="radixserve's attention backend (auto: the csrc/ kernels when they build)")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each engine run may take")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split radixserve's time by step kind: attention and linear-map rates (see above)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -152,6 +157,35 @@ class RadixAdapter:
         gemm = linear.gemm_backend(getattr(torch, spec["dtype"]))
         self.backend = f"{type(self.engine.runner.attention).__name__}/{gemm}"
         self.live: dict = {}  # request id -> Request, until it finishes
+        self.steps: list[dict] | None = None  # per timed step with --breakdown (record_steps)
+        self._current: dict = {}  # the step being recorded
+
+    def record_steps(self) -> None:
+        """From now on, time each engine step and note what its forward computed: new tokens,
+        sequences, visible keys (summed over the new tokens, bottom-right causal), sampled rows and
+        the seconds inside the attention backend's forward (decode steps that run their layers in
+        one native call never enter it: their attention is not split out)."""
+        self.steps = []
+        runner, attention = self.engine.runner, self.engine.runner.attention
+        forward, attend = runner.forward, attention.forward
+
+        def timed_forward(items, groups=()):
+            n = [item.num_tokens for item in items]
+            self._current.update(tokens=sum(n), seqs=len(n), decode=all(k == 1 for k in n),
+                                 keys=sum(k * item.start + k * (k + 1) // 2 for k, item in zip(n, items)))
+            out = forward(items, groups)
+            self._current["sampled"] = int(out.logits.shape[0])
+            return out
+
+        def timed_attend(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return attend(*args, **kwargs)
+            finally:
+                self._current["attention_s"] += time.perf_counter() - start
+
+        runner.forward = timed_forward  # (instance attributes: they shadow the methods)
+        attention.forward = timed_attend
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
         params = self.params(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -163,7 +197,15 @@ class RadixAdapter:
         # Requests do not stream (no per-step detokenizing, like vLLM's detokenize=False), so the
         # engine only returns final chunks: a first token is seen on the request itself, right
         # after the step that sampled it -- the same point vLLM's step() reports it.
-        for chunk in self.engine.step():
+        if self.steps is None:
+            chunks = self.engine.step()
+        else:
+            self._current = {"attention_s": 0.0, "tokens": 0}
+            start = time.perf_counter()
+            chunks = self.engine.step()
+            if self._current["tokens"]:
+                self.steps.append({**self._current, "s": time.perf_counter() - start})
+        for chunk in chunks:
             out = chunk.output
             final = None if out is None else {
                 "tokens": list(out.token_ids), "prompt": out.prompt_tokens, "cached": out.cached_tokens}
@@ -217,8 +259,12 @@ def child(engine: str, spec: dict) -> None:
     warm = {**spec, "workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 64, "question_tokens": 8,
             "output_tokens": 4}
     drive(adapter, {**warm, "vocab": spec["vocab"], "system_tokens": 0})  # untimed warm-up; other ids than the workload's
+    if spec.get("breakdown") and engine == "radixserve":
+        adapter.record_steps()
     result = drive(adapter, spec)
     result.update(engine=engine, backend=adapter.backend, load_s=load_s)
+    if getattr(adapter, "steps", None) is not None:
+        result["steps"] = adapter.steps
     print(RESULT + json.dumps(result), flush=True)
 
 
@@ -230,7 +276,7 @@ def _vocab(model: str) -> tuple[int, int]:
 
 def specs(args, model: str) -> dict[str, dict]:
     vocab, max_pos = _vocab(model)
-    common = dict(model=model, vocab=vocab, dtype=args.dtype, threads=args.threads,
+    common = dict(model=model, vocab=vocab, dtype=args.dtype, threads=args.threads, breakdown=args.breakdown,
                   max_batched_tokens=args.max_batched_tokens, vllm_eager=args.vllm_eager, attention=args.attention)
     fleet_longest = args.system_tokens + args.private_tokens + args.turns * (args.output_tokens + OBSERVATION_TOKENS)
     fleet_tokens = args.system_tokens + args.agents * (fleet_longest - args.system_tokens)
@@ -283,6 +329,34 @@ def summary(res: dict) -> dict:
             "page_faults": res.get("page_faults"), "system_s": res.get("system_s")}
 
 
+def breakdown(steps: list[dict], model: str) -> dict:
+    """radixserve's recorded steps in two kinds: "prompt" (some sequence computes more than one
+    new token) and "decode" (every sequence one). Per kind: steps, seconds, the median step,
+    tokens; the seconds inside the attention backend with its FLOP rate (QK^T and PV over the
+    visible keys); the rest with the rate of the layers' linear maps and the output embedding
+    over the sampled rows (the rest also holds the norms, RoPE, sampling and Python)."""
+    from bench.floor import Shape
+    from radixserve.ops.stats import percentile
+
+    shape = Shape(json.loads((Path(model) / "config.json").read_text()))
+    out = {}
+    for kind, chosen in (("prompt", [s for s in steps if not s["decode"]]), ("decode", [s for s in steps if s["decode"]])):
+        if not chosen:
+            continue
+        total = sum(s["s"] for s in chosen)
+        attention_s = sum(s["attention_s"] for s in chosen)
+        tokens = sum(s["tokens"] for s in chosen)
+        attention_flop = shape.attention_flops(sum(s["keys"] for s in chosen if s["attention_s"] > 0))
+        linear_flop = shape.linear_flops(tokens) + shape.lm_head_flops(sum(s["sampled"] for s in chosen))
+        rest = total - attention_s
+        out[kind] = {"steps": len(chosen), "s": total, "median_step_ms": percentile([s["s"] * 1e3 for s in chosen], 50),
+                     "tokens": tokens, "attention_s": attention_s,
+                     "attention_gflop_per_s": attention_flop / attention_s / 1e9 if attention_s > 0 else None,
+                     "rest_s": rest, "linear_gflop": linear_flop / 1e9,
+                     "linear_gflop_per_s": linear_flop / rest / 1e9 if rest > 0 else None}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if args.child:
         child(args.child, json.loads(args.spec))
@@ -315,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
             runs[e] = run_child(vllm_python if e == "vllm" else sys.executable, e, {**spec, "engine": e}, args.timeout)
         entry = {"config": {k: v for k, v in spec.items() if k not in ("model",)},
                  "engines": {e: summary(r) for e, r in runs.items()}}
+        if "steps" in runs.get("radixserve", {}):
+            entry["breakdown"] = breakdown(runs["radixserve"]["steps"], model)
         if len(runs) == 2:
             a, b = runs["radixserve"], runs["vllm"]
             same = sum(a["requests"][rid]["tokens"] == b["requests"].get(rid, {}).get("tokens") for rid in a["requests"])
@@ -359,6 +435,14 @@ def render(res: dict) -> str:
             r = entry["ratios"]
             lines.append(f"radixserve / vLLM: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
                          f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests")
+        for kind, b in entry.get("breakdown", {}).items():
+            what = "steps with prompt tokens" if kind == "prompt" else "decode-only steps"
+            attn = (f"attention {b['attention_s']:.2f} s at {b['attention_gflop_per_s']:.0f} GFLOP/s, "
+                    if b["attention_gflop_per_s"] is not None else "")
+            rate = "-" if b["linear_gflop_per_s"] is None else f"{b['linear_gflop_per_s']:.0f}"
+            lines.append(f"radixserve {what}: {b['steps']} steps, {b['s']:.2f} s (median {b['median_step_ms']:.1f} ms), "
+                         f"{b['tokens']:,} tokens; {attn}the rest {b['rest_s']:.2f} s: {b['linear_gflop']:.0f} GFLOP of "
+                         f"linear maps at {rate} GFLOP/s")
     return "\n".join(lines)
 
 

@@ -111,13 +111,14 @@ def test_kernels_cold_and_shuffled():
 def test_peers_radixserve_alone(tiny_model):
     """`bench peers --engines radixserve` (no vLLM needed): both workloads run in a child process
     and report wall time, TTFT and computed prompt tokens; the backend column names the attention
-    backend and the GEMM backend the load chose."""
+    backend and the GEMM backend the load chose. --breakdown's steps account for every computed
+    token (each prompt token not cached, and every output token but the last of each request)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "peers", "--engines", "radixserve", "--model", tiny_model, "--threads", "1",
          "--agents", "2", "--turns", "2", "--system-tokens", "48", "--private-tokens", "8", "--output-tokens", "3",
          "--gsp-groups", "2", "--gsp-prompts", "2", "--gsp-prefix", "40", "--gsp-question", "6", "--gsp-output", "2",
-         "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+         "--breakdown", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     assert res["command"] == "peers" and "vllm_version" not in res
@@ -130,5 +131,11 @@ def test_peers_radixserve_alone(tiny_model):
         assert r["page_faults"] >= 0 and r["system_s"] >= 0  # of the timed part, from getrusage
         attention, gemm = r["backend"].split("/")
         assert attention in ("CpuAttention", "TorchAttention") and gemm in ("mkl", "onednn", "none")
+        kinds = entry["breakdown"]
+        outputs = entry["config"]["output_tokens"]
+        assert sum(b["tokens"] for b in kinds.values()) == r["computed_prompt_tokens"] + requests * (outputs - 1)
+        assert kinds["prompt"]["steps"] > 0 and 0 < kinds["prompt"]["attention_s"] < kinds["prompt"]["s"]
+        assert kinds["prompt"]["attention_gflop_per_s"] > 0 and kinds["prompt"]["linear_gflop_per_s"] > 0
+        assert sum(b["s"] for b in kinds.values()) <= r["wall_s"]
     fleet = res["workloads"]["fleet"]["engines"]["radixserve"]
     assert 0 < fleet["computed_prompt_tokens"] < fleet["prompt_tokens"]  # turn 2 reuses turn 1's KV
