@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -306,6 +307,26 @@ def test_each_version_of_the_sources_builds_in_its_own_directory(monkeypatch, tm
     (tmp_path / "b" / "common.h").write_text("// header, changed\n")  # a header counts too
     assert cpu_ext.build_dir() != dirs["a"]
     assert cpu_ext.build_dir().parent == dirs["a"].parent
+
+
+def test_the_build_runs_this_environments_ninja(monkeypatch, tmp_path):
+    """torch runs whichever ``ninja`` PATH finds: an activated venv (its own ninja) and the same
+    venv's python run without activation (the system's) rebuilt the extension after each other,
+    every time. The build puts the ninja package's binary first on PATH, and only while it runs."""
+    import types
+
+    own = tmp_path / "venv-bin"
+    own.mkdir()
+    (own / "ninja").write_text("#!/bin/sh\n")
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(own)))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with cpu_ext._own_ninja_first():
+        assert os.environ["PATH"].split(os.pathsep) == [str(own), "/usr/bin", "/bin"]
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+    # without the package's binary, PATH is left alone
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(tmp_path / "nowhere")))
+    with cpu_ext._own_ninja_first():
+        assert os.environ["PATH"] == "/usr/bin:/bin"
 
 
 def test_each_torch_install_builds_in_its_own_directory(monkeypatch, tmp_path):

@@ -8,7 +8,8 @@ the CPU's feature flags, so a cache shared between different machines never load
 another CPU, a hash of csrc/, so different versions of the kernels never build over each
 other, and a hash of torch's install path, so two environments never rebuild each other's. It
 compiles copies of csrc/'s files kept in that directory, so checkouts of the same sources in
-different places share one build rather than rebuilding it in turn. When the build
+different places share one build rather than rebuilding it in turn. It builds with the ninja of
+radixserve's own environment (the ``ninja`` package it depends on), whatever PATH holds. When the build
 is impossible (no compiler, no ninja, no sources) :func:`load` returns None and logs one
 warning; callers then fall back to the torch backend.
 """
@@ -142,6 +143,39 @@ def _stage_sources(directory: Path) -> Path:
     return staged
 
 
+def _ninja_dir() -> str | None:
+    """The directory of the ninja binary of the ``ninja`` package (a dependency of radixserve,
+    installed next to it), or None when it is missing."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    directory = getattr(ninja, "BIN_DIR", None)
+    return directory if directory and (Path(directory) / "ninja").is_file() else None
+
+
+@contextlib.contextmanager
+def _own_ninja_first():
+    """PATH with this environment's ninja first, for the build only. torch runs whichever
+    ``ninja`` PATH finds: a venv's python run with the venv activated found the venv's ninja
+    (1.13), run without it the system's (1.11), and each rebuilt the whole extension (~75 s) after
+    the other, every time (neither ninja trusts the other's build log); where the system has no
+    ninja, a venv used without activating it got no kernels at all."""
+    directory = _ninja_dir()
+    if directory is None:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = directory + (os.pathsep + before if before else "")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def _build():
     if os.environ.get("RADIXSERVE_NO_EXT"):
         log.info("CPU kernels disabled by RADIXSERVE_NO_EXT; using the torch backend and torch ops")
@@ -153,7 +187,6 @@ def _build():
             raise FileNotFoundError(f"sources not found: {', '.join(missing)}")
         from torch.utils import cpp_extension
 
-        cpp_extension.verify_ninja_availability()
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         built = any(directory.glob(f"{NAME}*.so"))
@@ -162,7 +195,8 @@ def _build():
         else:
             log.info("loading the CPU kernels from %s", directory)
         start = time.perf_counter()
-        with _build_lock(directory):
+        with _build_lock(directory), _own_ninja_first():
+            cpp_extension.verify_ninja_availability()
             copies = _stage_sources(directory)
             module = cpp_extension.load(
                 name=NAME, sources=[str(copies / s.name) for s in sources], build_directory=str(directory),
