@@ -35,8 +35,8 @@ def test_relative_paths_in_docs_exist():
 
 def test_architecture_doc_license_and_vendored_trace():
     assert (REPO / "docs" / "ARCHITECTURE.md").stat().st_size > 2000
-    license_name = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["license"]["text"]
-    assert license_name == "Apache-2.0"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]  # (an SPDX expression)
     text = (REPO / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     trace = REPO / "bench" / "traces" / "mooncake"
