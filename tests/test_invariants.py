@@ -82,6 +82,27 @@ def test_invariant_error_is_an_internal_error_raised_by_the_tree_check():
         tree.check_integrity()
 
 
+def test_scattered_free_pages_come_back_lowest_first():
+    # after requests came and went the free pages are scattered; handing out the lowest ids keeps
+    # a sequence's pages ascending (the decode kernel reads them ~10% faster than in no order)
+    import random
+
+    import torch
+
+    from radixserve.kv.pool import KVPool
+
+    pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                  device="cpu")
+    pages = pool.alloc(64)
+    random.Random(0).shuffle(pages)
+    freed = pages[:32]
+    pool.free(freed)  # in no order
+    assert pool.alloc(8) == sorted(freed)[:8]
+    assert pool.alloc(8) == sorted(freed)[8:16]
+    assert pool.num_free == 16 and sorted(pool.free_page_ids()) == sorted(freed)[16:]
+    assert pool.alloc(17) is None and pool.num_free == 16  # too many: nothing taken
+
+
 def test_fresh_pages_come_in_ascending_runs():
     # the CPU kernels read a sequence's K/V in place only when its pages are one ascending run
     import torch

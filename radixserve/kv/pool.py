@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 from typing import Protocol
 
@@ -53,8 +54,8 @@ class KVPool:
         if kv_dtype == "int8":
             self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
             self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
-        # Pop from the end: low page ids first, which keeps a fresh pool's tables readable.
-        self._free = list(range(num_pages - 1, -1, -1))
+        # A min-heap of the free page ids: the lowest are handed out first (see alloc).
+        self._free = list(range(num_pages))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -79,24 +80,26 @@ class KVPool:
     def alloc(self, n: int) -> list[int] | None:
         """``n`` free pages, or None (and nothing taken) when fewer are free.
 
-        From a fresh pool (or a freed run) they come in ascending order, and a sequence's later
-        pages continue the run: the CPU kernels read a sequence whose pages are one ascending run
-        of slots in place instead of gathering its K/V (csrc/prefill.cpp)."""
+        The lowest free ids, in ascending order: from a fresh pool (or a freed run) one run, and a
+        sequence's later pages continue it where nothing took the next ids; the CPU kernels read a
+        sequence whose pages are one ascending run of slots in place instead of gathering its K/V
+        (csrc/prefill.cpp). Once requests have come and gone, the free ids are scattered; taking
+        the lowest keeps a sequence's pages in ascending order with gaps, where handing them out
+        in the order they were freed left them in no order at all. In a 64-agent bf16 decode step
+        over a 2,048-token shared prefix (a scratch timing on a 2-core Zen 4), the pages in no
+        order cost 44.4-45.4 ms, ascending with gaps (half the pool in use elsewhere) 38.2-39.1,
+        one run 34.5-36.3."""
         if n > len(self._free):
             return None
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        pages.reverse()
-        return pages
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free_page_ids(self) -> list[int]:
         """The free pages (a copy, for integrity checks)."""
         return list(self._free)
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))  # (so that a freed run is handed out again in order)
+        for page in pages:
+            heapq.heappush(self._free, page)
 
     def k_slots(self, layer: int) -> torch.Tensor | QuantizedSlots:
         """Layer ``layer``'s K cache viewed as ``[slots, kv_heads, head_dim]``."""
