@@ -22,11 +22,14 @@ median is printed too. ``--gemv`` adds a table of the bench model's linear shape
 row counts: the kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and oneDNN's
 prepacked GEMM where torch has it for the dtype, in ms and GB/s of weights read, with weights
 rotated over ``--gemv-mib`` MiB of copies so they come from memory, as in a decode step.
+``--fragment`` scatters the KV pool's free pages first (half held, the rest freed in a random
+order), so the requests' pages come from a pool such as a long-running server has.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 
@@ -43,6 +46,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="P",
                         help="a cached prefix of P tokens shared by every request (a cascade group)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    parser.add_argument("--fragment", action="store_true",
+                        help="before the requests, hold a random half of the KV pool's pages and free the other half "
+                             "in a random order, as a long-running server's pool looks after requests came and went")
     parser.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth buffer (MiB)")
     parser.add_argument("--gemv", action="store_true", help="also print the per-shape linear kernel table")
     parser.add_argument("--gemv-rows", default="1,8,16,32,64", help="row counts M of the --gemv table")
@@ -204,6 +210,11 @@ def run(args) -> int:
     fused = was_enabled and fused_decode.unsupported(model, param_dtype) is None
     first = "amx" if amx else "kernel" if kernel is not None else fallback
     modes = [first] + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
+    if args.fragment:  # (the held half is never freed: this engine serves nothing else)
+        pool = engine.runner.pool
+        pages = pool.alloc(pool.num_free) or []
+        random.Random(0).shuffle(pages)
+        pool.free(pages[: len(pages) // 2])
     span = min(1000, model.config.vocab_size - 7)  # ids 7.. skip the special tokens
     shared = [7 + (j * 104729 + 13) % span for j in range(args.shared_prefix)]
     if shared:  # cached before the requests arrive, so that they all hit it
@@ -244,6 +255,7 @@ def run(args) -> int:
               "backend": type(engine.runner.attention).__name__,
               # what radixserve's linear layers run for one row on this CPU
               "linear": modes[0], "fallback": fallback, "batch": args.batch, "shared_prefix": args.shared_prefix,
+              "fragment": args.fragment,
               "cascade_steps": int(engine.stats()["cascade_steps"] - cascade_before), "steps": step_no}
     if kernel is not None:
         result["decode_step_fallback_ms"] = steps[fallback] * 1e3
@@ -262,6 +274,8 @@ def run(args) -> int:
     print(f"{args.dtype}, {args.threads} thread(s), {result['backend']}: read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, "
           f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-{args.batch} decode step "
           f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor")
+    if args.fragment:
+        print("  KV pool fragmented first: half its pages held, the other half freed in a random order")
     if args.shared_prefix:
         print(f"  {args.shared_prefix} shared prefix tokens (+ {args.context} own): {result['cascade_steps']} of "
               f"{step_no} decode steps ran in cascade groups")

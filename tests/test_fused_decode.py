@@ -183,7 +183,8 @@ def test_models_it_cannot_take_run_layer_by_layer(tmp_path, monkeypatch, tiny_mo
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
     """``bench roofline --batch N``: N requests decode together; where their layers run in one
-    call (on the small-M kernel, or on oneDNN beyond its rows) the steps alternate with layer-by-layer ones."""
+    call (on the small-M kernel, or on oneDNN beyond its rows) the steps alternate with layer-by-layer ones.
+    ``--fragment`` (half the KV pool held, half freed in no order first) leaves room to run."""
     import argparse
     import json
 
@@ -192,10 +193,10 @@ def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
     parser = argparse.ArgumentParser()
     roofline.add_arguments(parser)
     args = parser.parse_args(["--model", llama_dir, "--dtype", dtype, "--batch", "6", "--context", "8", "--steps", "3",
-                              "--buffer-mib", "8", "--json"])
+                              "--buffer-mib", "8", "--fragment", "--json"])
     assert roofline.run(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["batch"] == 6 and result["decode_step_ms"] > 0
+    assert result["batch"] == 6 and result["decode_step_ms"] > 0 and result["fragment"]
     engine = Engine(llama_dir, dtype=dtype, kv_cache_tokens=512)
     qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
     with torch.inference_mode():
