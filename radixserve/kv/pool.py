@@ -85,10 +85,10 @@ class KVPool:
         sequence whose pages are one ascending run of slots in place instead of gathering its K/V
         (csrc/prefill.cpp). Once requests have come and gone, the free ids are scattered; taking
         the lowest keeps a sequence's pages in ascending order with gaps, where handing them out
-        in the order they were freed left them in no order at all. In a 64-agent bf16 decode step
-        over a 2,048-token shared prefix (a scratch timing on a 2-core Zen 4), the pages in no
-        order cost 44.4-45.4 ms, ascending with gaps (half the pool in use elsewhere) 38.2-39.1,
-        one run 34.5-36.3."""
+        in the order they were freed left them in no order at all: a bf16 decode step of 64
+        agents over a 2,048-token shared prefix and a scattered pool took 40.0-40.6 ms that way
+        and 35.7-36.9 ms this way on a 2-core Zen 4 (``python -m bench roofline --dtype bfloat16
+        --threads 2 --batch 64 --shared-prefix 2048 --fragment``, bench/RESULTS.md section 28)."""
         if n > len(self._free):
             return None
         return [heapq.heappop(self._free) for _ in range(n)]
