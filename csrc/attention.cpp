@@ -15,7 +15,9 @@
 //
 // The inner loops are written with fixed trip counts (16 or 32 floats) so that -O3
 // -march=native vectorises them; bf16/fp16 values are widened to fp32 as they are loaded and all
-// arithmetic is fp32.
+// arithmetic is fp32. The exception is the few-row path on AVX-512 at head_dim 64 and 128
+// (attend_small_512): fp32 as above, and bf16, where the CPU has AVX512-BF16, on vdpbf16ps with
+// the probabilities rounded to bf16 for P V, as the prefill kernel's bf16 paths do.
 
 #include <torch/extension.h>
 
@@ -542,6 +544,235 @@ void attend_small_v(const Problem<T>& p, const Item& it, float* out, float* lse)
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RADIXSERVE_DECODE_512 1
+// Lane k of the result is the sum of the 16 lanes of v[i] with kReduceKey[i] == k: a tree of
+// 256-, 128-, 64- and 32-bit shuffles and adds (45 instructions for 16 sums, against ~9 each for
+// _mm512_reduce_add_ps, whose shuffles each waited on the last).
+constexpr int kReduceKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: halves of v[2i] summed, 8-15: of v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: v[4i + L]'s four partial sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lane L: two partials of v[8i + L] (dwords 0, 2) and v[8i + 4 + L] (1, 3)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  // dword 4L + m: the sum of v[4m + L], which holds key kReduceKey[4m + L] = 4L + m
+  const __m512d c0 = _mm512_castps_pd(c[0]), c1 = _mm512_castps_pd(c[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)), _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
+}
+
+// Scores of one query row against keys [0, n) (n <= 16) of a tile, read in place: lane j is
+// q . k_j (0 for j >= n). fp32: q (NQ vectors of 16) in registers, FMAs; bf16: q as NQ vectors
+// of 16 bf16 pairs, vdpbf16ps (products exact, fp32 sums).
+template <typename T, int NQ>
+inline __m512 row_scores16(const __m512* qv, const T* const* krow, int n) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    const int j = kReduceKey[i];
+    acc[i] = _mm512_setzero_ps();
+    if (j >= n) continue;
+    const T* kr = krow[j];
+#pragma GCC unroll 8
+    for (int x = 0; x < NQ; ++x) {
+      if constexpr (std::is_same_v<T, float>) {
+        acc[i] = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(kr + 16 * x), acc[i]);
+      } else {
+#ifdef __AVX512BF16__
+        acc[i] = _mm512_dpbf16_ps(acc[i], reinterpret_cast<__m512bh>(qv[x]),
+                                  reinterpret_cast<__m512bh>(_mm512_loadu_si512(kr + 32 * x)));
+#endif
+      }
+    }
+  }
+  return reduce16(acc);
+}
+
+// Output rows of the bf16 P V below are kept with each 32 dims permuted (dwords of the unpacked
+// pairs): dword 4L + i of the first 16 is dim 8L + i, of the second 16 dim 8L + 4 + i.
+inline void unpermute_pairs(float* orow, int D) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int d = 0; d < D; d += 32) {
+    const __m512 a = _mm512_loadu_ps(orow + d), b = _mm512_loadu_ps(orow + d + 16);
+    _mm512_storeu_ps(orow + d, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(orow + d + 16, _mm512_permutex2var_ps(a, hi, b));
+  }
+}
+
+#ifdef __AVX512BF16__
+// O[r] += sum over key pairs of P[r] (bf16 pairs, pp + r * ldp dwords) . V (bf16, rows in place),
+// for RB rows and the 64 dims [d0, d0 + 64): each pair of V rows is interleaved into bf16 pairs
+// once (4 unpacks) for all RB rows, two keys per vdpbf16ps. An odd last key pairs with itself
+// under a 0 probability.
+template <int RB>
+inline void pv_pairs_bf16(const uint32_t* pp, int ldp, const c10::BFloat16* const* vrow, int n, int d0, float* o,
+                          int D) {
+  __m512 acc[RB][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_loadu_ps(o + r * D + d0 + 16 * x);
+  for (int j = 0; j < n; j += 2) {
+    const c10::BFloat16* v0 = vrow[j] + d0;
+    const c10::BFloat16* v1 = (j + 1 < n ? vrow[j + 1] : vrow[j]) + d0;
+    const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+    const __m512i b0 = _mm512_loadu_si512(v1), b1 = _mm512_loadu_si512(v1 + 32);
+    const __m512i il[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+                           _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pr = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[r * ldp + j / 2])));
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pr, reinterpret_cast<__m512bh>(il[x]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < 4; ++x) _mm512_storeu_ps(o + r * D + d0 + 16 * x, acc[r][x]);
+}
+#endif
+
+template <typename T>
+constexpr bool kBf16Of = !std::is_same_v<T, float>;
+
+// Whether attend_small_512 takes this dtype and head_dim.
+template <typename T>
+constexpr bool small_512_dtype() {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return true;
+#endif
+  return std::is_same_v<T, float>;
+}
+
+// attend_small for fp32 and bf16 (with AVX512-BF16) at head_dim 64 or 128 (NQ: q's vectors, 16
+// floats or 16 bf16 pairs each). K and V are read in place: a tile's scores 16 keys at a time
+// (row_scores16: no horizontal sum per key), the online softmax on those vectors, then P V (bf16:
+// P rounded to bf16, two keys per vdpbf16ps; fp32: pv_row). The next tile's slots (all of the
+// item's KV heads, K and V) are prefetched while this one is computed: a slot's heads are one
+// contiguous run, and reading them head by head left the hardware prefetchers behind (a
+// decode over contexts in memory ran at ~11 GB/s).
+template <typename T, int NQ>
+void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* lse) {
+  constexpr bool kBf16 = !std::is_same_v<T, float>;
+  const int D = p.dim;
+  const int R = head_rows(it);  // rows of each KV head (< kGemmRows)
+  const int NH = it.h1 - it.head;
+  alignas(64) float qb[kMaxRows * kMaxDim];
+  alignas(64) float s[kGemmRows * kChunk];           // fp32 probabilities of a head's rows
+  alignas(64) uint32_t pp[kGemmRows * kChunk / 2];   // bf16 probability pairs
+  const T* krow[kChunk];
+  const T* vrow[kChunk];
+  float m[kMaxRows], l[kMaxRows];
+  int limit[kMaxRows];
+  const Rows rows = start_rows(p, it, qb, m, l, limit, out);
+  const int64_t head_off = static_cast<int64_t>(it.head) * D;
+  const int span = NH * D * static_cast<int>(sizeof(T));  // bytes of the item's heads in a slot
+  auto slot_of = [&](int pos) {
+    return static_cast<int64_t>(rows.pages[pos / p.page_size]) * p.page_size + pos % p.page_size;
+  };
+  // q per row as NQ vectors: fp32 scaled (start_rows), or the bf16 row unscaled (scores scaled below)
+  const int heads = it.g1 - it.g0;
+  const int qo_start = p.qo_indptr[it.seq];
+  auto load_q = [&](int r, __m512* qv) {
+    if constexpr (kBf16) {
+      const int h = it.head + r / R, t = it.t0 + (r % R) / heads, g = it.g0 + (r % R) % heads;
+      const T* src = p.q + (qo_start + t) * p.q_stride_t + (h * p.group + g) * p.q_stride_h;
+      for (int x = 0; x < NQ; ++x) qv[x] = _mm512_castsi512_ps(_mm512_loadu_si512(src + 32 * x));
+    } else {
+      for (int x = 0; x < NQ; ++x) qv[x] = _mm512_loadu_ps(qb + r * D + 16 * x);
+    }
+  };
+  const __m512 vscale = _mm512_set1_ps(kBf16 ? p.scale_log2 : 1.0f);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int c = it.k0; c < rows.kend; c += kChunk) {
+    const int n = std::min(kChunk, rows.kend - c);
+    for (int pos = c + kChunk; pos < std::min(rows.kend, c + 2 * kChunk); ++pos) {
+      const int64_t off = slot_of(pos) * p.slot_stride + head_off;
+      const char* kb = reinterpret_cast<const char*>(p.k + off);
+      const char* vb = reinterpret_cast<const char*>(p.v + off);
+      for (int b = 0; b < span; b += 64) {
+        _mm_prefetch(kb + b, _MM_HINT_T0);
+        _mm_prefetch(vb + b, _MM_HINT_T0);
+      }
+    }
+    int64_t slot_base[kChunk];
+    for (int j = 0; j < n; ++j) slot_base[j] = slot_of(c + j) * p.slot_stride + head_off;
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < n; ++j) {
+        krow[j] = p.k + slot_base[j] + static_cast<int64_t>(h) * D;
+        vrow[j] = p.v + slot_base[j] + static_cast<int64_t>(h) * D;
+      }
+      int live = 0;  // rows of this head that see a key of the tile: [h * R, h * R + live)
+      for (int i = 0; i < R; ++i) {
+        const int r = h * R + i;
+        const int valid = std::min(n, limit[r] - c + 1);
+        if (valid <= 0) {  // (rows are in token order: later rows see at least as much)
+          std::memset(s + i * kChunk, 0, sizeof(float) * kChunk);
+          if constexpr (kBf16) std::memset(pp + i * (kChunk / 2), 0, sizeof(uint32_t) * (kChunk / 2));
+          continue;
+        }
+        live = i + 1;
+        __m512 qv[NQ];
+        load_q(r, qv);
+        const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
+        const __m512 s0 = _mm512_mask_mov_ps(neg_inf, m0, _mm512_mul_ps(row_scores16<T, NQ>(qv, krow, n), vscale));
+        const __m512 s1 = n > 16 ? _mm512_mask_mov_ps(neg_inf, m1, _mm512_mul_ps(
+                                                          row_scores16<T, NQ>(qv, krow + 16, n - 16), vscale))
+                                 : neg_inf;
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        const __m512 vm = _mm512_set1_ps(m_new);
+        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
+        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
+        if constexpr (kBf16) {
+          _mm512_storeu_si512(pp + i * (kChunk / 2), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+        } else {
+          _mm512_storeu_ps(s + i * kChunk, e0);
+          _mm512_storeu_ps(s + i * kChunk + 16, e1);
+        }
+        float* orow = out + r * D;
+        if (m[r] != m_new) {
+          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
+          l[r] *= alpha;
+          const __m512 va = _mm512_set1_ps(alpha);
+          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
+          m[r] = m_new;
+        }
+        l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      }
+      if (live == 0) continue;
+      if constexpr (kBf16) {
+#ifdef __AVX512BF16__
+        for (int d0 = 0; d0 < D; d0 += 64)
+          for (int i0 = 0; i0 < live; i0 += 4) {
+            const uint32_t* pr = pp + i0 * (kChunk / 2);
+            float* o = out + (h * R + i0) * D;
+            switch (std::min(4, live - i0)) {
+              case 1: pv_pairs_bf16<1>(pr, kChunk / 2, vrow, n, d0, o, D); break;
+              case 2: pv_pairs_bf16<2>(pr, kChunk / 2, vrow, n, d0, o, D); break;
+              case 3: pv_pairs_bf16<3>(pr, kChunk / 2, vrow, n, d0, o, D); break;
+              default: pv_pairs_bf16<4>(pr, kChunk / 2, vrow, n, d0, o, D);
+            }
+          }
+#endif
+      } else {
+        for (int i = 0; i < live; ++i)
+          pv_row(s + i * kChunk, std::min(n, limit[h * R + i] - c + 1), reinterpret_cast<const float* const*>(vrow),
+                 D, out + (h * R + i) * D);
+      }
+    }
+  }
+  if constexpr (kBf16)
+    for (int r = 0; r < NH * R; ++r) unpermute_pairs(out + r * D, D);
+  finish_rows(NH * R, D, m, l, out, lse);
+}
+#endif
+
 // The same for many rows: K/V tiles of kBlockN keys are gathered (widened to fp32) once and
 // both products run as sgemm on the calling thread.
 template <typename T>
@@ -608,14 +839,20 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
 
 template <typename T>
 void attend(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
-  if (head_rows(it) >= kGemmRows)  // (such items hold one KV head)
+  if (head_rows(it) >= kGemmRows) {  // (such items hold one KV head)
     attend_gemm(p, it, out, lse, w);
-#ifdef RADIXSERVE_DECODE_VECTOR
-  else if (p.dim % 16 == 0)
-    attend_small_v(p, it, out, lse);
+    return;
+  }
+#ifdef RADIXSERVE_DECODE_512
+  if constexpr (small_512_dtype<T>()) {
+    if (p.dim == 64) return attend_small_512<T, kBf16Of<T> ? 2 : 4>(p, it, out, lse);
+    if (p.dim == 128) return attend_small_512<T, kBf16Of<T> ? 4 : 8>(p, it, out, lse);
+  }
 #endif
-  else
-    attend_small(p, it, out, lse);
+#ifdef RADIXSERVE_DECODE_VECTOR
+  if (p.dim % 16 == 0) return attend_small_v(p, it, out, lse);
+#endif
+  attend_small(p, it, out, lse);
 }
 
 template <typename T>

@@ -485,9 +485,12 @@ def test_strided_q_k_v_from_a_fused_qkv_equal_contiguous(dtype):
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_rows_every_head_dim_and_dtype_equal_torch(dtype, head_dim):
-    """The decode kernel's few-row path (its AVX-512 form: fp32 K/V read in place, bf16/fp16
-    widened, every output block accumulated at once) over head dims with 1-16 blocks of 16."""
-    qo_kv = [(1, 1), (1, 33), (1, 300), (2, 64), (3, 17), (1, 700)]
+    """The decode kernel's few-row paths over head dims with 1-16 blocks of 16: on AVX-512 at
+    head_dim 64 and 128, fp32 and bf16 (AVX512-BF16) take attend_small_512 (scores 16 keys at a
+    time, bf16 P V two keys per vdpbf16ps, so odd tiles pair a key with itself); the rest the
+    widening form (every output block accumulated at once). Contexts of 1, 31, 33 and 47 keys
+    end tiles at every parity and on both sides of 16."""
+    qo_kv = [(1, 1), (1, 31), (1, 33), (1, 47), (1, 300), (2, 64), (3, 17), (1, 700)]
     pool, meta, q, k, v = make_case(head_dim + 7, 16, 8, 2, dtype, qo_kv=qo_kv, head_dim=head_dim)
     got, want = both(pool, meta, q, k, v, dense_min_tokens=KERNEL_ONLY)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
