@@ -708,13 +708,15 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
         krow[j] = p.k + slot_base[j] + static_cast<int64_t>(h) * D;
         vrow[j] = p.v + slot_base[j] + static_cast<int64_t>(h) * D;
       }
-      int live = 0;  // rows of this head that see a key of the tile: [h * R, h * R + live)
+      // Rows are in token order, so those that see no key of the tile (a causal extend's first
+      // tokens, in a context split) come first: P V runs over rows [0, live) with their P zeroed.
+      int live = 0;
       for (int i = 0; i < R; ++i) {
         const int r = h * R + i;
         const int valid = std::min(n, limit[r] - c + 1);
-        if (valid <= 0) {  // (rows are in token order: later rows see at least as much)
-          std::memset(s + i * kChunk, 0, sizeof(float) * kChunk);
+        if (valid <= 0) {
           if constexpr (kBf16) std::memset(pp + i * (kChunk / 2), 0, sizeof(uint32_t) * (kChunk / 2));
+          else std::memset(s + i * kChunk, 0, sizeof(float) * kChunk);
           continue;
         }
         live = i + 1;

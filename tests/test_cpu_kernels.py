@@ -482,6 +482,18 @@ def test_strided_q_k_v_from_a_fused_qkv_equal_contiguous(dtype):
         assert got.is_contiguous() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_short_extends_whose_first_rows_miss_a_tile_equal_torch(dtype, page_size):
+    """Short causal extends on the decode kernel (MHA: under 8 rows per KV head) whose last tile
+    of 32 keys begins past their first tokens' last visible key: those rows see nothing of it and
+    must add nothing to their outputs (e.g. 3 tokens over 34 keys: the first sees keys 0-31)."""
+    qo_kv = [(3, 34), (2, 33), (5, 37), (7, 40), (4, 65)]
+    pool, meta, q, k, v = make_case(page_size + 11, page_size, 4, 4, dtype, qo_kv=qo_kv)
+    got, want = both(pool, meta, q, k, v, dense_min_tokens=KERNEL_ONLY)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_rows_every_head_dim_and_dtype_equal_torch(dtype, head_dim):
