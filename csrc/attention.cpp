@@ -434,6 +434,25 @@ inline void gather_tile(const Problem<T>& p, const int32_t* pages, int head, int
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The online-softmax update of one row by a tile of up to 32 scores (base 2), s0 keys 0-15 and s1
+// keys 16-31, -inf past the row's valid > 0 visible keys: its running max m and sum l, its output
+// orow rescaled where the max rose, and the probabilities in e0, e1 (0 past valid).
+inline void online_softmax_tile(__m512 s0, __m512 s1, int valid, int D, float& m, float& l, float* orow, __m512& e0,
+                                __m512& e1) {
+  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const __m512 vm = _mm512_set1_ps(m_new);
+  e0 = _mm512_maskz_mov_ps(tail_mask(valid), exp2_poly7(_mm512_sub_ps(s0, vm)));
+  e1 = _mm512_maskz_mov_ps(tail_mask(valid - 16), exp2_poly7(_mm512_sub_ps(s1, vm)));
+  if (m != m_new) {
+    const float alpha = m == kNegInf ? 0.0f : exp2_approx(m - m_new);
+    l *= alpha;
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
+    m = m_new;
+  }
+  l += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+}
+
 // One row of a tile on AVX-512 registers (head_dim a multiple of 16): the scores q . k of keys
 // [0, valid), the online-softmax update of the row's max m, sum l and output orow, and the
 // probabilities left in s[0, 32) (0 past valid) for P V. The tile's softmax is two vectors. The
@@ -455,22 +474,11 @@ inline void softmax_tile_row(const float* qr, const float* const* krow, int vali
     s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
   }
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  const __mmask16 m0 = tail_mask(valid), m1 = tail_mask(valid - 16);
-  const __m512 s0 = _mm512_mask_loadu_ps(neg_inf, m0, s), s1 = _mm512_mask_loadu_ps(neg_inf, m1, s + 16);
-  const float m_new = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-  const __m512 vm = _mm512_set1_ps(m_new);
-  const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
-  const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
+  __m512 e0, e1;
+  online_softmax_tile(_mm512_mask_loadu_ps(neg_inf, tail_mask(valid), s),
+                      _mm512_mask_loadu_ps(neg_inf, tail_mask(valid - 16), s + 16), valid, D, m, l, orow, e0, e1);
   _mm512_storeu_ps(s, e0);
   _mm512_storeu_ps(s + 16, e1);
-  if (m != m_new) {
-    const float alpha = m == kNegInf ? 0.0f : exp2_approx(m - m_new);
-    l *= alpha;
-    const __m512 va = _mm512_set1_ps(alpha);
-    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
-    m = m_new;
-  }
-  l += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same on AVX2 registers (CPUs without AVX-512): 8 lanes, the tile's softmax in four vectors,
@@ -659,7 +667,7 @@ constexpr bool small_512_dtype() {
 // decode over contexts in memory ran at ~11 GB/s).
 template <typename T, int NQ>
 void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* lse) {
-  constexpr bool kBf16 = !std::is_same_v<T, float>;
+  constexpr bool kBf16 = kBf16Of<T>;
   const int D = p.dim;
   const int R = head_rows(it);  // rows of each KV head (< kGemmRows)
   const int NH = it.h1 - it.head;
@@ -727,25 +735,14 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
         const __m512 s1 = n > 16 ? _mm512_mask_mov_ps(neg_inf, m1, _mm512_mul_ps(
                                                           row_scores16<T, NQ>(qv, krow + 16, n - 16), vscale))
                                  : neg_inf;
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-        const __m512 vm = _mm512_set1_ps(m_new);
-        const __m512 e0 = _mm512_maskz_mov_ps(m0, exp2_poly7(_mm512_sub_ps(s0, vm)));
-        const __m512 e1 = _mm512_maskz_mov_ps(m1, exp2_poly7(_mm512_sub_ps(s1, vm)));
+        __m512 e0, e1;
+        online_softmax_tile(s0, s1, valid, D, m[r], l[r], out + r * D, e0, e1);
         if constexpr (kBf16) {
           _mm512_storeu_si512(pp + i * (kChunk / 2), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
         } else {
           _mm512_storeu_ps(s + i * kChunk, e0);
           _mm512_storeu_ps(s + i * kChunk + 16, e1);
         }
-        float* orow = out + r * D;
-        if (m[r] != m_new) {
-          const float alpha = m[r] == kNegInf ? 0.0f : exp2_approx(m[r] - m_new);
-          l[r] *= alpha;
-          const __m512 va = _mm512_set1_ps(alpha);
-          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(va, _mm512_loadu_ps(orow + d)));
-          m[r] = m_new;
-        }
-        l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
       }
       if (live == 0) continue;
       if constexpr (kBf16) {
