@@ -8,6 +8,8 @@
 //   rope          neox-style rotary embedding applied in place to q [T, Hq, D] and k [T, Hk, D]
 //                 (strided views of the fused qkv output), from half-width cos/sin [T, D/2].
 //   silu_and_mul  out [N, I] = silu(gate) * up over the fused gate_up output [N, 2I].
+//   argmax_rows   each fp32 row's index of its first maximum, or of its first NaN when it has one
+//                 (torch.max(x, dim=-1).indices, which runs on one thread): the greedy sampler's.
 // Registered as torch.ops.radixserve_layers.* (the extension's pybind module is attention.cpp's).
 //
 // Inner loops have fixed-width blocks (16 floats) so -O3 -march=native vectorises them; bf16 is
@@ -391,16 +393,70 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
     TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16, not ", out.scalar_type());
 }
 
+// Index of the first maximum of p[0, n), or of the first NaN when there is one, as torch.max(dim)
+// picks it (-0.0 equals 0.0, so the first of them). Two passes over the row (a 32k vocab's row is
+// 128 KB, in L2 for the second): its maximum and whether it holds a NaN, then the first block of
+// 16 holding that maximum.
+int64_t argmax_row(const float* p, int64_t n) {
+#ifdef RADIXSERVE_LAYERS_AVX512
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(n - i, kLanes)));
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, p + i);
+    vmax = _mm512_max_ps(vmax, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  const __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = radixserve::tail_mask(static_cast<int>(std::min<int64_t>(n - i, kLanes)));
+    const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
+    // the first NaN when the row has one, else the first lane equal to the maximum
+    const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
+                              : _mm512_mask_cmp_ps_mask(m, v, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // (not reached: the maximum is one of the row's values)
+#else
+  float best = p[0];
+  int64_t at = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] != p[i]) return i;
+    if (p[i] > best) {
+      best = p[i];
+      at = i;
+    }
+  }
+  return at;
+#endif
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows supports float32, not ", x.scalar_type());
+  const int64_t rows = x.size(0), cols = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(cols > 0, "argmax_rows: rows must not be empty");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) op[row] = argmax_row(xp + row * stride, cols);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve_layers, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_layers, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

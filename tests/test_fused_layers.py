@@ -136,6 +136,43 @@ def test_silu_and_mul_extremes():
     torch.testing.assert_close(fused.silu_and_mul(gate_up), F.silu(g)[None] * 2.0, atol=1e-6, rtol=1e-6)
 
 
+
+def _argmax_rows(cols: int) -> torch.Tensor:
+    """Rows that argmax must break right: ties (the first wins), NaNs (the first NaN wins, even
+    before a larger value), infinities, all -inf, and -0.0 beside 0.0, at each position class
+    (first, in a 16-lane block, in the tail)."""
+    rows = [randn(cols, seed=20), torch.full((cols,), float("-inf")), torch.zeros(cols)]
+    for at in sorted({0, cols // 3, cols - 1, min(16, cols - 1)}):
+        r = randn(cols, seed=21 + at)
+        r[at] = 9.0
+        r[(at + 5) % cols] = 9.0  # a tie: the first of the two wins
+        rows.append(r)
+        n = randn(cols, seed=40 + at)
+        n[at] = float("nan")
+        n[(at + 7) % cols] = float("nan")
+        n[(at + 3) % cols] = float("inf")
+        rows.append(n)
+        z = torch.full((cols,), -1.0)
+        z[at] = -0.0
+        z[(at + 2) % cols] = 0.0
+        rows.append(z)
+        i = randn(cols, seed=60 + at)
+        i[at] = float("inf")
+        rows.append(i)
+    return torch.stack(rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cols", [1, 2, 15, 16, 17, 33, 1000, 32000])
+def test_argmax_equals_torch_max_indices(cols):
+    x = _argmax_rows(cols)
+    assert torch.equal(fused.argmax(x), x.max(dim=-1).indices)
+    wide = torch.cat([x, torch.full((x.shape[0], 3), 1e9)], dim=1)[:, :cols]  # rows with a stride > cols
+    assert wide.stride(0) == cols + 3 and torch.equal(fused.argmax(wide), x.max(dim=-1).indices)
+    big = randn(70, cols, seed=80, scale=4.0)  # enough rows to split over the threads
+    assert torch.equal(fused.argmax(big), big.max(dim=-1).indices)
+
+
 def test_fallbacks_are_the_references(no_kernels):
     x, res, w = randn(4, 9, seed=12), randn(4, 9, seed=13), randn(9, seed=14)
     x2 = x.clone()
@@ -150,6 +187,8 @@ def test_fallbacks_are_the_references(no_kernels):
     rot = lambda x: torch.cat([-x[..., 4:], x[..., :4]], -1)  # noqa: E731 - transformers' rotate_half
     c, s = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
     assert torch.equal(q, rq * c + rot(rq) * s) and torch.equal(k, rk * c + rot(rk) * s)
+    x = _argmax_rows(20)
+    assert torch.equal(fused.argmax(x), x.max(dim=-1).indices)
 
 
 def _hf_tensors(path) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from radixserve.engine.request import Request, TokenLogprob
+from radixserve.model import fused
 
 log = logging.getLogger("radixserve.sampler")
 
@@ -42,9 +43,7 @@ class Sampler:
                         failed.add(row)
         if any(r.grammar is not None for r in reqs):
             logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs, failed)
-        # max(-1).indices: argmax's first-maximum (and first-NaN) index, about 3x faster on CPU
-        # ([64, 32000] fp32, 2 threads: 0.58 vs 1.60 ms)
-        tokens = logits.max(dim=-1).indices
+        tokens = fused.argmax(logits)  # the first maximum's (or first NaN's) index, as max(-1).indices
         sampled = [row for row, r in enumerate(reqs) if not r.params.greedy and row not in failed]
         if sampled:
             try:
