@@ -394,9 +394,9 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
 }
 
 // Index of the first maximum of p[0, n), or of the first NaN when there is one, as torch.max(dim)
-// picks it (-0.0 equals 0.0, so the first of them). Two passes over the row (a 32k vocab's row is
-// 128 KB, in L2 for the second): its maximum and whether it holds a NaN, then the first block of
-// 16 holding that maximum.
+// picks it (-0.0 equals 0.0, so the first of them). With AVX-512, two passes over the row (a 32k
+// vocab's row is 128 KB, in L2 for the second): its maximum and whether it holds a NaN, then the
+// first block of 16 holding that maximum (or a NaN); otherwise one scalar pass.
 int64_t argmax_row(const float* p, int64_t n) {
 #ifdef RADIXSERVE_LAYERS_AVX512
   __m512 vmax = _mm512_set1_ps(-INFINITY);
