@@ -136,7 +136,6 @@ def test_silu_and_mul_extremes():
     torch.testing.assert_close(fused.silu_and_mul(gate_up), F.silu(g)[None] * 2.0, atol=1e-6, rtol=1e-6)
 
 
-
 def _argmax_rows(cols: int) -> torch.Tensor:
     """Rows that argmax must break right: ties (the first wins), NaNs (the first NaN wins, even
     before a larger value), infinities, all -inf, and -0.0 beside 0.0, at each position class
