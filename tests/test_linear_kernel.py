@@ -1023,6 +1023,38 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
 
 
 @needs_ext
+def test_gemm_backend_probe_times_the_models_own_shapes(monkeypatch, caplog):
+    """prepack() names the model's linear shapes (not its output embedding) before the backend is
+    chosen, so the probe times those products rather than the default square one."""
+    if not lin._has_onednn_ops():
+        pytest.skip("oneDNN's fp32 GEMM does not run here: nothing to measure")
+    model = torch.nn.Module()
+    model.qkv = lin.Linear(64, 96, bias=False)
+    model.up = lin.Linear(64, 160, bias=False)
+    model.down = lin.Linear(80, 64, bias=True)
+    model.other = lin.Linear(64, 96, bias=True)  # a shape seen already: timed once
+    timed = []
+    real = lin._measure
+
+    def spy(dtype, candidates):
+        timed.append(lin._state.get("probe_shapes") or lin.GEMM_PROBE_SHAPES)
+        return real(dtype, candidates)
+
+    monkeypatch.setattr(lin, "_measure", spy)
+    monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setenv("RADIXSERVE_CPU_GEMM", "auto")
+    with caplog.at_level("INFO", logger="radixserve"):
+        lin.prepack(model)
+    assert timed and timed[0] == ((64, 80), (96, 64), (160, 64))
+    assert "64 x 80, 96 x 64, 160 x 64" in caplog.text
+    # with no model named, the square default
+    monkeypatch.setattr(lin, "_state", {})
+    timed.clear()
+    assert lin.gemm_backend(torch.float32) in ("mkl", "onednn")
+    assert timed == [lin.GEMM_PROBE_SHAPES]
+
+
+@needs_ext
 @pytest.mark.parametrize("backend", ["mkl", "onednn"])
 def test_fp32_engine_greedy_tokens_equal_transformers_on_each_gemm(llama_dir, monkeypatch, backend):
     """Greedy tokens equal transformers' fp32 generate with either fp32 GEMM, whichever this CPU

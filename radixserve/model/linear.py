@@ -49,9 +49,10 @@ process) chooses:
 Which GEMM runs the larger batches is chosen once per process by :func:`gemm_backend`: MKL
 dispatches to its AVX-512 kernels only on Intel CPUs, so on an AMD EPYC with AVX-512 oneDNN's
 fp32 GEMM is 2-4x faster than MKL's and its native bf16 GEMM (vdpbf16ps) faster again, while on
-Intel MKL's fp32 is as fast. ``auto`` (``RADIXSERVE_CPU_GEMM``, the default) times both on an
-8-row and a 64-row product at the first batch that needs one (about 60 ms) and logs the rates and
-the choice; ``mkl`` or ``onednn`` chooses. With oneDNN, every fp32 batch (from one row) and every bf16 batch
+Intel MKL's fp32 is as fast. ``auto`` (``RADIXSERVE_CPU_GEMM``, the default) times both on
+8-, 64- and 512-row products of the model's own linear shapes when :func:`prepack` runs at load (of
+a 1024 x 1024 weight where no model named them first; at most about a second) and logs the rates
+and the choice; ``mkl`` or ``onednn`` chooses. With oneDNN, every fp32 batch (from one row) and every bf16 batch
 the kernel does not take uses a copy of the weight prepacked for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops torch.compile's CPU
 freezing uses); ``F.linear`` would re-layout the weight on every call.
@@ -121,8 +122,19 @@ PACKED_MAX_ROWS = 512
 # other packings disagreed at odd row counts only.
 PROBE_ROWS = (16, 17, 64)
 # Rows of the products gemm_backend() times to choose between MKL and oneDNN: a small decode batch
-# (below MKL's packed range, where fp32 stays on F.linear; above the bf16 kernel's) and a fleet's.
-GEMM_PROBE_ROWS = (8, 64)
+# (below MKL's packed range, where fp32 stays on F.linear; above the bf16 kernel's), a fleet's and
+# a prefill chunk's. Without the 512 rows, the bench model's shapes on an Intel Xeon with AMX timed
+# oneDNN 1.06-1.14x faster (MKL's F.linear at 8 rows is slow), while prefill-heavy work ran 10%
+# slower on oneDNN (bench/RESULTS.md section 31); with them, 1.02-1.05x: inside the margin, MKL stays.
+GEMM_PROBE_ROWS = (8, 64, 512)
+# The weight shapes (out, in) it times where no model named its own (probe_shapes). A square probe
+# can tie where the model's shapes do not: on an Intel Xeon with AMX (bench/RESULTS.md section 31)
+# MKL and oneDNN were within 1.1x of each other at 1024 x 1024, so the choice flipped from load
+# to load, while on the bench model's K = 512 shapes oneDNN took 1.04-1.16x MKL's time from 64
+# rows on.
+GEMM_PROBE_SHAPES = ((1024, 1024),)
+# Seconds the probe aims to spend per dtype (fewer repetitions on a large model, never under 3).
+GEMM_PROBE_SECONDS = 1.0
 # Fewest rows of an fp32 batch sent to oneDNN where it is the backend: on the AMD EPYC (Zen 5) of
 # bench/RESULTS.md section 18 it was faster than F.linear (MKL) from one row in a scratch timing of
 # the bench model's shapes (1.0-3.7x at 1 row, the most on a 49152-row output embedding; 2.2-4x
@@ -384,38 +396,55 @@ def _has_onednn_ops(dtype: torch.dtype = torch.float32) -> bool:
     return dtype != torch.bfloat16 or bool(getattr(mk, "_is_mkldnn_bf16_supported", lambda: True)())
 
 
+def probe_shapes(model: nn.Module) -> None:
+    """Have :func:`gemm_backend` time ``model``'s own linear shapes (its :class:`Linear` weights,
+    one of each shape; the output embedding is left out: only sampled rows run it) rather than
+    :data:`GEMM_PROBE_SHAPES`. Effective until a dtype's backend is chosen (once per process)."""
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear) and m.weight.dim() == 2}
+    if shapes:
+        _state["probe_shapes"] = tuple(sorted(shapes))
+
+
 def _measure(dtype: torch.dtype, candidates: tuple[str, ...], reps: int = 9) -> dict[str, float]:
-    """GFLOP/s of each candidate backend on products of a 1024 x 1024 weight of ``dtype`` with
-    :data:`GEMM_PROBE_ROWS` rows (about 60 ms in all), each run as the engine runs it: "mkl" (fp32:
-    ``F.linear`` below :data:`PACKED_MIN_ROWS` rows, MKL's packed GEMM from there), "widen" (bf16
-    rows widened to the packed fp32 GEMM, the sums rounded back) or "onednn" (oneDNN over a
-    prepacked weight). The candidates take turns and each keeps its best time, so a burst of load
-    on a shared machine slows one repetition of both rather than all of one."""
+    """GFLOP/s of each candidate backend on products of :data:`GEMM_PROBE_ROWS` rows with each
+    weight shape of :func:`probe_shapes` (or :data:`GEMM_PROBE_SHAPES`) in ``dtype``, each run as
+    the engine runs it: "mkl" (fp32: ``F.linear`` below :data:`PACKED_MIN_ROWS` rows, MKL's packed
+    GEMM from there), "widen" (bf16 rows widened to the packed fp32 GEMM, the sums rounded back)
+    or "onednn" (oneDNN over a prepacked weight). The candidates take turns and each keeps its
+    best time, so a burst of load on a shared machine slows one repetition of both rather than all
+    of one; at most ``reps`` timed rounds, fewer where a round is long (:data:`GEMM_PROBE_SECONDS`)."""
     ops = packed_ops()
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(1024, 1024, generator=g).to(dtype)
-    xs = [torch.randn(rows, 1024, generator=g).to(dtype) for rows in GEMM_PROBE_ROWS]
-    flops = 2.0 * sum(GEMM_PROBE_ROWS) * 1024 * 1024
-    products: dict[str, list[Callable[[], torch.Tensor]]] = {}
+    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in _state.get("probe_shapes") or GEMM_PROBE_SHAPES]  # type: ignore[attr-defined]
+    xs = {id(w): [torch.randn(rows, w.shape[1], generator=g).to(dtype) for rows in GEMM_PROBE_ROWS] for w in weights}
+    flops = 2.0 * sum(GEMM_PROBE_ROWS) * sum(w.numel() for w in weights)
+    products: dict[str, list[Callable[[], torch.Tensor]]] = {name: [] for name in candidates}
     with torch.no_grad():
-        for name in candidates:
-            if name == "onednn":
-                packed = torch.ops.mkldnn._reorder_linear_weight(w)
-                products[name] = [functools.partial(_onednn_linear, x, packed, None) for x in xs]
-                continue
-            packed = ops.pack_fp32(w.float())
-            products[name] = [
-                functools.partial(F.linear, x, w) if name == "mkl" and x.shape[0] < PACKED_MIN_ROWS
-                else functools.partial(lambda x, p: ops.packed_linear(x.float(), p, 1024, 1024, None).to(dtype), x, packed)
-                for x in xs]
+        for w in weights:
+            n, k = w.shape
+            for name, fns in products.items():
+                if name == "onednn":
+                    od = torch.ops.mkldnn._reorder_linear_weight(w)
+                    fns += [functools.partial(_onednn_linear, x, od, None) for x in xs[id(w)]]
+                    continue
+                packed = ops.pack_fp32(w.float())
+                fns += [functools.partial(F.linear, x, w) if name == "mkl" and x.shape[0] < PACKED_MIN_ROWS
+                        else functools.partial(lambda x, p, n, k: ops.packed_linear(x.float(), p, n, k, None).to(dtype),
+                                               x, packed, n, k)
+                        for x in xs[id(w)]]
         best = dict.fromkeys(products, float("inf"))
-        for rep in range(reps + 2):  # (the first two rounds warm up)
+        rep, rounds = 0, reps + 2  # (the first two rounds warm up)
+        while rep < rounds:
+            start = time.perf_counter()
             for name, fns in products.items():
                 t0 = time.perf_counter()
                 for fn in fns:
                     fn()
                 if rep >= 2:
                     best[name] = min(best[name], time.perf_counter() - t0)
+            if rep == 1:  # a warm round's time sets how many timed rounds fit the budget
+                rounds = 2 + max(3, min(reps, int(GEMM_PROBE_SECONDS / max(time.perf_counter() - start, 1e-9))))
+            rep += 1
     return {name: flops / t / 1e9 for name, t in best.items()}
 
 
@@ -430,7 +459,7 @@ def gemm_backend(dtype: torch.dtype) -> str:
     (``F.linear`` for all of them: no extension, packing off, fp16).
 
     ``RADIXSERVE_CPU_GEMM`` = ``mkl`` or ``onednn`` chooses (bf16 on AMX is always ``"amx"``);
-    ``auto`` (the default) measures both on 8- and 64-row products and takes the faster: MKL dispatches
+    ``auto`` (the default) measures both (:func:`_measure`) and takes the faster: MKL dispatches
     to AVX-512 only on Intel CPUs, so on an AMD EPYC with AVX-512 oneDNN's fp32 GEMM is 2-4x faster
     than MKL's, and its native bf16 GEMM (vdpbf16ps) another 1.5-2x (``python -m bench floor``); on
     an AVX2-only EPYC MKL's fp32 F.linear at a few rows is 2-4x slower than oneDNN's; on other CPUs
@@ -468,9 +497,11 @@ def _choose_backend(dtype: torch.dtype) -> str:
         return "onednn"
     rates = _measure(dtype, (native, "onednn"))
     choice = "onednn" if rates["onednn"] > 1.1 * rates[native] else native
-    log.info("%s GEMM on this CPU (%s rows, 1024 x 1024, %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
+    shapes = _state.get("probe_shapes") or GEMM_PROBE_SHAPES
+    log.info("%s GEMM on this CPU (%s rows, %s, %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
              "using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)", str(dtype).removeprefix("torch."),
-             " and ".join(map(str, GEMM_PROBE_ROWS)), torch.get_num_threads(), rates["onednn"],
+             " and ".join(map(str, GEMM_PROBE_ROWS)), ", ".join(f"{n} x {k}" for n, k in shapes),  # type: ignore[attr-defined]
+             torch.get_num_threads(), rates["onednn"],
              " (widened to fp32)" if native == "widen" else "", rates[native],
              "oneDNN" if choice == "onednn" else "MKL")
     return choice
@@ -533,6 +564,7 @@ def prepack(model: nn.Module) -> int:
     :class:`Linear` and, for a model with an ``output_packed`` cache, its ``output_embedding``.
     Packs for the current thread count (set it first: a later change repacks at first use).
     Returns the number of weights packed; 0 when packing is off or nothing qualifies."""
+    probe_shapes(model)  # (before _packable: it asks for the backend, which may time them)
     pairs = [(m.weight, m.packed) for m in model.modules() if isinstance(m, Linear)]
     cache = getattr(model, "output_packed", None)
     if isinstance(cache, PackedWeight):
