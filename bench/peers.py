@@ -17,7 +17,9 @@ GLIBC_TUNABLES variables you set reach both (and turn radixserve's off). Both ge
 request first; model loading is not timed. Printed per engine: wall time, output tok/s, TTFT p50/p99
 (measured the same way for both: submit -> first step that returns a token), computed prompt
 tokens (prompt - cached), the minor page faults and system CPU seconds of the timed part, then
-the radixserve/vLLM ratios and whether every request's tokens are equal. With --breakdown,
+the radixserve/vLLM ratios and whether every request's tokens are equal. With --rounds N, each
+workload runs N times, the engines in turn (which goes first alternates), and each round's walls
+and ratios are printed before the medians (of each number, and of the rounds' ratios). With --breakdown,
 radixserve's timed steps are also split into steps with prompt tokens and decode-only steps:
 their seconds, the attention backend's share of the former with its FLOP rate, and the rate of
 the layers' linear maps over the rest (compare with `python -m bench floor`'s GEMM rate). This command installs
@@ -69,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="radixserve's attention backend (auto: the csrc/ kernels when they build)")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each engine run may take")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each workload this many times, the engines in turn (the first one alternating); "
+                        "print each round and the medians")
     p.add_argument("--breakdown", action="store_true",
                    help="also split radixserve's time by step kind: attention and linear-map rates (see above)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -357,6 +362,40 @@ def breakdown(steps: list[dict], model: str) -> dict:
     return out
 
 
+def compare(runs: dict[str, dict], model: str) -> dict:
+    """One round's entry: each engine's summary, radixserve's breakdown when recorded, and with
+    both engines the radixserve/vLLM ratios and how many requests' tokens are equal."""
+    entry: dict = {"engines": {e: summary(r) for e, r in runs.items()}}
+    if "steps" in runs.get("radixserve", {}):
+        entry["breakdown"] = breakdown(runs["radixserve"]["steps"], model)
+    if len(runs) == 2:
+        a, b = runs["radixserve"], runs["vllm"]
+        same = sum(a["requests"][rid]["tokens"] == b["requests"].get(rid, {}).get("tokens") for rid in a["requests"])
+        sa, sb = entry["engines"]["radixserve"], entry["engines"]["vllm"]
+        entry["ratios"] = {"wall": sa["wall_s"] / sb["wall_s"], "ttft_p50": sa["ttft_p50_ms"] / sb["ttft_p50_ms"],
+                           "ttft_p99": sa["ttft_p99_ms"] / sb["ttft_p99_ms"],
+                           "computed_prompt_tokens": sa["computed_prompt_tokens"] / max(1, sb["computed_prompt_tokens"])}
+        entry["equal_requests"] = f"{same}/{len(a['requests'])}"
+    return entry
+
+
+def median_of(rounds: list[dict]) -> dict:
+    """The medians over rounds: of each engine's numbers, and of the ratios, each round's ratio
+    taken between two runs next to each other (so a slow minute slows both sides of one ratio)."""
+    from statistics import median
+
+    engines = {}
+    for e, first in rounds[0]["engines"].items():
+        engines[e] = {k: (median(r["engines"][e][k] for r in rounds) if isinstance(v, (int, float)) else v)
+                      for k, v in first.items()}
+    out: dict = {"engines": engines}
+    if "ratios" in rounds[0]:
+        out["ratios"] = {k: median(r["ratios"][k] for r in rounds) for k in rounds[0]["ratios"]}
+        equal = [r["equal_requests"] for r in rounds]
+        out["equal_requests"] = equal[0] if len(set(equal)) == 1 else " ".join(equal)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if args.child:
         child(args.child, json.loads(args.spec))
@@ -371,6 +410,9 @@ def run(args: argparse.Namespace) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     vllm_python = args.vllm_python or sys.executable
+    if args.rounds < 1:
+        print(f"--rounds must be at least 1, not {args.rounds}", file=sys.stderr)
+        return 2
     if "vllm" in engines:
         probe = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
         if probe.returncode != 0:
@@ -384,21 +426,16 @@ def run(args: argparse.Namespace) -> int:
         result["vllm_version"] = vllm_version
     for w in workloads:
         spec = all_specs[w]
-        runs = {}
-        for e in engines:
-            runs[e] = run_child(vllm_python if e == "vllm" else sys.executable, e, {**spec, "engine": e}, args.timeout)
-        entry = {"config": {k: v for k, v in spec.items() if k not in ("model",)},
-                 "engines": {e: summary(r) for e, r in runs.items()}}
-        if "steps" in runs.get("radixserve", {}):
-            entry["breakdown"] = breakdown(runs["radixserve"]["steps"], model)
-        if len(runs) == 2:
-            a, b = runs["radixserve"], runs["vllm"]
-            same = sum(a["requests"][rid]["tokens"] == b["requests"].get(rid, {}).get("tokens") for rid in a["requests"])
-            sa, sb = entry["engines"]["radixserve"], entry["engines"]["vllm"]
-            entry["ratios"] = {"wall": sa["wall_s"] / sb["wall_s"], "ttft_p50": sa["ttft_p50_ms"] / sb["ttft_p50_ms"],
-                               "ttft_p99": sa["ttft_p99_ms"] / sb["ttft_p99_ms"],
-                               "computed_prompt_tokens": sa["computed_prompt_tokens"] / max(1, sb["computed_prompt_tokens"])}
-            entry["equal_requests"] = f"{same}/{len(a['requests'])}"
+        rounds = []
+        for k in range(args.rounds):  # each round: both engines, one after the other, alternating which goes first
+            order = engines if k % 2 == 0 else engines[::-1]
+            runs = {e: run_child(vllm_python if e == "vllm" else sys.executable, e, {**spec, "engine": e}, args.timeout)
+                    for e in order}
+            rounds.append(compare({e: runs[e] for e in engines}, model))
+        entry = {"config": {k: v for k, v in spec.items() if k not in ("model",)}, **rounds[0]}
+        if len(rounds) > 1:
+            entry.update(median_of(rounds))
+            entry["rounds"] = rounds
         result["workloads"][w] = entry
     if args.json:
         print(json.dumps(result, indent=1))
@@ -426,7 +463,15 @@ def render(res: dict) -> str:
                 f", {c['output_tokens']} out/turn, max_running {c['max_running']}" if w == "fleet" else
                 f"gsp: {c['groups']} groups x {c['prompts']} prompts, {c['prefix_tokens']} shared + {c['question_tokens']}"
                 f" question, {c['output_tokens']} out, max_running {c['max_running']}")
-        lines += ["", desc, head]
+        lines += ["", desc]
+        for k, r in enumerate(entry.get("rounds", [])):
+            walls = ", ".join(f"{e} {s['wall_s']:.2f} s" for e, s in r["engines"].items())
+            ratio = (f"; wall {r['ratios']['wall']:.2f}x, TTFT p50 {r['ratios']['ttft_p50']:.2f}x"
+                     f", equal tokens {r['equal_requests']}" if "ratios" in r else "")
+            lines.append(f"round {k + 1}: {walls}{ratio}")
+        if "rounds" in entry:
+            lines.append(f"medians over {len(entry['rounds'])} rounds (ratios: the median of each round's ratio):")
+        lines.append(head)
         for e, s in entry["engines"].items():
             lines.append(f"{e:<12}{s['backend']:<22}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
                          f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,}{_count(s.get('page_faults')):>13}"
@@ -436,7 +481,8 @@ def render(res: dict) -> str:
             lines.append(f"radixserve / vLLM: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
                          f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests")
         for kind, b in entry.get("breakdown", {}).items():
-            what = "steps with prompt tokens" if kind == "prompt" else "decode-only steps"
+            what = ("steps with prompt tokens" if kind == "prompt" else "decode-only steps") + \
+                (" (round 1)" if "rounds" in entry else "")
             attn = (f"attention {b['attention_s']:.2f} s at {b['attention_gflop_per_s']:.0f} GFLOP/s, "
                     if b["attention_gflop_per_s"] is not None else "")
             rate = "-" if b["linear_gflop_per_s"] is None else f"{b['linear_gflop_per_s']:.0f}"

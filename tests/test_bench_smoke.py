@@ -108,6 +108,45 @@ def test_kernels_cold_and_shuffled():
         assert timing["ms"] > 0 and timing["gflops"] > 0
 
 
+def test_peers_rounds_alternate_and_report_medians(monkeypatch):
+    """--rounds N: every round runs both engines next to each other, alternating which goes first;
+    the entry holds each round and the medians, the ratio being the median of the rounds' own
+    ratios (not a ratio of medians), and the table prints every round before the medians."""
+    from bench import peers
+
+    walls = {"radixserve": [3.0, 9.0, 4.0], "vllm": [6.0, 10.0, 5.0]}  # round ratios 0.5, 0.9, 0.8
+    calls = []
+
+    def fake_child(python, engine, spec, timeout):
+        k = sum(e == engine for e in calls)
+        calls.append(engine)
+        reqs = {f"r{i}": {"tokens": [1, 2] if engine == "vllm" or i else [1, 3], "prompt": 10, "cached": 4,
+                          "ttft_s": walls[engine][k] / 10} for i in range(2)}
+        return {"requests": reqs, "wall_s": walls[engine][k], "backend": engine, "page_faults": 1, "system_s": 0.0}
+
+    monkeypatch.setattr(peers, "run_child", fake_child)
+    monkeypatch.setattr(peers, "specs", lambda args, model: {"gsp": {"workload": "gsp", "groups": 1, "prompts": 2,
+                                                                     "prefix_tokens": 4, "question_tokens": 2,
+                                                                     "output_tokens": 2, "max_running": 2}})
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "0.32.0\n", ""))
+    out = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: out.append(" ".join(map(str, a))))
+    parser = peers.argparse.ArgumentParser()
+    peers.add_arguments(parser)
+    assert peers.run(parser.parse_args(["--model", "m", "--workloads", "gsp", "--rounds", "3", "--json"])) == 0
+    assert calls == ["radixserve", "vllm", "vllm", "radixserve", "radixserve", "vllm"]
+    entry = json.loads(out[-1])["workloads"]["gsp"]
+    assert [round(r["ratios"]["wall"], 3) for r in entry["rounds"]] == [0.5, 0.9, 0.8]
+    assert entry["ratios"]["wall"] == pytest.approx(0.8)  # (a ratio of the median walls would be 0.667)
+    assert entry["engines"]["radixserve"]["wall_s"] == 4.0 and entry["engines"]["vllm"]["wall_s"] == 6.0
+    assert entry["equal_requests"] == "1/2"
+    table = peers.render(json.loads(out[-1]))
+    assert "round 3: radixserve 4.00 s, vllm 5.00 s; wall 0.80x" in table
+    assert "medians over 3 rounds" in table and "wall 0.80x" in table.splitlines()[-1]
+    out.clear()
+    assert peers.run(parser.parse_args(["--model", "m", "--rounds", "0"])) == 2
+
+
 def test_peers_radixserve_alone(tiny_model):
     """`bench peers --engines radixserve` (no vLLM needed): both workloads run in a child process
     and report wall time, TTFT and computed prompt tokens; the backend column names the attention
