@@ -1047,6 +1047,13 @@ def test_gemm_backend_probe_times_the_models_own_shapes(monkeypatch, caplog):
         lin.prepack(model)
     assert timed and timed[0] == ((64, 80), (96, 64), (160, 64))
     assert "64 x 80, 96 x 64, 160 x 64" in caplog.text
+    # a large model's shapes keep their K with fewer output rows (nothing allocated: meta weights)
+    big = torch.nn.Module()
+    big.up = lin.Linear(4096, 28672, bias=False, device="meta")
+    big.down = lin.Linear(14336, 4096, bias=False, device="meta")
+    big.o = lin.Linear(64, 96, bias=False, device="meta")
+    lin.probe_shapes(big)
+    assert lin._state["probe_shapes"] == ((96, 64), (128, 14336), (512, 4096))
     # with no model named, the square default
     monkeypatch.setattr(lin, "_state", {})
     timed.clear()

@@ -135,6 +135,10 @@ GEMM_PROBE_ROWS = (8, 64, 512)
 GEMM_PROBE_SHAPES = ((1024, 1024),)
 # Seconds the probe aims to spend per dtype (fewer repetitions on a large model, never under 3).
 GEMM_PROBE_SECONDS = 1.0
+# Most elements of one probed weight: a larger model's shapes keep their K (the inner size, which
+# sets the GEMMs' blocking) with fewer output rows, so the probe's memory and time stay small
+# (the bench model's largest, 2816 x 512, is whole).
+GEMM_PROBE_MAX_ELEMENTS = 1 << 21
 # Fewest rows of an fp32 batch sent to oneDNN where it is the backend: on the AMD EPYC (Zen 5) of
 # bench/RESULTS.md section 18 it was faster than F.linear (MKL) from one row in a scratch timing of
 # the bench model's shapes (1.0-3.7x at 1 row, the most on a 49152-row output embedding; 2.2-4x
@@ -398,9 +402,11 @@ def _has_onednn_ops(dtype: torch.dtype = torch.float32) -> bool:
 
 def probe_shapes(model: nn.Module) -> None:
     """Have :func:`gemm_backend` time ``model``'s own linear shapes (its :class:`Linear` weights,
-    one of each shape; the output embedding is left out: only sampled rows run it) rather than
-    :data:`GEMM_PROBE_SHAPES`. Effective until a dtype's backend is chosen (once per process)."""
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear) and m.weight.dim() == 2}
+    one of each shape, at most :data:`GEMM_PROBE_MAX_ELEMENTS`; the output embedding is left out:
+    only sampled rows run it) rather than :data:`GEMM_PROBE_SHAPES`. Effective until a dtype's
+    backend is chosen (once per process)."""
+    shapes = {(min(n, max(64, GEMM_PROBE_MAX_ELEMENTS // k // 64 * 64)), k) for n, k in
+              (tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear) and m.weight.dim() == 2)}
     if shapes:
         _state["probe_shapes"] = tuple(sorted(shapes))
 
@@ -498,9 +504,9 @@ def _choose_backend(dtype: torch.dtype) -> str:
     rates = _measure(dtype, (native, "onednn"))
     choice = "onednn" if rates["onednn"] > 1.1 * rates[native] else native
     shapes = _state.get("probe_shapes") or GEMM_PROBE_SHAPES
-    log.info("%s GEMM on this CPU (%s rows, %s, %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
+    log.info("%s GEMM on this CPU (%s rows; %s; %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
              "using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)", str(dtype).removeprefix("torch."),
-             " and ".join(map(str, GEMM_PROBE_ROWS)), ", ".join(f"{n} x {k}" for n, k in shapes),  # type: ignore[attr-defined]
+             ", ".join(map(str, GEMM_PROBE_ROWS)), ", ".join(f"{n} x {k}" for n, k in shapes),  # type: ignore[attr-defined]
              torch.get_num_threads(), rates["onednn"],
              " (widened to fp32)" if native == "widen" else "", rates[native],
              "oneDNN" if choice == "onednn" else "MKL")
