@@ -411,6 +411,10 @@ def probe_shapes(model: nn.Module) -> None:
         _state["probe_shapes"] = tuple(sorted(shapes))
 
 
+def _probed_shapes() -> tuple[tuple[int, int], ...]:
+    return _state.get("probe_shapes") or GEMM_PROBE_SHAPES  # type: ignore[return-value]
+
+
 def _measure(dtype: torch.dtype, candidates: tuple[str, ...], reps: int = 9) -> dict[str, float]:
     """GFLOP/s of each candidate backend on products of :data:`GEMM_PROBE_ROWS` rows with each
     weight shape of :func:`probe_shapes` (or :data:`GEMM_PROBE_SHAPES`) in ``dtype``, each run as
@@ -421,23 +425,23 @@ def _measure(dtype: torch.dtype, candidates: tuple[str, ...], reps: int = 9) -> 
     of one; at most ``reps`` timed rounds, fewer where a round is long (:data:`GEMM_PROBE_SECONDS`)."""
     ops = packed_ops()
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in _state.get("probe_shapes") or GEMM_PROBE_SHAPES]  # type: ignore[attr-defined]
-    xs = {id(w): [torch.randn(rows, w.shape[1], generator=g).to(dtype) for rows in GEMM_PROBE_ROWS] for w in weights}
-    flops = 2.0 * sum(GEMM_PROBE_ROWS) * sum(w.numel() for w in weights)
+    shapes = _probed_shapes()
+    flops = 2.0 * sum(GEMM_PROBE_ROWS) * sum(n * k for n, k in shapes)
     products: dict[str, list[Callable[[], torch.Tensor]]] = {name: [] for name in candidates}
     with torch.no_grad():
-        for w in weights:
-            n, k = w.shape
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=g).to(dtype)
+            xs = [torch.randn(rows, k, generator=g).to(dtype) for rows in GEMM_PROBE_ROWS]
             for name, fns in products.items():
                 if name == "onednn":
                     od = torch.ops.mkldnn._reorder_linear_weight(w)
-                    fns += [functools.partial(_onednn_linear, x, od, None) for x in xs[id(w)]]
+                    fns += [functools.partial(_onednn_linear, x, od, None) for x in xs]
                     continue
                 packed = ops.pack_fp32(w.float())
                 fns += [functools.partial(F.linear, x, w) if name == "mkl" and x.shape[0] < PACKED_MIN_ROWS
                         else functools.partial(lambda x, p, n, k: ops.packed_linear(x.float(), p, n, k, None).to(dtype),
                                                x, packed, n, k)
-                        for x in xs[id(w)]]
+                        for x in xs]
         best = dict.fromkeys(products, float("inf"))
         rep, rounds = 0, reps + 2  # (the first two rounds warm up)
         while rep < rounds:
@@ -503,10 +507,9 @@ def _choose_backend(dtype: torch.dtype) -> str:
         return "onednn"
     rates = _measure(dtype, (native, "onednn"))
     choice = "onednn" if rates["onednn"] > 1.1 * rates[native] else native
-    shapes = _state.get("probe_shapes") or GEMM_PROBE_SHAPES
     log.info("%s GEMM on this CPU (%s rows; %s; %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
              "using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)", str(dtype).removeprefix("torch."),
-             ", ".join(map(str, GEMM_PROBE_ROWS)), ", ".join(f"{n} x {k}" for n, k in shapes),  # type: ignore[attr-defined]
+             ", ".join(map(str, GEMM_PROBE_ROWS)), ", ".join(f"{n} x {k}" for n, k in _probed_shapes()),
              torch.get_num_threads(), rates["onednn"],
              " (widened to fp32)" if native == "widen" else "", rates[native],
              "oneDNN" if choice == "onednn" else "MKL")
