@@ -125,7 +125,8 @@ PROBE_ROWS = (16, 17, 64)
 # (below MKL's packed range, where fp32 stays on F.linear; above the bf16 kernel's), a fleet's and
 # a prefill chunk's. Without the 512 rows, the bench model's shapes on an Intel Xeon with AMX timed
 # oneDNN 1.06-1.14x faster (MKL's F.linear at 8 rows is slow), while prefill-heavy work ran 10%
-# slower on oneDNN (bench/RESULTS.md section 31); with them, 1.02-1.05x: inside the margin, MKL stays.
+# slower on oneDNN (bench/RESULTS.md section 31); with them, 1.00-1.05x: inside the margin, MKL
+# stays (in five of six loads there; the sixth measured MKL slow and took oneDNN).
 GEMM_PROBE_ROWS = (8, 64, 512)
 # The weight shapes (out, in) it times where no model named its own (probe_shapes). A square probe
 # can tie where the model's shapes do not: on an Intel Xeon with AMX (bench/RESULTS.md section 31)
