@@ -10,7 +10,8 @@
 // chunk's tokens (GQA folded into the rows, so each K/V row is read once per group), cut into
 // blocks of ~kRows rows. A work item is one (sequence, KV head) with a range of its blocks; its
 // keys are prepared once for all of the item's blocks. Per block and tile of kKeys keys:
-// S = Q K^T, an online softmax pass over S (vectorised exp2, scores in base 2), O += P V.
+// S = Q K^T, an online softmax pass over S (vectorised exp2, scores in base 2; bf16 rows past their
+// first tile take one pass against their running max while no score rises far above it), O += P V.
 // Items are handed out longest first from an atomic counter, so uneven chunks balance across
 // threads. Softmax statistics and accumulation are fp32.
 //
@@ -225,30 +226,64 @@ inline void store_p(float* sr, uint16_t* pb, int j, __m512 e, __mmask16 keep) {
   }
 }
 
-// Row max of scale * sr[0, valid) (and m_in), then sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in
-// pb) and their sum; entries [valid, n) become 0. Returns the sum; m_out is the new running max.
-template <bool kBf16>
-inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+// sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb) for j < valid, 0 for [valid, n); returns
+// their sum. With kTrack, *smax gets the max of sr[0, valid) (read before any overwrite).
+template <bool kBf16, bool kTrack>
+inline float exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb, float* smax) {
   const int full = valid & ~15;
-  __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
-  if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
-  const float m = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
-  m_out = m;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
-  __m512 vsum = _mm512_setzero_ps();
+  __m512 vsum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(kNegInf);
   for (int j = 0; j < full; j += 16) {
-    const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vs, vm));
+    const __m512 x = _mm512_loadu_ps(sr + j);
+    if constexpr (kTrack) vmax = _mm512_max_ps(vmax, x);
+    const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm));
     vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, 0xFFFF);
   }
   for (int j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
     const __mmask16 live = tail_mask(valid - j);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, sr + j), vs, vm)));
+    const __m512 x = _mm512_maskz_loadu_ps(live, sr + j);
+    if constexpr (kTrack) vmax = _mm512_mask_max_ps(vmax, live, vmax, x);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm)));
     vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, tail_mask(n - j));
   }
+  if constexpr (kTrack) *smax = _mm512_reduce_max_ps(vmax);
   return _mm512_reduce_add_ps(vsum);
+}
+
+// How far (base 2) a tile's scores may rise above a bf16 row's running max before it moves: the
+// probabilities then stay below 2^32, and the sums (of at most 2^31 keys) and outputs far inside
+// fp32's and bf16's range, with fp32's and bf16's relative precision at any scale.
+constexpr float kLazyHeadroom = 32.0f;
+
+// The exponentials of a row's scores sr[0, valid) against its running max (base 2), into sr (fp32)
+// or pb (bf16), 0 for [valid, n); returns their sum, and m_out the max they were taken against.
+// fp32: two passes (the row max of scale * sr and m_in, then the exponentials). bf16 rows that
+// already have a running max take one pass against it and keep it unless a score rose more than
+// kLazyHeadroom above it (then a second pass against the new max, which the first one found; the
+// fp32 scores are still in sr): the separate max pass was a third of the softmax's time on AMX (its
+// reduction serialises each row), and rows whose max stays put skip rescaling their output.
+template <bool kBf16>
+inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+  if constexpr (kBf16) {
+    if (m_in != kNegInf) {
+      float smax;
+      const float sum = exp_pass<true, true>(sr, n, valid, scale, m_in, pb, &smax);
+      if (smax * scale <= m_in + kLazyHeadroom) {
+        m_out = m_in;
+        return sum;
+      }
+      m_out = smax * scale;
+      return exp_pass<true, false>(sr, n, valid, scale, m_out, pb, nullptr);
+    }
+  }
+  const int full = valid & ~15;
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+  if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
+  m_out = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
+  return exp_pass<kBf16, false>(sr, n, valid, scale, m_out, pb, nullptr);
 }
 #endif
 
