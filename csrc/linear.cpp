@@ -64,6 +64,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "aligned.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -323,9 +325,9 @@ bool amx_permitted() {  // Linux hands out the 8 KiB tile state only on request,
 }
 
 // x [M, K] -> packed [kblocks][2 halves][16 k pairs][16 rows][2], zeros past K and past M.
-std::vector<uint16_t> pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
+radixserve::AlignedVector<uint16_t> pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
   const int64_t kblocks = (K + 31) / 32;
-  std::vector<uint16_t> packed(static_cast<size_t>(kblocks * 2 * kAmxBlock), 0);
+  radixserve::AlignedVector<uint16_t> packed(static_cast<size_t>(kblocks * 2 * kAmxBlock), 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t half = m / 16, col = m % 16;
     for (int64_t k = 0; k < K; ++k) {
@@ -473,7 +475,7 @@ void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t M, int6
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
-    std::vector<uint16_t> tail;  // the zero-padded rows of a chunk's last, partial 32-row block
+    radixserve::AlignedVector<uint16_t> tail;  // the zero-padded rows of a chunk's last, partial 32-row block
     for (int64_t task = begin; task < end; ++task) {
       const int64_t cc = task / row_chunks, rc = task % row_chunks;
       const int64_t n0 = cc * cols, n1 = std::min(N, n0 + cols);
@@ -588,7 +590,7 @@ void run(const Elem<D>* x, int64_t ldx, const Elem<D>* w, int64_t ldw, int64_t M
 #if defined(RADIXSERVE_HAVE_AMX)
   if constexpr (D == Dt::bf16) {
     if (amx) {
-      const std::vector<uint16_t> xp = pack_x(x, ldx, M, K);
+      const radixserve::AlignedVector<uint16_t> xp = pack_x(x, ldx, M, K);
       TileConfig cfg;
       const int cols0 = static_cast<int>(std::min<int64_t>(M, 16)), cols1 = static_cast<int>(M - cols0);
       cfg.rows[0] = cfg.rows[2] = cfg.rows[3] = 16;

@@ -28,6 +28,7 @@
 
 #include <torch/extension.h>
 
+#include "aligned.h"
 #include "paged_common.h"
 
 #include <ATen/Parallel.h>
@@ -159,9 +160,11 @@ struct Item {
 // Per-thread buffers, grown on demand.
 template <typename C>
 struct Scratch {
-  std::vector<C> q, k, v;
-  std::vector<float> s, o, m, l;
-  std::vector<uint16_t> p;  // bf16 probabilities (bf16 only)
+  // (on 64-byte boundaries: the AMX path's tiles read and write them row by row)
+  radixserve::AlignedVector<C> q, k, v;
+  radixserve::AlignedVector<float> s, o;
+  std::vector<float> m, l;
+  radixserve::AlignedVector<uint16_t> p;  // bf16 probabilities (bf16 only)
   std::vector<int> limit;
 };
 
