@@ -151,9 +151,9 @@ struct Scratch {
   }
 };
 
-// An item's rows (KV head by KV head), set up for the online softmax: its query rows loaded
-// (scaled to log2 units), running max / sum reset, each row's last visible key (bottom-right
-// causal), outputs zeroed.
+// An item's rows (KV head by KV head), set up for the online softmax: its query rows loaded into
+// qb as fp32 scaled to log2 units (unless load_q is false: bf16 on vdpbf16ps reads q in place),
+// running max / sum reset, each row's last visible key (bottom-right causal), outputs zeroed.
 struct Rows {
   int kv_len;            // keys of the sequence
   int kend;              // one past the last key any row of the item may see
@@ -161,7 +161,8 @@ struct Rows {
 };
 
 template <typename T>
-Rows start_rows(const Problem<T>& p, const Item& it, float* qb, float* m, float* l, int* limit, float* out) {
+Rows start_rows(const Problem<T>& p, const Item& it, float* qb, float* m, float* l, int* limit, float* out,
+                bool load_q = true) {
   const int D = p.dim;
   const int heads = it.g1 - it.g0;
   const int qo_start = p.qo_indptr[it.seq];
@@ -172,8 +173,10 @@ Rows start_rows(const Problem<T>& p, const Item& it, float* qb, float* m, float*
       for (int g = it.g0; g < it.g1; ++g) {
         const int r = ((h - it.head) * (it.t1 - it.t0) + (t - it.t0)) * heads + (g - it.g0);
         const T* src = p.q + (qo_start + t) * p.q_stride_t + (h * p.group + g) * p.q_stride_h;
-        load_row(src, qb + r * D, D);
-        for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+        if (load_q) {
+          load_row(src, qb + r * D, D);
+          for (int d = 0; d < D; ++d) qb[r * D + d] *= p.scale_log2;
+        }
         m[r] = kNegInf;
         l[r] = 0.0f;
         limit[r] = p.causal ? kv_len - qo_len + t : kv_len - 1;
@@ -678,7 +681,7 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
   const T* vrow[kChunk];
   float m[kMaxRows], l[kMaxRows];
   int limit[kMaxRows];
-  const Rows rows = start_rows(p, it, qb, m, l, limit, out);
+  const Rows rows = start_rows(p, it, qb, m, l, limit, out, !kBf16);  // (bf16 reads q in place)
   const int64_t head_off = static_cast<int64_t>(it.head) * D;
   const int span = NH * D * static_cast<int>(sizeof(T));  // bytes of the item's heads in a slot
   auto slot_of = [&](int pos) {
