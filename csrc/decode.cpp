@@ -78,6 +78,13 @@ const c10::TypedOperatorHandle<AmxFn>& amx_op() {
   return op;
 }
 
+// The AMX GEMM with SiLU-and-mul in its epilogue (gate_up's product and activation in one pass).
+using AmxGluFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+const c10::TypedOperatorHandle<AmxGluFn>& amx_glu_op() {
+  static const c10::TypedOperatorHandle<AmxGluFn> op = find_op<AmxGluFn>("radixserve_linear::amx_linear_silu");
+  return op;
+}
+
 const Ops& ops() {
   static const Ops instance;  // (looked up once; the ops are registered when the library loads)
   return instance;
@@ -170,9 +177,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1));
     h = at::empty_like(x);
     op.norm.call(x, o, w[5], eps, h);
-    const at::Tensor gate_up = product(op, h, w[6], w[7], pw(2));
-    const at::Tensor act = at::empty({T, gate_up.size(1) / 2}, x.options());
-    op.silu.call(gate_up, act);
+    // silu(gate) * up: on the AMX GEMM's packed copy in its epilogue, as
+    // radixserve.model.linear.linear_silu_and_mul takes it; else the product, then the activation
+    const at::Tensor& pgu = pw(2);
+    at::Tensor act;
+    if (pgu.defined() && pgu.numel() > 0 && !pgu.is_mkldnn()) {
+      act = amx_glu_op().call(h, pgu, bias_of(w[7]));
+    } else {
+      const at::Tensor gate_up = product(op, h, w[6], w[7], pgu);
+      act = at::empty({T, gate_up.size(1) / 2}, x.options());
+      op.silu.call(gate_up, act);
+    }
     pending = product(op, act, w[8], w[9], pw(3));
   }
   return *pending;

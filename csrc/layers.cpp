@@ -326,28 +326,7 @@ inline float exp_poly(float x) {
 }
 
 #ifdef RADIXSERVE_LAYERS_AVX512
-// 16 lanes of silu(g) * u with explicit FMAs: e^-x as 2^t, t = -x log2(e), by a degree-6
-// polynomial of t - round(t) (relative error ~1.2e-7) scaled by vscalefps (x > 87: e^-x -> 0;
-// x < -88.7: inf, so silu -> -0). About 2.5x faster than the scalar code's auto-vectorised
-// loop; within a few ulps of it (6e-7 relative at most over [-6, 6]). NaN stays NaN.
-// Reciprocal: with a bf16 output the division is a vrcp14ps estimate and one Newton step
-// (relative error ~1e-7, far below bf16's 2^-9); fp32 keeps the exact vdivps. The division was
-// about half of the op's time (bench/RESULTS.md section 27).
-template <bool Reciprocal>
-inline __m512 silu_mul_v(__m512 x, __m512 u) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-87.0f)),
-                                 _mm512_set1_ps(1.44269504088896341f));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), radixserve::exp2_poly<6>(t));
-  if constexpr (Reciprocal) {
-    __m512 r = _mm512_rcp14_ps(d);
-    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-    // d = inf (x < -88.7): the Newton step made NaN; 1/d is 0, so silu -> -0 as with the division
-    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), r, _mm512_setzero_ps());
-    return _mm512_mul_ps(_mm512_mul_ps(x, r), u);
-  } else {
-    return _mm512_mul_ps(_mm512_div_ps(x, d), u);
-  }
-}
+using radixserve::silu_mul_v;
 
 #endif
 

@@ -69,6 +69,9 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "avx512_math.h"
+#endif
 
 // MKL's packed sgemm (CBLAS, LP64: 32-bit ints; the CBLAS enums are ints).
 extern "C" size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k);
@@ -421,52 +424,89 @@ inline void amx_store_rows(const float* c, int rows, int cols, Out* y, int64_t l
     }
 }
 
-// Rows [m0, m0 + rows) (rows <= 32; a contiguous A of row stride lda) times columns [n0, n1) of B.
+// Rows [0, rows) (rows <= 32; A of row stride lda) times two column tiles of B (b0, b1: 16
+// columns each, kblocks tiles of 32 k apiece) into c [32 rows][32 columns] fp32: b0's columns in
+// c's first 16, b1's in the last 16.
+inline void amx_tile_pair(const uint16_t* a, int64_t lda, bool two, const uint16_t* b0, const uint16_t* b1,
+                          int64_t kblocks, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    _tile_loadd(4, a + kb * 32, lda * 2);
+    _tile_loadd(6, b0 + kb * kAmxTile, 64);
+    _tile_loadd(7, b1 + kb * kAmxTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 512, 128);
+    _tile_stored(3, c + 512 + 16, 128);
+  }
+  memory_barrier();
+}
+
+// silu(g + bias_g) * (u + bias_u) of c's rows (g: its first 16 columns, u: its last 16) into y.
 template <typename Out>
-void amx_gemm_rows(const uint16_t* a, int64_t lda, int rows, const uint16_t* b, int64_t kblocks, int64_t n0,
-                   int64_t n1, const float* bias, Out* y, int64_t ldy) {
-  alignas(64) float c[32 * 32];
-  const bool two = rows > 16;
-  for (int64_t n = n0; n < n1; n += 32) {
-    const uint16_t* b0 = b + (n / 16) * kblocks * kAmxTile;
-    const uint16_t* b1 = b0 + kblocks * kAmxTile;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-      _tile_zero(2);
-      _tile_zero(3);
+inline void amx_store_glu(const float* c, int rows, Out* y, int64_t ldy, const float* bg, const float* bu) {
+  for (int r = 0; r < rows; ++r) {
+    __m512 g = _mm512_loadu_ps(c + r * 32), u = _mm512_loadu_ps(c + r * 32 + 16);
+    if (bg) {
+      g = _mm512_add_ps(g, _mm512_loadu_ps(bg));
+      u = _mm512_add_ps(u, _mm512_loadu_ps(bu));
     }
-    for (int64_t kb = 0; kb < kblocks; ++kb) {
-      _tile_loadd(4, a + kb * 32, lda * 2);
-      _tile_loadd(6, b0 + kb * kAmxTile, 64);
-      _tile_loadd(7, b1 + kb * kAmxTile, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    if (two) {
-      _tile_stored(2, c + 512, 128);
-      _tile_stored(3, c + 512 + 16, 128);
-    }
-    memory_barrier();
-    amx_store_rows<Out>(c, rows, 32, y + n, ldy, bias ? bias + n : nullptr);
+    const __m512 v = radixserve::silu_mul_v<!std::is_same_v<Out, float>>(g, u);
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_storeu_ps(y + r * ldy, v);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
 
-template <typename Out>
+// Rows [0, rows) (rows <= 32; a contiguous A of row stride lda) times output columns [n0, n1).
+// Plain (kGlu false): B's column tiles in pairs, 32 output columns at a time. kGlu: B holds
+// [gate; up] (2 * inter columns, inter = half * 16), and output column j is silu(gate j) * up j:
+// gate tile j / 16 paired with up tile half + j / 16, 16 output columns at a time, the activation
+// applied to the fp32 sums as they leave the tiles (no [M, 2 * inter] product in memory, no
+// separate pass).
+template <typename Out, bool kGlu>
+void amx_gemm_rows(const uint16_t* a, int64_t lda, int rows, const uint16_t* b, int64_t kblocks, int64_t n0,
+                   int64_t n1, const float* bias, Out* y, int64_t ldy, int64_t half) {
+  alignas(64) float c[32 * 32];
+  const bool two = rows > 16;
+  const int64_t tile_stride = kblocks * kAmxTile;  // bf16 values of one column tile of B
+  for (int64_t n = n0; n < n1; n += kGlu ? 16 : 32) {
+    const uint16_t* b0 = b + (n / 16) * tile_stride;
+    const uint16_t* b1 = kGlu ? b + (half + n / 16) * tile_stride : b0 + tile_stride;
+    amx_tile_pair(a, lda, two, b0, b1, kblocks, c);
+    if constexpr (kGlu)
+      amx_store_glu<Out>(c, rows, y + n, ldy, bias ? bias + n : nullptr, bias ? bias + half * 16 + n : nullptr);
+    else
+      amx_store_rows<Out>(c, rows, 32, y + n, ldy, bias ? bias + n : nullptr);
+  }
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) over pack_amx's packed W; kGlu: N = inter output columns of a
+// packed [gate; up] W of 2 * inter columns (see amx_gemm_rows).
+template <typename Out, bool kGlu = false>
 void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t M, int64_t K, int64_t N, const float* bias,
               Out* y) {
   const int64_t kblocks = K / 32;
+  const int64_t step = kGlu ? 16 : 32;  // output columns per micro-kernel call
   const int64_t threads = at::get_num_threads();
   const int64_t row_chunks = (M + kAmxGemmRows - 1) / kAmxGemmRows;
   int64_t cols = kAmxGemmCols;  // narrower chunks while there are fewer tasks than threads
-  while (cols > 32 && row_chunks * ((N + cols - 1) / cols) < threads) cols /= 2;
+  while (cols > step && row_chunks * ((N + cols - 1) / cols) < threads) cols /= 2;
   const int64_t col_chunks = (N + cols - 1) / cols;
   at::parallel_for(0, row_chunks * col_chunks, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
@@ -491,7 +531,7 @@ void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t M, int6
           a = tail.data();
           lda = K;
         }
-        amx_gemm_rows<Out>(a, lda, rows, b, kblocks, n0, n1, bias, y + m * N, N);
+        amx_gemm_rows<Out, kGlu>(a, lda, rows, b, kblocks, n0, n1, bias, y + m * N, N, N / 16);
       }
     }
     _tile_release();
@@ -802,6 +842,35 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
   return y;
 }
 
+// silu(gate) * up of y = x W^T (+ bias) for pack_amx's packed W = [gate; up] (rows 0..inter-1 the
+// gate projection, inter..2*inter-1 the up projection, as the model's gate_up_proj): y [M, inter]
+// bf16, the activation applied to the GEMM's fp32 sums in its epilogue (amx_gemm_rows, kGlu).
+torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(supports_amx_gemm(), "amx_linear_silu: this build or CPU has no AMX GEMM");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "amx_linear_silu: x must be a bfloat16 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 32 && packed.is_contiguous() && packed.size(0) % 2 == 0,
+              "amx_linear_silu: packed must be the [N/16, K/32, 16, 32] tensor pack_amx returned for an even "
+              "number of column tiles, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, inter = N / 2;
+  TORCH_CHECK(packed.size(1) * 32 == K, "amx_linear_silu: x has K=", K, " but the packed weight has K=",
+              packed.size(1) * 32);
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) >= K,
+              "amx_linear_silu: x's rows must be contiguous and not overlap (strides ", x.strides(), ")");
+  std::vector<float> bias_storage;
+  const float* bp = bias_fp32(bias, N, at::kBFloat16, bias_storage, "amx_linear_silu");
+  auto y = torch::empty({M, inter}, x.options().dtype(at::kBFloat16));
+#if defined(RADIXSERVE_HAVE_AMX_GEMM)
+  if (M == 0) return y;
+  amx_gemm<c10::BFloat16, true>(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                                reinterpret_cast<const uint16_t*>(packed.data_ptr()), M, K, inter, bp,
+                                y.data_ptr<c10::BFloat16>());
+#endif
+  return y;
+}
+
 // ---- fp32: MKL's packed GEMM ----
 
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasPacked = 151,
@@ -914,6 +983,7 @@ TORCH_LIBRARY(radixserve_linear, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out, int impl=0) -> Tensor", &small_m_linear);
   m.def("pack_amx(Tensor weight) -> Tensor", &pack_amx);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, bool fp32_out=False) -> Tensor", &amx_linear);
+  m.def("amx_linear_silu(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &amx_linear_silu);
   m.def("supports_amx() -> bool", &supports_amx);
   m.def("supports_amx_gemm() -> bool", &supports_amx_gemm);
   m.def("supports_bf16() -> bool", &supports_bf16);

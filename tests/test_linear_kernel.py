@@ -827,6 +827,50 @@ def test_amx_gemm_equals_a_float64_product(n, k):
 
 
 @needs_amx_gemm
+@pytest.mark.parametrize("n, k", [(64, 64), (96, 512), (2816, 512)])
+def test_amx_gemm_with_silu_and_mul_equals_the_two_steps(n, k):
+    """amx_linear_silu over a packed [gate; up] weight is silu(gate) * up of the same fp32 sums
+    amx_linear makes (fp32_out), within bf16's rounding: output tiles of 16 (n = 96: three gate
+    tiles, so column chunks end mid-pair), row counts around the 32-row blocks, strided rows, with
+    and without a bias."""
+    ops = torch.ops.radixserve_linear
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    packed = ops.pack_amx(w)
+    for rows in (1, 16, 17, 33, 100, 257):
+        x = torch.randn(rows, k + 16, generator=g).bfloat16()[:, 5:5 + k]
+        for bias in (None, torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g)):
+            sums = ops.amx_linear(x, packed, bias, True).double()
+            want = F.silu(sums[:, : n // 2]) * sums[:, n // 2:]
+            got = ops.amx_linear_silu(x, packed, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n // 2)
+            torch.testing.assert_close(got.double(), want, rtol=4e-3, atol=1e-5)
+    with pytest.raises(RuntimeError, match="even"):
+        ops.amx_linear_silu(torch.randn(2, 64).bfloat16(), torch.zeros(3, 2, 16, 32, dtype=torch.bfloat16), None)
+
+
+@needs_amx_gemm
+def test_mlp_takes_the_gemm_with_silu_on_amx(fresh_state):
+    """linear_silu_and_mul (the MLP's gate_up_proj and activation) runs amx_linear_silu where linear
+    would take the AMX GEMM, and matches the product-then-activation path within bf16's rounding;
+    without the packed copy it is exactly that path."""
+    from radixserve.model import fused
+    g = torch.Generator().manual_seed(3)
+    layer = lin.Linear(512, 2816, bias=False).to(torch.bfloat16).requires_grad_(False)
+    layer.weight.copy_(torch.randn(2816, 512, generator=g) * 0.05)
+    x = torch.randn(300, 512, generator=g).bfloat16()
+    assert torch.equal(lin.linear_silu_and_mul(x, layer.weight, None),
+                       fused.silu_and_mul(lin.linear(x, layer.weight, None)))
+    two_steps = fused.silu_and_mul(layer(x))  # (the AMX GEMM, its sums rounded to bf16, then the op)
+    got = lin.linear_silu_and_mul(x, layer.weight, None, packed=layer.packed)
+    buf = layer.packed.get(layer.weight, lin.packed_ops())
+    assert buf is not None and buf.dim() == 4  # the AMX GEMM's tiles
+    assert torch.equal(got, torch.ops.radixserve_linear.amx_linear_silu(x, buf, None))
+    assert not torch.equal(got, two_steps)  # (no bf16 rounding of gate and up in between)
+    torch.testing.assert_close(got.float(), two_steps.float(), rtol=2e-2, atol=2e-3)
+
+
+@needs_amx_gemm
 def test_amx_gemm_refuses_bad_input():
     ops = torch.ops.radixserve_linear
     w = torch.randn(64, 64).bfloat16()

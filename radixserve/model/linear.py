@@ -702,6 +702,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.float() if fp32_out else y
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        packed: PackedWeight | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``linear(x, weight, bias)`` for a ``[gate; up]`` weight (the model's
+    ``gate_up_proj``). Where :func:`linear` would take the AMX GEMM's packed copy (bf16 on AMX;
+    csrc/decode.cpp decides alike from :func:`prepacked_weight`), the GEMM applies the activation
+    to its fp32 sums as they leave the tiles (``amx_linear_silu``): no ``[rows, 2 * inter]``
+    product written and read back, no separate pass, no bf16 rounding of gate and up. Elsewhere
+    the product, then :func:`radixserve.model.fused.silu_and_mul`."""
+    from radixserve.model import fused
+
+    if packed is not None and _amx_first(weight) and _packed_usable(x, weight, bias):  # (as linear's first branch)
+        buf = packed.get(weight, packed_ops())
+        if buf is not None and not buf.is_mkldnn and buf.dim() == 4:
+            k = weight.shape[1]
+            rows = x.reshape(-1, k)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            return packed_ops().amx_linear_silu(rows, buf, bias).view(*x.shape[:-1], weight.shape[0] // 2)
+    return fused.silu_and_mul(linear(x, weight, bias, packed=packed))
+
+
 def logits(x: torch.Tensor, output_embedding: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:
     """Float32 logits ``x @ output_embedding.T`` (the tied or untied lm_head); ``packed``: the
     cache of the embedding's packed fp32 copy (the caller's, kept as long as the model).

@@ -19,7 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from radixserve.attention.base import AttentionBackend
 from radixserve.model import fused
 from radixserve.model.fused_decode import FusedDecode
-from radixserve.model.linear import Linear, PackedWeight, logits
+from radixserve.model.linear import Linear, PackedWeight, linear_silu_and_mul, logits
 
 
 @dataclass
@@ -164,7 +164,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+        gu = self.gate_up_proj
+        return self.down_proj(linear_silu_and_mul(x, gu.weight, gu.bias, packed=gu.packed))
 
 
 class DecoderLayer(nn.Module):
