@@ -68,7 +68,8 @@ packed into AMX tiles (``pack_amx`` / ``amx_linear``; weights whose two sizes ar
 every Llama-family projection and output embedding in practice): oneDNN's bf16 GEMM has slow regimes on these shapes (about 1,000 GFLOP/s on a K = 1408
 down_proj at 512-1,088 rows), and at decode sizes the AMX GEMM took 0.48-0.86x of oneDNN's
 prepacked time and 0.46-0.84x of the small-M kernel's (``python -m bench roofline --dtype bfloat16
---gemv``; bench/RESULTS.md section 27). Other shapes keep the kernel up to :data:`MAX_ROWS` rows,
+--gemv``; bench/RESULTS.md section 27); the MLP's ``[gate; up]`` projection takes it with
+SiLU-and-mul in its epilogue (:func:`linear_silu_and_mul`). Other shapes keep the kernel up to :data:`MAX_ROWS` rows,
 oneDNN's prepacked copy to :data:`ONEDNN_MAX_ROWS` and ``F.linear`` beyond. Either copy is as
 large as the weight.
 """
@@ -85,6 +86,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixserve.model import fused
 
 log = logging.getLogger("radixserve")
 
@@ -710,8 +713,6 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     to its fp32 sums as they leave the tiles (``amx_linear_silu``): no ``[rows, 2 * inter]``
     product written and read back, no separate pass, no bf16 rounding of gate and up. Elsewhere
     the product, then :func:`radixserve.model.fused.silu_and_mul`."""
-    from radixserve.model import fused
-
     if packed is not None and _amx_first(weight) and _packed_usable(x, weight, bias):  # (as linear's first branch)
         buf = packed.get(weight, packed_ops())
         if buf is not None and not buf.is_mkldnn and buf.dim() == 4:
