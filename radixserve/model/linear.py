@@ -631,6 +631,12 @@ def _packed_rows(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return packed_ops() is not None
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as 2-D rows of its last dimension, that dimension contiguous (what the native ops take)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    packed: PackedWeight, fp32_out: bool = False) -> torch.Tensor | None:
     """The packed product, or None when this weight keeps F.linear (not bit-identical). With
@@ -641,10 +647,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return None
     n, k = weight.shape
     if not buf.is_mkldnn and buf.dim() == 4:  # the AMX GEMM's packed tiles (pack_amx)
-        rows = x.reshape(-1, k)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return ops.amx_linear(rows, buf, bias, fp32_out).view(*x.shape[:-1], n)
+        return ops.amx_linear(_rows(x), buf, bias, fp32_out).view(*x.shape[:-1], n)
     y = _other_packed_linear(x, weight, bias, buf, ops)
     return y.float() if fp32_out else y
 
@@ -660,10 +663,7 @@ def _other_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return ops.packed_linear(x.reshape(-1, k).float(), buf, n, k, fb).view(*x.shape[:-1], n).to(x.dtype)
     if x.dim() == 2 and x.stride(-1) == 1:
         return ops.packed_linear(x, buf, n, k, bias)
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return ops.packed_linear(rows, buf, n, k, bias).view(*x.shape[:-1], n)
+    return ops.packed_linear(_rows(x), buf, n, k, bias).view(*x.shape[:-1], n)
 
 
 def prepacked_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -693,10 +693,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         op = _state["op"]
         if x.dim() == 2 and x.stride(-1) == 1:  # the decode case: no reshaping
             return op(x, weight, bias, fp32_out)  # type: ignore[operator]
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return op(rows, weight, bias, fp32_out).view(*x.shape[:-1], weight.shape[0])  # type: ignore[operator]
+        return op(_rows(x), weight, bias, fp32_out).view(*x.shape[:-1], weight.shape[0])  # type: ignore[operator]
     if packed is not None and _packed_usable(x, weight, bias):
         y = _packed_linear(x, weight, bias, packed, fp32_out)
         if y is not None:
@@ -716,11 +713,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if packed is not None and _amx_first(weight) and _packed_usable(x, weight, bias):  # (as linear's first branch)
         buf = packed.get(weight, packed_ops())
         if buf is not None and not buf.is_mkldnn and buf.dim() == 4:
-            k = weight.shape[1]
-            rows = x.reshape(-1, k)
-            if rows.stride(-1) != 1:
-                rows = rows.contiguous()
-            return packed_ops().amx_linear_silu(rows, buf, bias).view(*x.shape[:-1], weight.shape[0] // 2)
+            return packed_ops().amx_linear_silu(_rows(x), buf, bias).view(*x.shape[:-1], weight.shape[0] // 2)
     return fused.silu_and_mul(linear(x, weight, bias, packed=packed))
 
 
