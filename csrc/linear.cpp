@@ -65,6 +65,7 @@
 #include <unistd.h>
 
 #include "aligned.h"
+#include "parallel.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -400,8 +401,9 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
 // contiguous 1 KiB. The micro-kernel keeps four C tiles (32 rows x 32 columns) over all of K: per
 // 32 k, two A and two B loads feed four tile products. Work: the columns cut into chunks (256
 // columns: a chunk's B tiles, 256-720 KiB for the bench model, stay in L2) times row chunks of
-// 256; tasks are column-major, so a thread's consecutive tasks reuse one chunk of B while its 32
-// rows of A sit in L1 across the chunk's column pairs. Row tails (M % 32) go through a zero-padded
+// 256, handed out one at a time in column-major order (radixserve::parallel_tasks): the threads
+// work down one chunk of B together, each thread's 32 rows of A sit in L1 across the chunk's
+// column pairs, and a thread whose core runs slower takes fewer tasks. Row tails (M % 32) go through a zero-padded
 // copy of those rows. oneDNN's bf16 brgemm matmul (F.linear, or its prepacked copy) has slow
 // regimes on the bench model's shapes (about 1,000 GFLOP/s on the K = 1408 down_proj at 512-1,088
 // rows); at decode sizes, weights from memory, this GEMM took 0.48-0.86x of oneDNN's prepacked
@@ -508,7 +510,8 @@ void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t M, int6
   int64_t cols = kAmxGemmCols;  // narrower chunks while there are fewer tasks than threads
   while (cols > step && row_chunks * ((N + cols - 1) / cols) < threads) cols /= 2;
   const int64_t col_chunks = (N + cols - 1) / cols;
-  at::parallel_for(0, row_chunks * col_chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t n_tasks = row_chunks * col_chunks;
+  radixserve::parallel_tasks(n_tasks, [&](auto& next) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
@@ -516,7 +519,7 @@ void amx_gemm(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t M, int6
     }
     _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
     radixserve::AlignedVector<uint16_t> tail;  // the zero-padded rows of a chunk's last, partial 32-row block
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = next(); task < n_tasks; task = next()) {
       const int64_t cc = task / row_chunks, rc = task % row_chunks;
       const int64_t n0 = cc * cols, n1 = std::min(N, n0 + cols);
       const int64_t m_end = std::min(M, (rc + 1) * kAmxGemmRows);

@@ -30,6 +30,7 @@
 
 #include "aligned.h"
 #include "paged_common.h"
+#include "parallel.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -37,7 +38,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -906,14 +906,13 @@ void run(const Problem<T>& p, int num_seqs) {
       }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   bool amx = false;
   if constexpr (std::is_same_v<T, c10::BFloat16>) amx = p.amx;
-  at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
+  radixserve::parallel_tasks(n_items, [&](auto& next) {
     Scratch<float> w;
     Scratch<uint16_t> wb;  // (the AMX and vdpbf16ps paths'; stays empty otherwise)
-    for (int64_t i = next++; i < n_items; i = next++) {
+    for (int64_t i = next(); i < n_items; i = next()) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (amx) {
           run_item_amx(p, seqs[items[i].seq], items[i], wb);

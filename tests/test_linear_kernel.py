@@ -827,6 +827,32 @@ def test_amx_gemm_equals_a_float64_product(n, k):
 
 
 @needs_amx_gemm
+def test_amx_gemm_is_the_same_at_any_thread_count():
+    """The GEMM's tasks (256-row x 256-column chunks, narrower when there are few) go to whichever
+    thread asks next: every output element is still made once, by the same micro-kernel over the
+    same tiles, so the result is bit for bit the same at 1, 2 and 5 threads (a task handed out
+    twice or never would leave garbage from torch.empty, or race)."""
+    ops = torch.ops.radixserve_linear
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(2816, 512, generator=g) * 0.05).bfloat16()
+    packed = ops.pack_amx(w)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (33, 300, 1100):
+            x = torch.randn(rows, 512, generator=g).bfloat16()
+            got = {}
+            for t in (1, 2, 5):
+                torch.set_num_threads(t)
+                got[t] = (ops.amx_linear(x, packed, None, True), ops.amx_linear_silu(x, packed, None))
+            for t in (2, 5):
+                assert torch.equal(got[t][0], got[1][0]) and torch.equal(got[t][1], got[1][1]), (rows, t)
+            want = x.double() @ w.double().t()
+            torch.testing.assert_close(got[1][0].double(), want, atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx_gemm
 @pytest.mark.parametrize("n, k", [(64, 64), (96, 512), (2816, 512)])
 def test_amx_gemm_with_silu_and_mul_equals_the_two_steps(n, k):
     """amx_linear_silu over a packed [gate; up] weight is silu(gate) * up of the same fp32 sums
