@@ -399,7 +399,8 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
 // kAmxMaxM rows. A tiles are 16 rows x 32 k of x, loaded in place (x's row stride); B tiles are W
 // packed once (pack_amx) into [N/16][K/32][16 k pairs][16 columns][2], so one tile load reads a
 // contiguous 1 KiB. The micro-kernel keeps four C tiles (32 rows x 32 columns) over all of K: per
-// 32 k, two A and two B loads feed four tile products. Work: the columns cut into chunks (256
+// 32 k, two A and two B loads feed four tile products; it walks K in alternate directions from one
+// column pair to the next and prefetches the output rows for writing (see amx_tile_pair). Work: the columns cut into chunks (256
 // columns: a chunk's B tiles, 256-720 KiB for the bench model, stay in L2) times row chunks of
 // 256, handed out one at a time in column-major order (radixserve::parallel_tasks): the threads
 // work down one chunk of B together, each thread's 32 rows of A sit in L1 across the chunk's
@@ -428,16 +429,24 @@ inline void amx_store_rows(const float* c, int rows, int cols, Out* y, int64_t l
 
 // Rows [0, rows) (rows <= 32; A of row stride lda) times two column tiles of B (b0, b1: 16
 // columns each, kblocks tiles of 32 k apiece) into c [32 rows][32 columns] fp32: b0's columns in
-// c's first 16, b1's in the last 16.
-inline void amx_tile_pair(const uint16_t* a, int64_t lda, bool two, const uint16_t* b0, const uint16_t* b1,
-                          int64_t kblocks, float* c) {
+// c's first 16, b1's in the last 16. backward walks K from its end: called for consecutive column
+// pairs with alternating directions, the A lines a call reads last are the next call's first, still
+// in L1 (a 32-row panel of A and a pair's B tiles, 32 KiB each at K = 512, do not both fit). out,
+// out_stride: the rows of the output these sums go to, prefetched for writing while the tiles work.
+inline void amx_tile_pair(const uint16_t* a, int64_t lda, int rows, const uint16_t* b0, const uint16_t* b1,
+                          int64_t kblocks, float* c, bool backward, const char* out, int64_t out_stride) {
+  const bool two = rows > 16;
   _tile_zero(0);
   _tile_zero(1);
   if (two) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t kb = 0; kb < kblocks; ++kb) {
+  const int64_t per = (rows + kblocks - 1) / kblocks;  // output rows to prefetch per step of K
+  for (int64_t i = 0; i < kblocks; ++i) {
+    for (int64_t r = i * per, e = std::min<int64_t>(rows, r + per); r < e; ++r)
+      __builtin_prefetch(out + r * out_stride, 1, 3);
+    const int64_t kb = backward ? kblocks - 1 - i : i;
     _tile_loadd(4, a + kb * 32, lda * 2);
     _tile_loadd(6, b0 + kb * kAmxTile, 64);
     _tile_loadd(7, b1 + kb * kAmxTile, 64);
@@ -485,12 +494,16 @@ template <typename Out, bool kGlu>
 void amx_gemm_rows(const uint16_t* a, int64_t lda, int rows, const uint16_t* b, int64_t kblocks, int64_t n0,
                    int64_t n1, const float* bias, Out* y, int64_t ldy, int64_t half) {
   alignas(64) float c[32 * 32];
-  const bool two = rows > 16;
   const int64_t tile_stride = kblocks * kAmxTile;  // bf16 values of one column tile of B
-  for (int64_t n = n0; n < n1; n += kGlu ? 16 : 32) {
+  constexpr int64_t step = kGlu ? 16 : 32;
+  for (int64_t n = n0; n < n1; n += step) {
     const uint16_t* b0 = b + (n / 16) * tile_stride;
     const uint16_t* b1 = kGlu ? b + (half + n / 16) * tile_stride : b0 + tile_stride;
-    amx_tile_pair(a, lda, two, b0, b1, kblocks, c);
+    // (the direction by the output columns, not by the call: the same sums however the columns
+    // are cut into chunks, at any thread count)
+    const bool backward = (n / step) % 2 == 1;
+    amx_tile_pair(a, lda, rows, b0, b1, kblocks, c, backward, reinterpret_cast<const char*>(y + n),
+                  ldy * static_cast<int64_t>(sizeof(Out)));
     if constexpr (kGlu)
       amx_store_glu<Out>(c, rows, y + n, ldy, bias ? bias + n : nullptr, bias ? bias + half * 16 + n : nullptr);
     else

@@ -827,19 +827,22 @@ def test_amx_gemm_equals_a_float64_product(n, k):
 
 
 @needs_amx_gemm
-def test_amx_gemm_is_the_same_at_any_thread_count():
-    """The GEMM's tasks (256-row x 256-column chunks, narrower when there are few) go to whichever
-    thread asks next: every output element is still made once, by the same micro-kernel over the
-    same tiles, so the result is bit for bit the same at 1, 2 and 5 threads (a task handed out
-    twice or never would leave garbage from torch.empty, or race)."""
+@pytest.mark.parametrize("n, k", [(2816, 512), (64, 512), (96, 1408)])
+def test_amx_gemm_is_the_same_at_any_thread_count(n, k):
+    """The GEMM's tasks (256-row x 256-column chunks, narrower while there are fewer tasks than
+    threads: n = 64 and 96 get chunks of one column pair at 2 and 5 threads) go to whichever thread
+    asks next, and the micro-kernel walks K forwards or backwards by its output columns: every
+    output element is still made once, by the same sums, so the result is bit for bit the same at
+    1, 2 and 5 threads (a task handed out twice or never would leave garbage from torch.empty, or
+    race; a direction that followed the chunking would change the rounding)."""
     ops = torch.ops.radixserve_linear
-    g = torch.Generator().manual_seed(11)
-    w = (torch.randn(2816, 512, generator=g) * 0.05).bfloat16()
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     packed = ops.pack_amx(w)
     threads = torch.get_num_threads()
     try:
         for rows in (33, 300, 1100):
-            x = torch.randn(rows, 512, generator=g).bfloat16()
+            x = torch.randn(rows, k, generator=g).bfloat16()
             got = {}
             for t in (1, 2, 5):
                 torch.set_num_threads(t)
