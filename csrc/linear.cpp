@@ -399,17 +399,18 @@ void amx_block(const uint16_t* xp, const uint16_t* w, int64_t ldw, int64_t M, in
 // kAmxMaxM rows. A tiles are 16 rows x 32 k of x, loaded in place (x's row stride); B tiles are W
 // packed once (pack_amx) into [N/16][K/32][16 k pairs][16 columns][2], so one tile load reads a
 // contiguous 1 KiB. The micro-kernel keeps four C tiles (32 rows x 32 columns) over all of K: per
-// 32 k, two A and two B loads feed four tile products; it walks K in alternate directions from one
-// column pair to the next and prefetches the output rows for writing (see amx_tile_pair). Work: the columns cut into chunks (256
-// columns: a chunk's B tiles, 256-720 KiB for the bench model, stay in L2) times row chunks of
-// 256, handed out one at a time in column-major order (radixserve::parallel_tasks): the threads
-// work down one chunk of B together, each thread's 32 rows of A sit in L1 across the chunk's
-// column pairs, and a thread whose core runs slower takes fewer tasks. Row tails (M % 32) go through a zero-padded
-// copy of those rows. oneDNN's bf16 brgemm matmul (F.linear, or its prepacked copy) has slow
-// regimes on the bench model's shapes (about 1,000 GFLOP/s on the K = 1408 down_proj at 512-1,088
-// rows); at decode sizes, weights from memory, this GEMM took 0.48-0.86x of oneDNN's prepacked
-// time and 0.46-0.84x of the small-M kernel's at 1-32 rows (`python -m bench roofline --dtype
-// bfloat16 --gemv`, bench/RESULTS.md section 27).
+// 32 k, two A and two B loads feed four tile products; it walks K in alternate directions from
+// one column pair to the next and prefetches the output rows for writing (see amx_tile_pair).
+// Work: the columns cut into chunks (256 columns: a chunk's B tiles, 256-720 KiB for the bench
+// model, stay in L2) times row chunks of 256, handed out one at a time in column-major order
+// (radixserve::parallel_tasks): the threads work down one chunk of B together, each thread's 32
+// rows of A stay mostly in L1 across the chunk's column pairs, and a thread whose core runs slower
+// takes fewer tasks. Row tails (M % 32) go through a zero-padded copy of those rows. oneDNN's
+// bf16 brgemm matmul (F.linear, or its prepacked copy) has slow regimes on the bench model's shapes
+// (about 1,000 GFLOP/s on the K = 1408 down_proj at 512-1,088 rows); at decode sizes, weights
+// from memory, this GEMM took 0.48-0.86x of oneDNN's prepacked time and 0.46-0.84x of the small-M
+// kernel's at 1-32 rows (`python -m bench roofline --dtype bfloat16 --gemv`, bench/RESULTS.md
+// section 27).
 constexpr int64_t kAmxGemmCols = 256;  // columns per chunk (a multiple of 32)
 constexpr int64_t kAmxGemmRows = 256;  // rows per chunk (a multiple of 32)
 constexpr int64_t kAmxTile = 16 * 32;  // bf16 values of one packed B tile

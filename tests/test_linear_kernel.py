@@ -830,8 +830,8 @@ def test_amx_gemm_equals_a_float64_product(n, k):
 @pytest.mark.parametrize("n, k", [(2816, 512), (64, 512), (96, 1408)])
 def test_amx_gemm_is_the_same_at_any_thread_count(n, k):
     """The GEMM's tasks (256-row x 256-column chunks, narrower while there are fewer tasks than
-    threads: n = 64 and 96 get chunks of one column pair at 2 and 5 threads) go to whichever thread
-    asks next, and the micro-kernel walks K forwards or backwards by its output columns: every
+    threads: at 33 rows n = 64 gets chunks of one column pair at 2 and 5 threads, n = 96 at 5) go
+    to whichever thread asks next, and the micro-kernel walks K forwards or backwards by its output columns: every
     output element is still made once, by the same sums, so the result is bit for bit the same at
     1, 2 and 5 threads (a task handed out twice or never would leave garbage from torch.empty, or
     race; a direction that followed the chunking would change the rounding)."""
