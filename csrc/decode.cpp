@@ -99,10 +99,13 @@ std::optional<at::Tensor> bias_of(const at::Tensor& b) {
 // x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
 // the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
 // oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
+// Whether a prepacked weight is the AMX GEMM's tiles (else oneDNN's copy, or none: the small-M kernel).
+bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.numel() > 0 && !packed.is_mkldnn(); }
+
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                    const at::Tensor& packed) {
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);
-  if (!packed.is_mkldnn()) return amx_op().call(x, packed, bias_of(b), false);
+  if (amx_packed(packed)) return amx_op().call(x, packed, bias_of(b), false);
   return onednn_op().call(x, packed, bias_of(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
@@ -181,7 +184,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     // radixserve.model.linear.linear_silu_and_mul takes it; else the product, then the activation
     const at::Tensor& pgu = pw(2);
     at::Tensor act;
-    if (pgu.defined() && pgu.numel() > 0 && !pgu.is_mkldnn()) {
+    if (amx_packed(pgu)) {
       act = amx_glu_op().call(h, pgu, bias_of(w[7]));
     } else {
       const at::Tensor gate_up = product(op, h, w[6], w[7], pgu);

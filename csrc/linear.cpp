@@ -832,18 +832,27 @@ torch::Tensor pack_amx(const torch::Tensor& weight) {
 
 // y = x W^T (+ b) from pack_amx's packed W: x [M, K] bf16 (rows may be strided, the last dimension
 // contiguous), y [M, N] bf16, or float32 (the sums unrounded) with fp32_out.
+// x [M, K] bf16 rows and pack_amx's tiles for amx_linear (name) and amx_linear_silu (pairs: an even
+// number of column tiles, [gate; up]); returns N, the packed weight's rows.
+int64_t check_amx_inputs(const torch::Tensor& x, const torch::Tensor& packed, const char* name, bool pairs) {
+  TORCH_CHECK(supports_amx_gemm(), name, ": this build or CPU has no AMX GEMM");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              name, ": x must be a bfloat16 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 32 && packed.is_contiguous() && (!pairs || packed.size(0) % 2 == 0),
+              name, ": packed must be the [N/16, K/32, 16, 32] tensor pack_amx returned",
+              pairs ? " for an even number of column tiles" : "", ", got ", packed.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.size(1) * 32 == K, name, ": x has K=", K, " but the packed weight has K=", packed.size(1) * 32);
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) >= K, name, ": x's rows must be contiguous and not overlap (strides ",
+              x.strides(), ")");
+  return packed.size(0) * 16;
+}
+
 torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          bool fp32_out) {
-  TORCH_CHECK(supports_amx_gemm(), "amx_linear: this build or CPU has no AMX GEMM");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
-              "amx_linear: x must be a bfloat16 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 32 && packed.is_contiguous(),
-              "amx_linear: packed must be the [N/16, K/32, 16, 32] tensor pack_amx returned, got ", packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 32 == K, "amx_linear: x has K=", K, " but the packed weight has K=", packed.size(1) * 32);
-  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) >= K, "amx_linear: x's rows must be contiguous and not overlap (strides ",
-              x.strides(), ")");
+  const int64_t N = check_amx_inputs(x, packed, "amx_linear", false);
+  const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> bias_storage;
   const float* bp = bias_fp32(bias, N, at::kBFloat16, bias_storage, "amx_linear");
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
@@ -864,18 +873,8 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 // bf16, the activation applied to the GEMM's fp32 sums in its epilogue (amx_gemm_rows, kGlu).
 torch::Tensor amx_linear_silu(const torch::Tensor& x, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(supports_amx_gemm(), "amx_linear_silu: this build or CPU has no AMX GEMM");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
-              "amx_linear_silu: x must be a bfloat16 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 32 && packed.is_contiguous() && packed.size(0) % 2 == 0,
-              "amx_linear_silu: packed must be the [N/16, K/32, 16, 32] tensor pack_amx returned for an even "
-              "number of column tiles, got ", packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, inter = N / 2;
-  TORCH_CHECK(packed.size(1) * 32 == K, "amx_linear_silu: x has K=", K, " but the packed weight has K=",
-              packed.size(1) * 32);
-  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) >= K,
-              "amx_linear_silu: x's rows must be contiguous and not overlap (strides ", x.strides(), ")");
+  const int64_t N = check_amx_inputs(x, packed, "amx_linear_silu", true);
+  const int64_t M = x.size(0), K = x.size(1), inter = N / 2;
   std::vector<float> bias_storage;
   const float* bp = bias_fp32(bias, N, at::kBFloat16, bias_storage, "amx_linear_silu");
   auto y = torch::empty({M, inter}, x.options().dtype(at::kBFloat16));
