@@ -28,6 +28,19 @@ inline __m512 exp2_poly(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for 16 lanes, as exp2_poly<4> but with the minimax polynomial of 2^f on [-0.5, 0.5] (for
+// relative error; fitted in double, rounded to fp32): evaluated in fp32, 2.7e-6 at most, about as
+// exp2_poly<5> (3.3e-6) with one FMA fewer.
+inline __m512 exp2_minimax4(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00957010221f), f, _mm512_set1_ps(0.0559178591f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121791f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999999285f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // 16 lanes of silu(g) * u with explicit FMAs: e^-x as 2^t, t = -x log2(e), by a degree-6
 // polynomial of t - round(t) (relative error ~1.2e-7) scaled by vscalefps (x > 87: e^-x -> 0;
 // x < -88.7: inf, so silu -> -0). About 2.5x faster than the scalar code's auto-vectorised

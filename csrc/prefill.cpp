@@ -204,11 +204,15 @@ int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-// 2^x for 16 lanes, x <= 0: degree 6 (relative error ~1.2e-7; fp32) or 5 (~2.4e-6; bf16, whose
-// probabilities round to 2^-9 anyway).
+// 2^x for 16 lanes, x <= 0: fp32 by the degree-6 Taylor polynomial (relative error ~2.2e-7 in
+// fp32), bf16 by the degree-4 minimax one (2.7e-6, about as the degree-5 Taylor polynomial before
+// it, with one FMA fewer: bf16 prefill attention 0.97-0.98x the time, bench/RESULTS.md section 34).
+// bf16's probabilities round to 2^-9, but its LSEs (which the cascade merges) are fp32: the
+// degree-3 minimax polynomial (7.5e-5; 0.95-0.96x) moved them by up to 1.04e-4 in the kernel tests.
 template <bool kBf16>
 inline __m512 exp2_v(__m512 x) {
-  return radixserve::exp2_poly<kBf16 ? 5 : 6>(x);
+  if constexpr (kBf16) return radixserve::exp2_minimax4(x);
+  else return radixserve::exp2_poly<6>(x);
 }
 
 using radixserve::tail_mask;
