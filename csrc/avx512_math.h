@@ -28,17 +28,22 @@ inline __m512 exp2_poly(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 2^x for 16 lanes, as exp2_poly<4> but with the minimax polynomial of 2^f on [-0.5, 0.5] (for
-// relative error; fitted in double, rounded to fp32): evaluated in fp32, 2.7e-6 at most, about as
-// exp2_poly<5> (3.3e-6) with one FMA fewer.
+// 2^x for 16 lanes, x < 128: 2^f on f = x - floor(x) in [0, 1) by the degree-4 minimax polynomial
+// of 2^f there (for relative error; fitted in double, rounded to fp32: 2.7e-6 at most evaluated in
+// fp32, about as exp2_poly<5>'s 3.3e-6 with one FMA fewer), times 2^floor(x) by vscalefps, which
+// floors its exponent operand itself: so vreduceps (f in one instruction) takes the place of the
+// vrndscaleps and vsubps of exp2_poly. Very negative x -> 0.
 inline __m512 exp2_minimax4(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00957010221f), f, _mm512_set1_ps(0.0559178591f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121791f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999999285f));
-  return _mm512_scalef_ps(p, n);
+#ifdef __AVX512DQ__
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF);
+#else
+  const __m512 f = _mm512_sub_ps(x, _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0135341492f), f, _mm512_set1_ps(0.052011475f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24144277f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693003833f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000262f));
+  return _mm512_scalef_ps(p, x);
 }
 
 // 16 lanes of silu(g) * u with explicit FMAs: e^-x as 2^t, t = -x log2(e), by a degree-6

@@ -204,11 +204,13 @@ int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-// 2^x for 16 lanes, x <= 0: fp32 by the degree-6 Taylor polynomial (relative error ~2.2e-7 in
-// fp32), bf16 by the degree-4 minimax one (2.7e-6, about as the degree-5 Taylor polynomial before
-// it, with one FMA fewer: bf16 prefill attention 0.97-0.98x the time, bench/RESULTS.md section 34).
-// bf16's probabilities round to 2^-9, but its LSEs (which the cascade merges) are fp32: the
-// degree-3 minimax polynomial (7.5e-5; 0.95-0.96x) moved them by up to 1.04e-4 in the kernel tests.
+// 2^x for 16 lanes, x <= 0 (bf16's lazy rows: <= kLazyHeadroom): fp32 by the degree-6 Taylor
+// polynomial (relative error ~2.2e-7 in fp32), bf16 by exp2_minimax4 (2.7e-6, about as the
+// degree-5 Taylor polynomial before it, with one FMA and one instruction for the fraction fewer).
+// bf16's probabilities round to 2^-9, but its LSEs (which the cascade merges) are fp32: a degree-3
+// minimax polynomial (7.5e-5) moved them by up to 1.04e-4 in the kernel tests. bf16 prefill
+// attention (bench/RESULTS.md section 34): the degree-4 polynomial on [-0.5, 0.5] 0.97-0.98x the
+// time of the Taylor one; then on [0, 1) with vreduceps, with exp_pass's paired stores, 0.91-0.93x.
 template <bool kBf16>
 inline __m512 exp2_v(__m512 x) {
   if constexpr (kBf16) return radixserve::exp2_minimax4(x);
@@ -233,21 +235,43 @@ inline void store_p(float* sr, uint16_t* pb, int j, __m512 e, __mmask16 keep) {
   }
 }
 
+// 32 probabilities as bf16 into pb[0, 32): one vcvtne2ps2bf16 and one 64-byte store.
+inline void store_p2(uint16_t* pb, __m512 e0, __m512 e1) {
+#ifdef __AVX512BF16__
+  _mm512_storeu_si512(pb, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+#else
+  store_p<true>(nullptr, pb, 0, e0, 0xFFFF);
+  store_p<true>(nullptr, pb, 16, e1, 0xFFFF);
+#endif
+}
+
 // sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb) for j < valid, 0 for [valid, n); returns
-// their sum. With kTrack, *smax gets the max of sr[0, valid) (read before any overwrite).
+// their sum. With kTrack, *smax gets the max of sr[0, valid) (read before any overwrite). bf16
+// takes its full vectors two at a time (store_p2).
 template <bool kBf16, bool kTrack>
 inline float exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb, float* smax) {
   const int full = valid & ~15;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
   __m512 vsum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(kNegInf);
-  for (int j = 0; j < full; j += 16) {
+  int j = 0;
+  if constexpr (kBf16) {
+    for (; j + 32 <= full; j += 32) {
+      const __m512 x0 = _mm512_loadu_ps(sr + j), x1 = _mm512_loadu_ps(sr + j + 16);
+      if constexpr (kTrack) vmax = _mm512_max_ps(vmax, _mm512_max_ps(x0, x1));
+      const __m512 e0 = exp2_v<true>(_mm512_fmsub_ps(x0, vs, vm));
+      const __m512 e1 = exp2_v<true>(_mm512_fmsub_ps(x1, vs, vm));
+      vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+      store_p2(pb + j, e0, e1);
+    }
+  }
+  for (; j < full; j += 16) {
     const __m512 x = _mm512_loadu_ps(sr + j);
     if constexpr (kTrack) vmax = _mm512_max_ps(vmax, x);
     const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm));
     vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, 0xFFFF);
   }
-  for (int j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
+  for (j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
     const __mmask16 live = tail_mask(valid - j);
     const __m512 x = _mm512_maskz_loadu_ps(live, sr + j);
     if constexpr (kTrack) vmax = _mm512_mask_max_ps(vmax, live, vmax, x);
