@@ -163,10 +163,15 @@ struct Scratch {
   // (on 64-byte boundaries: the AMX path's tiles read and write them row by row)
   radixserve::AlignedVector<C> q, k, v;
   radixserve::AlignedVector<float> s, o;
-  std::vector<float> m, l;
+  std::vector<float> m, l;  // each row's running max and (fp32) softmax sum
   radixserve::AlignedVector<uint16_t> p;  // bf16 probabilities (bf16 only)
+  radixserve::AlignedVector<float> lv;    // bf16: each row's softmax sum as kSumLanes partial sums
   std::vector<int> limit;
 };
+
+// bf16 rows keep their softmax sums as 16 partial sums, added up once per block
+// (finish_block_bf16) rather than reduced across lanes on every tile.
+constexpr int kSumLanes = 16;
 
 inline int kend_of(const Seq& s, int t1, bool causal) {  // one past the last key rows before t1 see
   return causal ? s.kv_len - s.qo_len + t1 : s.kv_len;
@@ -178,7 +183,10 @@ void size_block(Scratch<C>& w, int max_rows, int D) {
   w.q.resize(static_cast<size_t>(max_rows) * D);
   w.o.resize(static_cast<size_t>(max_rows) * D);
   w.s.resize(static_cast<size_t>(max_rows) * kKeys);
-  if constexpr (std::is_same_v<C, uint16_t>) w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+  if constexpr (std::is_same_v<C, uint16_t>) {
+    w.p.resize(static_cast<size_t>(max_rows) * kKeys);
+    w.lv.resize(static_cast<size_t>(max_rows) * kSumLanes);
+  }
   w.m.resize(max_rows);
   w.l.resize(max_rows);
   w.limit.resize(max_rows);
@@ -197,6 +205,7 @@ int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t
       copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
       w.m[r] = kNegInf;
       w.l[r] = 0.0f;
+      if constexpr (std::is_same_v<C, uint16_t>) std::fill_n(w.lv.data() + r * kSumLanes, kSumLanes, 0.0f);
       w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;  // keys < limit are visible
     }
   std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
@@ -246,10 +255,11 @@ inline void store_p2(uint16_t* pb, __m512 e0, __m512 e1) {
 }
 
 // sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb) for j < valid, 0 for [valid, n); returns
-// their sum. With kTrack, *smax gets the max of sr[0, valid) (read before any overwrite). bf16
-// takes its full vectors two at a time (store_p2).
+// their sum in 16 lanes. With kTrack, *vmax_out gets the max of sr[0, valid) in 16 lanes (read
+// before any overwrite; -inf in lanes that saw none). bf16 takes its full vectors two at a time
+// (store_p2).
 template <bool kBf16, bool kTrack>
-inline float exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb, float* smax) {
+inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb, __m512* vmax_out) {
   const int full = valid & ~15;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
   __m512 vsum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(kNegInf);
@@ -279,8 +289,8 @@ inline float exp_pass(float* sr, int n, int valid, float scale, float m, uint16_
     vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, tail_mask(n - j));
   }
-  if constexpr (kTrack) *smax = _mm512_reduce_max_ps(vmax);
-  return _mm512_reduce_add_ps(vsum);
+  if constexpr (kTrack) *vmax_out = vmax;
+  return vsum;
 }
 
 // How far (base 2) a tile's scores may rise above a bf16 row's running max before it moves: the
@@ -290,23 +300,27 @@ inline float exp_pass(float* sr, int n, int valid, float scale, float m, uint16_
 constexpr float kLazyHeadroom = 8.0f;
 
 // The exponentials of a row's scores sr[0, valid) against its running max (base 2), into sr (fp32)
-// or pb (bf16), 0 for [valid, n); returns their sum, and m_out the max they were taken against.
+// or pb (bf16), 0 for [valid, n); returns their sum in 16 lanes, and m_out the max they were taken
+// against.
 // fp32: two passes (the row max of scale * sr and m_in, then the exponentials). bf16 rows that
 // already have a running max take one pass against it and keep it unless a score rose more than
 // kLazyHeadroom above it (then a second pass against the new max, which the first one found; the
 // fp32 scores are still in sr): the separate max pass was a third of the softmax's time on AMX (its
-// reduction serialises each row), and rows whose max stays put skip rescaling their output.
+// reduction serialises each row), and rows whose max stays put skip rescaling their output. The
+// check compares lanes (a lane of scale * max not <= m_in + kLazyHeadroom, NaN included): the max
+// is reduced across lanes only when it moves.
 template <bool kBf16>
-inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
   if constexpr (kBf16) {
     if (m_in != kNegInf) {
-      float smax;
-      const float sum = exp_pass<true, true>(sr, n, valid, scale, m_in, pb, &smax);
-      if (smax * scale <= m_in + kLazyHeadroom) {
+      __m512 vmax;
+      const __m512 vsum = exp_pass<true, true>(sr, n, valid, scale, m_in, pb, &vmax);
+      if (!_mm512_cmp_ps_mask(_mm512_mul_ps(vmax, _mm512_set1_ps(scale)), _mm512_set1_ps(m_in + kLazyHeadroom),
+                              _CMP_NLE_UQ)) {
         m_out = m_in;
-        return sum;
+        return vsum;
       }
-      m_out = smax * scale;
+      m_out = _mm512_reduce_max_ps(vmax) * scale;
       return exp_pass<true, false>(sr, n, valid, scale, m_out, pb, nullptr);
     }
   }
@@ -320,10 +334,13 @@ inline float exp_row(float* sr, int n, int valid, float scale, float m_in, float
 #endif
 
 // Softmax pass over one tile for row r: updates max/sum, rescales the row's output, leaves the
-// probabilities (0 past the row's last visible key) in p (fp32 in place, or bf16 in pb).
+// probabilities (0 past the row's last visible key) in p (fp32 in place, or bf16 in pb). l: the
+// row's sum (fp32), or its kSumLanes partial sums (bf16).
 template <typename C>
-inline void softmax_row(float* sr, int n, int valid, float scale, float& m, float& l, float* orow, int D,
+inline void softmax_row(float* sr, int n, int valid, float scale, float& m, float* l, float* orow, int D,
                         uint16_t* pb) {
+  constexpr bool kBf16 = std::is_same_v<C, uint16_t>;
+  constexpr int lanes = kBf16 ? kSumLanes : 1;
   if (valid <= 0) {  // the whole tile is past this row's causal bound
     if constexpr (std::is_same_v<C, uint16_t>) std::memset(pb, 0, sizeof(uint16_t) * n);
     else std::memset(sr, 0, sizeof(float) * n);
@@ -331,7 +348,8 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
   }
   float m_new, sum = 0.0f;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-  sum = exp_row<std::is_same_v<C, uint16_t>>(sr, n, valid, scale, m, m_new, pb);
+  const __m512 vsum = exp_row<kBf16>(sr, n, valid, scale, m, m_new, pb);
+  if constexpr (!kBf16) sum = _mm512_reduce_add_ps(vsum);
 #else
   float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
@@ -357,14 +375,20 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
 #endif
   if (m_new != m) {
     const float alpha = m == kNegInf ? 0.0f : exp2_neg(m - m_new);
-    l *= alpha;
+    for (int i = 0; i < lanes; ++i) l[i] *= alpha;
     if (m != kNegInf) {
 #pragma omp simd
       for (int d = 0; d < D; ++d) orow[d] *= alpha;
     }
     m = m_new;
   }
-  l += sum;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
+  if constexpr (kBf16) {
+    _mm512_storeu_ps(l, _mm512_add_ps(_mm512_loadu_ps(l), vsum));
+    return;
+  }
+#endif
+  l[0] += sum;
 }
 
 // f(std::integral_constant<int, rb>{}) for 1 <= rb <= Max: picks the register block of a row
@@ -494,9 +518,10 @@ void finish_block_bf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item
       const int64_t row = static_cast<int64_t>(s.qo_start + t) * hq + it.head * G + g;
       const float* orow = w.o.data() + r * D;
       c10::BFloat16* dst = p.out + row * D;
-      const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+      const float l = std::accumulate(w.lv.data() + r * kSumLanes, w.lv.data() + (r + 1) * kSumLanes, 0.0f);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
-      p.lse[row] = w.l[r] > 0.0f ? w.m[r] + std::log2(w.l[r]) : kNegInf;
+      p.lse[row] = l > 0.0f ? w.m[r] + std::log2(l) : kNegInf;
     }
 }
 
@@ -528,7 +553,8 @@ void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it,
       brgemm(R, npad, D, D, width, kKeys, false, qb, kb + static_cast<int64_t>(c) * D, sb, true);
       for (int r = 0; r < R; ++r)
         softmax_row<uint16_t>(sb + static_cast<int64_t>(r) * kKeys, npad, std::min(n, w.limit[r] - c), p.scale_log2,
-                              w.m[r], w.l[r], w.o.data() + r * D, D, w.p.data() + static_cast<int64_t>(r) * kKeys);
+                              w.m[r], w.lv.data() + r * kSumLanes, w.o.data() + r * D, D,
+                              w.p.data() + static_cast<int64_t>(r) * kKeys);
       for (int d0 = 0; d0 < D; d0 += kDimBlock) {
         const int nb = std::min(kDimBlock, D - d0);
         brgemm(R, nb, npad, kKeys, nb, D, true, pb, vb + static_cast<int64_t>(d0) * kpad + static_cast<int64_t>(c) * nb,
@@ -768,7 +794,8 @@ void run_item_dpbf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item& 
       }
       for (int r = 0; r < R; ++r)
         softmax_row<uint16_t>(sb + static_cast<int64_t>(r) * kKeys, npad, std::min(n, w.limit[r] - c), p.scale_log2,
-                              w.m[r], w.l[r], w.o.data() + r * D, D, w.p.data() + static_cast<int64_t>(r) * kKeys);
+                              w.m[r], w.lv.data() + r * kSumLanes, w.o.data() + r * D, D,
+                              w.p.data() + static_cast<int64_t>(r) * kKeys);
       for (int k0 = 0; k0 < n; k0 += kPvKeys) {  // P is 0 past each row's last visible key, up to npad
         for (int r0 = 0; r0 < R; r0 += kPvRows) {
           const int rb = std::min(kPvRows, R - r0);
@@ -858,7 +885,7 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
 #endif
       for (int r = 0; r < R; ++r)
         softmax_row<float>(sb + static_cast<int64_t>(r) * kKeys, n, std::min(n, w.limit[r] - c), softmax_scale, w.m[r],
-                           w.l[r], w.o.data() + r * D, D, nullptr);
+                           &w.l[r], w.o.data() + r * D, D, nullptr);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (int k0 = 0; k0 < n; k0 += kPvKeys) {  // P is 0 past each row's last visible key
         for (int r0 = 0; r0 < R; r0 += kPvRows) {
