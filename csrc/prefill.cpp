@@ -342,7 +342,7 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
   constexpr bool kBf16 = std::is_same_v<C, uint16_t>;
   constexpr int lanes = kBf16 ? kSumLanes : 1;
   if (valid <= 0) {  // the whole tile is past this row's causal bound
-    if constexpr (std::is_same_v<C, uint16_t>) std::memset(pb, 0, sizeof(uint16_t) * n);
+    if constexpr (kBf16) std::memset(pb, 0, sizeof(uint16_t) * n);
     else std::memset(sr, 0, sizeof(float) * n);
     return;
   }
@@ -355,7 +355,7 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
 #pragma omp simd reduction(max : mx)
   for (int j = 0; j < valid; ++j) mx = std::max(mx, sr[j]);
   m_new = std::max(m, mx * scale);
-  if constexpr (std::is_same_v<C, uint16_t>) {
+  if constexpr (kBf16) {
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < valid; ++j) {
       const float e = exp2_neg(sr[j] * scale - m_new);
@@ -384,6 +384,7 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
   if constexpr (kBf16) {
+    static_assert(kSumLanes == 16, "the partial sums are one vector");
     _mm512_storeu_ps(l, _mm512_add_ps(_mm512_loadu_ps(l), vsum));
     return;
   }
