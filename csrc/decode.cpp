@@ -96,12 +96,12 @@ std::optional<at::Tensor> bias_of(const at::Tensor& b) {
   return b;
 }
 
-// x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
-// the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
-// oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
 // Whether a prepacked weight is the AMX GEMM's tiles (else oneDNN's copy, or none: the small-M kernel).
 bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.numel() > 0 && !packed.is_mkldnn(); }
 
+// x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
+// the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
+// oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                    const at::Tensor& packed) {
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);

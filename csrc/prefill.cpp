@@ -163,7 +163,7 @@ struct Scratch {
   // (on 64-byte boundaries: the AMX path's tiles read and write them row by row)
   radixserve::AlignedVector<C> q, k, v;
   radixserve::AlignedVector<float> s, o;
-  std::vector<float> m, l;  // each row's running max and (fp32) softmax sum
+  std::vector<float> m, l;  // each row's running max and softmax sum (fp32 only: bf16 keeps lv)
   radixserve::AlignedVector<uint16_t> p;  // bf16 probabilities (bf16 only)
   radixserve::AlignedVector<float> lv;    // bf16: each row's softmax sum as kSumLanes partial sums
   std::vector<int> limit;
@@ -186,9 +186,10 @@ void size_block(Scratch<C>& w, int max_rows, int D) {
   if constexpr (std::is_same_v<C, uint16_t>) {
     w.p.resize(static_cast<size_t>(max_rows) * kKeys);
     w.lv.resize(static_cast<size_t>(max_rows) * kSumLanes);
+  } else {
+    w.l.resize(max_rows);
   }
   w.m.resize(max_rows);
-  w.l.resize(max_rows);
   w.limit.resize(max_rows);
 }
 
@@ -204,8 +205,8 @@ int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t
       const int r = (t - t0) * G + g;
       copy_row(p.q + (s.qo_start + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h, w.q.data() + r * D, D);
       w.m[r] = kNegInf;
-      w.l[r] = 0.0f;
       if constexpr (std::is_same_v<C, uint16_t>) std::fill_n(w.lv.data() + r * kSumLanes, kSumLanes, 0.0f);
+      else w.l[r] = 0.0f;
       w.limit[r] = p.causal ? s.kv_len - s.qo_len + t + 1 : s.kv_len;  // keys < limit are visible
     }
   std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(R) * D, 0.0f);
