@@ -5,8 +5,9 @@ prefill kernel ("gemm", ``CpuAttention``'s default), and the torch backend ("tor
 with neither AMX nor AVX512-BF16; "gemm" takes AMX tiles or vdpbf16ps where the CPU has them).
 
 Shapes are the fleet/GSP steps' (bench model: 8 query heads, 4 KV heads, head_dim 64): decodes
-over long contexts, a fresh prefill, prefill chunks over a cached prefix, and GSP-like chunks over
-one shared cached prefix (their page tables share its pages) next to a fresh prefill. Each case is timed
+over long contexts, a fresh prefill, prefill chunks over a cached prefix, short chunks over short
+contexts (a cascade group's suffix level), and GSP-like chunks over one shared cached prefix (their
+page tables share its pages) next to a fresh prefill. Each case is timed
 ``--repeats`` times with the modes interleaved (drift hits all alike); the median is printed,
 with the effective GFLOP/s of the attention products (4 * query rows * heads * visible keys * D).
 
@@ -35,6 +36,10 @@ CASES = {
     "extend16x32/2200": [(32, 2200)] * 16,
     "extend16x64/2200": [(64, 2200)] * 16,
     "extend4x512/1536": [(512, 1536)] * 4,
+    # cascade suffix levels: each member's new tokens against its own short suffix (the fleet's
+    # turns: 17 new tokens over ~200 private keys; GSP's questions: 128 over 130)
+    "extend64x17/200": [(17, 200)] * 64,
+    "extend7x128/130": [(128, 130)] * 7,
     "gsp8x128/1152+fresh1024": [(128, 1152)] * 8 + [(1024, 1024)],
 }
 SHARED = {"gsp8x128/1152+fresh1024": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share

@@ -21,8 +21,10 @@ the radixserve/vLLM ratios and whether every request's tokens are equal. With --
 workload runs N times, the engines in turn (which goes first alternates), and each round's walls
 and ratios are printed before the medians (of each number, and of the rounds' ratios). With --breakdown,
 radixserve's timed steps are also split into steps with prompt tokens and decode-only steps:
-their seconds, the attention backend's share of the former with its FLOP rate, and the rate of
-the layers' linear maps over the rest (compare with `python -m bench floor`'s GEMM rate). This command installs
+their seconds, the attention backend's share of the former with its FLOP rate (and, on the
+csrc/ backend, split by kernel call: cascade prefix and suffix levels, many-row chunks, the decode
+kernel, KV store and merges), and the rate of the layers' linear maps over the rest (compare with
+`python -m bench floor`'s GEMM rate). This command installs
 nothing: vLLM must be importable by --vllm-python (default: this interpreter), e.g. a venv made
 as bench/README.md describes.
 """
@@ -191,6 +193,23 @@ class RadixAdapter:
 
         runner.forward = timed_forward  # (instance attributes: they shadow the methods)
         attention.forward = timed_attend
+        if getattr(attention, "ext", None) is not None:  # the csrc/ backend: time each kernel call too
+            attention.ext = _TimedKernels(attention, self)
+
+    def note_call(self, kind: str, seconds: float, shape: tuple | None) -> None:
+        """A timed kernel call of the current step; its FLOPs are counted after the step (shape:
+        what _visible_keys takes, and query heads x head_dim), outside the timed part."""
+        self._current.setdefault("raw_calls", []).append((kind, seconds, shape))
+
+    def _count_calls(self, step: dict) -> None:
+        calls: dict[str, list[float]] = {}
+        for kind, seconds, shape in step.pop("raw_calls", []):
+            entry = calls.setdefault(kind, [0.0, 0.0])
+            entry[0] += seconds
+            if shape is not None:
+                *meta, width = shape
+                entry[1] += 4.0 * width * _visible_keys(*meta)
+        step["calls"] = calls
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
         params = self.params(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -210,6 +229,7 @@ class RadixAdapter:
             chunks = self.engine.step()
             if self._current["tokens"]:
                 self.steps.append({**self._current, "s": time.perf_counter() - start})
+                self._count_calls(self.steps[-1])
         for chunk in chunks:
             out = chunk.output
             final = None if out is None else {
@@ -220,6 +240,60 @@ class RadixAdapter:
         for rid, req in self.live.items():
             if req.output_ids:
                 yield rid, True, None
+
+
+def _visible_keys(qo_indptr, kv_indptr, last_page_len, page_size: int, causal: bool) -> int:
+    """Query-key pairs a paged attention call computes (bottom-right causal or not)."""
+    qo, kv, last = qo_indptr.tolist(), kv_indptr.tolist(), last_page_len.tolist()
+    total = 0
+    for i in range(len(qo) - 1):
+        n, pages = qo[i + 1] - qo[i], kv[i + 1] - kv[i]
+        keys = (pages - 1) * page_size + last[i] if pages else 0
+        total += n * keys - (n * (n - 1) // 2 if causal else 0)
+    return total
+
+
+class _TimedKernels:
+    """The CPU attention backend's kernels (csrc/), each call timed (--breakdown) and named by
+    what it computes: "cascade prefix" (a cascade group's new tokens against the shared prefix),
+    "cascade suffix" (the members' tokens against their own suffixes), "chunks" (many-row
+    chunks on the GEMM kernel), "decode kernel" (decodes and short extends in no group), "other"
+    (KV store, LSE merge)."""
+
+    def __init__(self, attention, adapter: RadixAdapter):
+        self._attention, self._ext, self._adapter = attention, attention.ext, adapter
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    def _call(self, fn, args, kind: str | None):
+        start = time.perf_counter()
+        out = fn(*args)
+        seconds = time.perf_counter() - start
+        if kind is None:
+            self._adapter.note_call("other", seconds, None)
+        else:  # (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale, causal)
+            q, k_cache = args[0], args[1]
+            shape = (args[3], args[4], args[6], k_cache.shape[1], args[8], q.shape[1] * q.shape[2])
+            self._adapter.note_call(kind, seconds, shape)
+        return out
+
+    def _suffix(self, qo_indptr) -> bool:
+        cascade = self._attention._meta.cascade if self._attention._meta is not None else None
+        return cascade is not None and qo_indptr is cascade.suffix_qo_indptr
+
+    def prefill_attention(self, *args):
+        kind = "cascade prefix" if not args[8] else "cascade suffix" if self._suffix(args[3]) else "chunks"
+        return self._call(self._ext.prefill_attention, args, kind)
+
+    def paged_attention(self, *args):
+        return self._call(self._ext.paged_attention, args, "cascade suffix" if self._suffix(args[3]) else "decode kernel")
+
+    def store_kv(self, *args):
+        return self._call(self._ext.store_kv, args, None)
+
+    def merge_state(self, *args):
+        return self._call(self._ext.merge_state, args, None)
 
 
 class VllmAdapter:
@@ -354,9 +428,18 @@ def breakdown(steps: list[dict], model: str) -> dict:
         attention_flop = shape.attention_flops(sum(s["keys"] for s in chosen if s["attention_s"] > 0))
         linear_flop = shape.linear_flops(tokens) + shape.lm_head_flops(sum(s["sampled"] for s in chosen))
         rest = total - attention_s
+        calls: dict[str, list[float]] = {}
+        for s in chosen:
+            for name, (seconds, flop) in s.get("calls", {}).items():
+                entry = calls.setdefault(name, [0.0, 0.0])
+                entry[0] += seconds
+                entry[1] += flop
         out[kind] = {"steps": len(chosen), "s": total, "median_step_ms": percentile([s["s"] * 1e3 for s in chosen], 50),
                      "tokens": tokens, "attention_s": attention_s,
                      "attention_gflop_per_s": attention_flop / attention_s / 1e9 if attention_s > 0 else None,
+                     "attention_calls": {name: {"s": sec, "gflop": flop / 1e9,
+                                                "gflop_per_s": flop / sec / 1e9 if flop and sec > 0 else None}
+                                         for name, (sec, flop) in sorted(calls.items(), key=lambda kv: -kv[1][0])},
                      "rest_s": rest, "linear_gflop": linear_flop / 1e9,
                      "linear_gflop_per_s": linear_flop / rest / 1e9 if rest > 0 else None}
     return out
@@ -489,6 +572,10 @@ def render(res: dict) -> str:
             lines.append(f"radixserve {what}: {b['steps']} steps, {b['s']:.2f} s (median {b['median_step_ms']:.1f} ms), "
                          f"{b['tokens']:,} tokens; {attn}the rest {b['rest_s']:.2f} s: {b['linear_gflop']:.0f} GFLOP of "
                          f"linear maps at {rate} GFLOP/s")
+            if b.get("attention_calls"):
+                parts = [f"{name} {c['s']:.2f} s" + (f" ({c['gflop_per_s']:.0f} GFLOP/s)" if c["gflop_per_s"] else "")
+                         for name, c in b["attention_calls"].items()]
+                lines.append("  attention by kernel call: " + ", ".join(parts))
     return "\n".join(lines)
 
 

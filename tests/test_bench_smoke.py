@@ -176,5 +176,11 @@ def test_peers_radixserve_alone(tiny_model):
         assert kinds["prompt"]["steps"] > 0 and 0 < kinds["prompt"]["attention_s"] < kinds["prompt"]["s"]
         assert kinds["prompt"]["attention_gflop_per_s"] > 0 and kinds["prompt"]["linear_gflop_per_s"] > 0
         assert sum(b["s"] for b in kinds.values()) <= r["wall_s"]
+        if attention == "CpuAttention":  # each kernel call timed: together, the prompt steps' attention
+            calls = kinds["prompt"]["attention_calls"]
+            assert set(calls) <= {"cascade prefix", "cascade suffix", "chunks", "decode kernel", "other"}
+            assert 0 < sum(c["s"] for c in calls.values()) <= kinds["prompt"]["attention_s"]
+            prompt_gflop = kinds["prompt"]["attention_gflop_per_s"] * kinds["prompt"]["attention_s"]
+            assert sum(c["gflop"] for c in calls.values()) == pytest.approx(prompt_gflop, rel=1e-9)
     fleet = res["workloads"]["fleet"]["engines"]["radixserve"]
     assert 0 < fleet["computed_prompt_tokens"] < fleet["prompt_tokens"]  # turn 2 reuses turn 1's KV
