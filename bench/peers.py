@@ -279,8 +279,7 @@ class _TimedKernels:
         return out
 
     def _suffix(self, qo_indptr) -> bool:
-        cascade = self._attention._meta.cascade if self._attention._meta is not None else None
-        return cascade is not None and qo_indptr is cascade.suffix_qo_indptr
+        return self._attention.suffix_level(qo_indptr)
 
     def prefill_attention(self, *args):
         kind = "cascade prefix" if not args[8] else "cascade suffix" if self._suffix(args[3]) else "chunks"

@@ -115,6 +115,34 @@ def test_greedy_tokens_unchanged_with_cascade(llama_dir):
     assert off.stats()["cascade_steps"] == 0
 
 
+def test_greedy_tokens_unchanged_with_decodes_apart_from_extends(llama_dir):
+    """Level 1 in two calls (the decode members on the decode kernel, the extends on the GEMM
+    kernel; CpuAttention.suffix_split_min_decodes lowered to 1): requests that join while others
+    of the group decode still produce transformers' greedy tokens."""
+    system = random_prompts((160,), seed=23)[0]
+    prompts = [system + tail for tail in random_prompts((3, 9, 14, 20, 31, 5), seed=24)]
+    reference = hf_greedy(llama_dir, prompts, 10)
+    engine = Engine(llama_dir, kv_cache_tokens=4096, cascade_min_shared_tokens=1, debug_checks=True)
+    attention = engine.runner.attention
+    if not hasattr(attention, "suffix_split_min_decodes"):
+        pytest.skip("the csrc/ kernels did not build here")
+    attention.suffix_split_min_decodes = 1
+    splits = []
+    plan = attention.plan
+    attention.plan = lambda meta: (plan(meta), splits.append(attention._suffix_split is not None))[0]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    requests = [engine.make_request(p, params) for p in prompts]
+    done = {}
+    for i, req in enumerate(requests):  # one joins every other step: decodes and extends mix
+        engine.add_request(req)
+        for _ in range(2 if i < len(requests) - 1 else 100):
+            for chunk in engine.step():
+                if chunk.output is not None:
+                    done[chunk.request_id] = list(chunk.output.token_ids)
+    assert [done[r.rid] for r in requests] == reference
+    assert any(splits)
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_out_slots_are_each_new_tokens_slot(page_size):
     """out_slots lists, in batch order, the KV slot of every new token: page table entry of its

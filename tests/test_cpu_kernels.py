@@ -65,14 +65,17 @@ def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head
 KERNEL_ONLY = 1 << 30  # dense_min_tokens that keeps every chunk on the csrc/ kernel
 
 
-def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None, dense_path=None):
+def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None, dense_path=None, split_min_decodes=None):
     """(cpu kernels, torch oracle) outputs of one layer; each writes the same new K/V first.
     ``dense_min_tokens``: CpuAttention's many-row threshold (None: its default); ``dense_path``
-    its many-row path ("gemm", "flash"; None: its default for the dtype)."""
+    its many-row path ("gemm", "flash"; None: its default for the dtype); ``split_min_decodes``
+    its suffix_split_min_decodes (None: its default)."""
     scale = q.shape[-1] ** -0.5
     cpu = CpuAttention(pool, scale, ext)
     if dense_min_tokens is not None:
         cpu.dense_min_tokens = dense_min_tokens
+    if split_min_decodes is not None:
+        cpu.suffix_split_min_decodes = split_min_decodes
     cpu.dense_path = dense_path
     cpu.plan(meta)
     got = cpu.forward(q, k, v, layer)
@@ -215,18 +218,46 @@ def test_grouped_decodes_then_ungrouped_decodes_equal_torch(dtype, page_size):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("split", [None, 1], ids=["one_call", "decodes_apart"])
 @pytest.mark.parametrize("path", ["gemm", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cascade_groups_with_extends_equal_torch(dtype, page_size, path):
+def test_cascade_groups_with_extends_equal_torch(dtype, page_size, path, split):
     # groups of extend chunks and decodes over a shared prefix (level 1 on the GEMM kernel,
-    # bottom-right causal in each suffix), a group of extends only, ungrouped sequences around
+    # bottom-right causal in each suffix; with split 1 its two decodes on the decode kernel),
+    # a group of extends only, ungrouped sequences around
     qo_kv = [(5, 60), (17, 400), (1, 290), (130, 420), (1, 300), (8, 80), (33, 70), (9, 9), (40, 400)]
     groups = ((1, 4, 256), (5, 2, 32))
     pool, meta, q, k, v = make_case(17 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
     assert not meta.cascade.decodes_only
-    got, want = both(pool, meta, q, k, v, dense_path=path)
+    got, want = both(pool, meta, q, k, v, dense_path=path, split_min_decodes=split)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_many_decodes_next_to_extends_take_the_decode_kernel(dtype, page_size):
+    """A fleet-like level 1: a group whose decodes and turns of a few tokens interleave (rows not
+    one run), and one with many decodes and a single extend. At the default threshold the decodes
+    go to the decode kernel and the extends to the GEMM kernel; outputs equal the oracle's."""
+    first = [(1, 40 + i) if i % 6 else (9, 48 + i) for i in range(24)]  # 20 decodes, 4 turns of 9
+    second = [(1, 70 + i) for i in range(16)] + [(5, 90)]
+    qo_kv = [(3, 30)] + first + second + [(1, 500)]
+    groups = ((1, len(first), 32), (1 + len(first), len(second), 48))
+    pool, meta, q, k, v = make_case(41 + page_size, page_size, 8, 2, dtype, qo_kv=qo_kv, groups=groups)
+    cpu = CpuAttention(pool, q.shape[-1] ** -0.5, ext)
+    cpu.plan(meta)
+    assert cpu._suffix_split is not None
+    (dec_rows, dec_qo, *_), (ext_rows, ext_qo, *_) = cpu._suffix_split
+    assert dec_qo.tolist() == list(range(36 + 1)) and int(ext_qo[-1]) == 4 * 9 + 5
+    assert isinstance(dec_rows, torch.Tensor) and isinstance(ext_rows, torch.Tensor)  # interleaved: gathered
+    assert cpu.suffix_level(dec_qo) and cpu.suffix_level(meta.cascade.suffix_qo_indptr)
+    assert not cpu.suffix_level(meta.qo_indptr)
+    got, want = both(pool, meta, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    cpu.suffix_split_min_decodes = 37  # more than the 36 decodes: one call again
+    cpu.plan(meta)
+    assert cpu._suffix_split is None
 
 
 def test_empty_context_and_lse_base2():

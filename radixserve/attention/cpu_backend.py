@@ -12,8 +12,9 @@ metadata, so nothing is gathered per layer:
   group against the shared prefix (one multi-query "sequence" per group, not causal: one
   ``prefill_attention`` call, so the prefix's K/V are packed once per group and KV head, not once
   per member) and each member's tokens against its own suffix (the decode kernel when all are
-  decodes, else the GEMM kernel, bottom-right causal), both returning base-2 LSEs, then one fused
-  merge.
+  decodes, else the GEMM kernel, bottom-right causal; with ``suffix_split_min_decodes`` decodes
+  or more next to extends, the decodes on the decode kernel and the extends on the GEMM kernel),
+  both returning base-2 LSEs, then one fused merge.
 
 Supports float32, bfloat16 and float16 KV pools with head_dim a multiple of 16 (up to 256);
 :func:`supports` says whether a pool qualifies, and the runner falls back to the torch backend
@@ -62,6 +63,13 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
     cascade_extends = True
+    suffix_split_min_decodes = 16
+    """A cascade level 1 that mixes decodes and extend chunks sends its decodes to the decode kernel
+    (the rest to the GEMM kernel) once it holds this many: on AMX each decode member was a work
+    item that packed its whole suffix for two rows. Level 1 of a bf16 fleet step (48 decodes over
+    ~230 keys, 16 turns of 17 tokens over ~200; 2 threads) took 0.80x the time split, 63 decodes
+    and one turn 0.56-0.66x; GSP's 9 decodes next to 7 questions of 128 tokens 1.02-1.07x, so
+    few decodes stay with the extends (bench/RESULTS.md section 35)."""
     dense_min_tokens: int | None = None
     """Ungrouped sequences with at least this many new tokens go to the many-row path; fewer
     (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
@@ -85,6 +93,9 @@ class CpuAttention(AttentionBackend):
         # the members' suffixes and the others' whole contexts (qo_indptr, kv_indptr, kv_indices,
         # last_page_len), and the prefix level and merge take the first rows only.
         self._combined: tuple | None = None
+        # Level 1 of a mixed cascade batch in two calls: (decode members, extend members), each
+        # (rows of the grouped rows, qo_indptr, kv_indptr, kv_indices, kv_last_page_len); or None.
+        self._suffix_split: tuple[tuple, tuple] | None = None
         self._path = "gemm"  # the many-row path of the planned batch (see dense_path)
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -95,6 +106,7 @@ class CpuAttention(AttentionBackend):
         self._grouped = None
         self._in_order = False
         self._combined = None
+        self._suffix_split = None
         members: set[int] = set()
         grouped_first = False  # the grouped sequences are 0..len-1, in order
         if cascade is not None:
@@ -108,6 +120,8 @@ class CpuAttention(AttentionBackend):
                 cascade.decodes_only,  # level 1 on the decode kernel, else on the GEMM kernel (causal)
                 plan_prefixes(metadata) if self._path == "flash" else [],
             )
+            if not cascade.decodes_only:
+                self._suffix_split = self._split_suffix(metadata, grouped)
         least = self.dense_min_tokens or dense_min_tokens_for(self.pool.k[0].dtype, self._path)
         dense = [i for i, n in enumerate(metadata.qo_lens) if n >= least and i not in members]
         self._dense = []
@@ -132,6 +146,25 @@ class CpuAttention(AttentionBackend):
             self._combined = _concat(
                 (cascade.suffix_qo_indptr, cascade.suffix_kv_indptr, cascade.suffix_kv_indices,
                  cascade.suffix_kv_last_page_len), flat_meta[1:])
+
+    def _split_suffix(self, metadata: AttentionMetadata, grouped: list[int]) -> tuple[tuple, tuple] | None:
+        """Level 1's decode members and extend members apart, when there are enough decodes
+        (suffix_split_min_decodes) next to at least one extend."""
+        lens = [metadata.qo_lens[i] for i in grouped]
+        decodes = [j for j, n in enumerate(lens) if n == 1]
+        if len(decodes) < self.suffix_split_min_decodes or len(decodes) == len(lens):
+            return None
+        c = metadata.cascade
+        assert c is not None
+        suffix = (c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices, c.suffix_kv_last_page_len)
+        return _subset_of(*suffix, decodes), _subset_of(*suffix, [j for j, n in enumerate(lens) if n > 1])
+
+    def suffix_level(self, qo_indptr: torch.Tensor) -> bool:
+        """Whether a kernel call with this ``qo_indptr`` is (part of) the planned batch's cascade
+        level 1 (for timers: ``python -m bench peers --breakdown``)."""
+        c = self._meta.cascade if self._meta is not None else None
+        parts = self._suffix_split or ()
+        return c is not None and (qo_indptr is c.suffix_qo_indptr or any(qo_indptr is p[1] for p in parts))
 
     def decode_kernel_args(self) -> DecodeKernelArgs | None:
         """The batch's attention arguments when every sequence of it is on the decode kernel (no
@@ -207,9 +240,12 @@ class CpuAttention(AttentionBackend):
             raise InvariantError("cascade groups planned without cascade metadata")
         qg = _take(q, rows)
         # Level 1: each member's new tokens against its own suffix, bottom-right causal.
-        suffix = attend if decodes_only else self.ext.prefill_attention
-        out_s, lse_s = suffix(qg, k_cache, v_cache, c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices,
-                              c.suffix_kv_last_page_len, self.scale, True)
+        if self._suffix_split is not None:
+            out_s, lse_s = self._suffix_in_two(qg, k_cache, v_cache)
+        else:
+            suffix = attend if decodes_only else self.ext.prefill_attention
+            out_s, lse_s = suffix(qg, k_cache, v_cache, c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices,
+                                  c.suffix_kv_last_page_len, self.scale, True)
         # Level 0: each group's queries against its shared prefix, GEMM-shaped, not causal.
         if self._path == "flash":
             out_p = torch.zeros_like(qg)
@@ -226,6 +262,19 @@ class CpuAttention(AttentionBackend):
         return out
 
 
+    def _suffix_in_two(self, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """Level 1 of the grouped rows ``qg``: the decode members on the decode kernel, the extend
+        members on the GEMM kernel; (out, base-2 LSE) of every grouped row."""
+        assert self._suffix_split is not None
+        out = torch.empty(qg.shape, dtype=qg.dtype)
+        lse = torch.empty(qg.shape[:2], dtype=torch.float32)
+        for (rows, *index), kernel in zip(self._suffix_split, (self.ext.paged_attention, self.ext.prefill_attention)):
+            o, lse_part = kernel(_take(qg, rows), k_cache, v_cache, *index, self.scale, True)
+            _put(out, rows, o)
+            _put(lse, rows, lse_part)
+        return out, lse
+
+
 def _concat(a: tuple, b: tuple) -> tuple:
     """Two batches' (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) as one, a's sequences first."""
     qo = torch.cat([a[0], b[0][1:] + a[0][-1]])
@@ -235,15 +284,22 @@ def _concat(a: tuple, b: tuple) -> tuple:
 
 def _subset(metadata: AttentionMetadata, seqs: list[int]) -> tuple:
     """(rows, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of some of a batch's sequences."""
-    qo, kv = metadata.qo_indptr.tolist(), metadata.kv_indptr.tolist()
+    return _subset_of(metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_last_page_len, seqs)
+
+
+def _subset_of(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+               kv_last_page_len: torch.Tensor, seqs: list[int]) -> tuple:
+    """(rows, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of some sequences of one paged
+    metadata set (a batch's, or its cascade level 1's); rows index that set's query rows."""
+    qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
     rows = _rows([r for i in seqs for r in range(qo[i], qo[i + 1])])
-    qo_indptr, kv_indptr, parts = [0], [0], []
+    sub_qo, sub_kv, parts = [0], [0], []
     for i in seqs:
-        qo_indptr.append(qo_indptr[-1] + qo[i + 1] - qo[i])
-        kv_indptr.append(kv_indptr[-1] + kv[i + 1] - kv[i])
-        parts.append(metadata.kv_indices[kv[i] : kv[i + 1]])
-    return (rows, torch.tensor(qo_indptr, dtype=torch.int32), torch.tensor(kv_indptr, dtype=torch.int32),
-            torch.cat(parts), metadata.kv_last_page_len[torch.tensor(seqs)].contiguous())
+        sub_qo.append(sub_qo[-1] + qo[i + 1] - qo[i])
+        sub_kv.append(sub_kv[-1] + kv[i + 1] - kv[i])
+        parts.append(kv_indices[kv[i] : kv[i + 1]])
+    return (rows, torch.tensor(sub_qo, dtype=torch.int32), torch.tensor(sub_kv, dtype=torch.int32),
+            torch.cat(parts), kv_last_page_len[torch.tensor(seqs)].contiguous())
 
 
 def _rows(rows: list[int]) -> torch.Tensor | slice:
