@@ -68,8 +68,9 @@ class CpuAttention(AttentionBackend):
     (the rest to the GEMM kernel) once it holds this many: on AMX each decode member was a work
     item that packed its whole suffix for two rows. Level 1 of a bf16 fleet step (48 decodes over
     ~230 keys, 16 turns of 17 tokens over ~200; 2 threads) took 0.80x the time split, 63 decodes
-    and one turn 0.56-0.66x; GSP's 9 decodes next to 7 questions of 128 tokens 1.02-1.07x, so
-    few decodes stay with the extends (bench/RESULTS.md section 35)."""
+    and one turn 0.56-0.66x (fp32: 0.81-0.87x, 0.60-0.76x); GSP's 9 decodes next to 7 questions
+    of 128 tokens 1.02-1.07x (fp32 1.08-1.15x), so few decodes stay with the extends
+    (bench/RESULTS.md section 35)."""
     dense_min_tokens: int | None = None
     """Ungrouped sequences with at least this many new tokens go to the many-row path; fewer
     (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
