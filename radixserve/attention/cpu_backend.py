@@ -262,7 +262,6 @@ class CpuAttention(AttentionBackend):
         _put(out, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
 
-
     def _suffix_in_two(self, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         """Level 1 of the grouped rows ``qg``: the decode members on the decode kernel, the extend
         members on the GEMM kernel; (out, base-2 LSE) of every grouped row."""
