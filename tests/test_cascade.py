@@ -117,7 +117,7 @@ def test_greedy_tokens_unchanged_with_cascade(llama_dir):
 
 def test_greedy_tokens_unchanged_with_decodes_apart_from_extends(llama_dir):
     """Level 1 in two calls (the decode members on the decode kernel, the extends on the GEMM
-    kernel; CpuAttention.suffix_split_min_decodes lowered to 1): requests that join while others
+    kernel; CpuAttention's split thresholds lowered to any decode): requests that join while others
     of the group decode still produce transformers' greedy tokens."""
     system = random_prompts((160,), seed=23)[0]
     prompts = [system + tail for tail in random_prompts((3, 9, 14, 20, 31, 5), seed=24)]
@@ -127,6 +127,7 @@ def test_greedy_tokens_unchanged_with_decodes_apart_from_extends(llama_dir):
     if not hasattr(attention, "suffix_split_min_decodes"):
         pytest.skip("the csrc/ kernels did not build here")
     attention.suffix_split_min_decodes = 1
+    attention.suffix_split_tokens_per_decode = 1 << 30
     splits = []
     plan = attention.plan
     attention.plan = lambda meta: (plan(meta), splits.append(attention._suffix_split is not None))[0]

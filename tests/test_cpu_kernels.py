@@ -69,15 +69,17 @@ def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None, dense_path=None, s
     """(cpu kernels, torch oracle) outputs of one layer; each writes the same new K/V first.
     ``dense_min_tokens``: CpuAttention's many-row threshold (None: its default); ``dense_path``
     its many-row path ("gemm", "flash"; None: its default for the dtype); ``split_min_decodes``
-    its suffix_split_min_decodes (None: its default)."""
+    its suffix_split_min_decodes, with any number of extend tokens per decode (None: its defaults)."""
     scale = q.shape[-1] ** -0.5
     cpu = CpuAttention(pool, scale, ext)
     if dense_min_tokens is not None:
         cpu.dense_min_tokens = dense_min_tokens
     if split_min_decodes is not None:
         cpu.suffix_split_min_decodes = split_min_decodes
+        cpu.suffix_split_tokens_per_decode = 1 << 30
     cpu.dense_path = dense_path
     cpu.plan(meta)
+    assert split_min_decodes is None or cpu._suffix_split is not None
     got = cpu.forward(q, k, v, layer)
     ref_backend = TorchAttention(pool, scale)
     ref_backend.plan(meta)
@@ -258,6 +260,20 @@ def test_many_decodes_next_to_extends_take_the_decode_kernel(dtype, page_size):
     cpu.suffix_split_min_decodes = 37  # more than the 36 decodes: one call again
     cpu.plan(meta)
     assert cpu._suffix_split is None
+    cpu.suffix_split_min_decodes = 8
+    cpu.suffix_split_tokens_per_decode = 1  # 36 decodes against 41 extend tokens: one call
+    cpu.plan(meta)
+    assert cpu._suffix_split is None
+
+
+def test_few_decodes_next_to_long_extends_stay_in_one_call():
+    """GSP's level 1 (9 decodes next to 7 questions of 128 tokens) keeps one call at the defaults:
+    there the second call's copies of the extends' rows cost more than the decodes save."""
+    qo_kv = [(1, 1100 + i) for i in range(9)] + [(128, 1152)] * 7
+    pool, meta, q, k, v = make_case(5, 1, 8, 2, torch.bfloat16, qo_kv=qo_kv, groups=((0, 16, 1024),))
+    cpu = CpuAttention(pool, q.shape[-1] ** -0.5, ext)
+    cpu.plan(meta)
+    assert not meta.cascade.decodes_only and cpu._suffix_split is None
 
 
 def test_empty_context_and_lse_base2():

@@ -12,8 +12,8 @@ metadata, so nothing is gathered per layer:
   group against the shared prefix (one multi-query "sequence" per group, not causal: one
   ``prefill_attention`` call, so the prefix's K/V are packed once per group and KV head, not once
   per member) and each member's tokens against its own suffix (the decode kernel when all are
-  decodes, else the GEMM kernel, bottom-right causal; with ``suffix_split_min_decodes`` decodes
-  or more next to extends, the decodes on the decode kernel and the extends on the GEMM kernel),
+  decodes, else the GEMM kernel, bottom-right causal; with enough decodes next to the extends,
+  see ``suffix_split_min_decodes``, the decodes on the decode kernel and the extends on the GEMM kernel),
   both returning base-2 LSEs, then one fused merge.
 
 Supports float32, bfloat16 and float16 KV pools with head_dim a multiple of 16 (up to 256);
@@ -63,14 +63,17 @@ def supports(pool: KVPool, num_qo_heads: int) -> str | None:
 class CpuAttention(AttentionBackend):
     cascade_min_shared_tokens = 2048  # bench cascade --backend cpu: cascade wins from 8 x 256 (1.17x)
     cascade_extends = True
-    suffix_split_min_decodes = 16
+    suffix_split_min_decodes = 8
+    suffix_split_tokens_per_decode = 64
     """A cascade level 1 that mixes decodes and extend chunks sends its decodes to the decode kernel
-    (the rest to the GEMM kernel) once it holds this many: on AMX each decode member was a work
-    item that packed its whole suffix for two rows. Level 1 of a bf16 fleet step (48 decodes over
-    ~230 keys, 16 turns of 17 tokens over ~200; 2 threads) took 0.80x the time split, 63 decodes
-    and one turn 0.56-0.66x (fp32: 0.81-0.87x, 0.60-0.76x); GSP's 9 decodes next to 7 questions
-    of 128 tokens 1.02-1.07x (fp32 1.08-1.15x), so few decodes stay with the extends
-    (bench/RESULTS.md section 35)."""
+    and the extends to the GEMM kernel when it holds at least ``suffix_split_min_decodes`` decodes
+    and ``decodes x suffix_split_tokens_per_decode`` reaches the extends' new tokens. On AMX each
+    decode member is a work item that packs its whole suffix for two rows; the second call costs
+    copies of the extends' rows. Level 1 alone, bf16, 2 threads, bench model (bench/RESULTS.md
+    section 35), split against one call: 48 decodes over ~230 keys + 16 turns of 17 tokens 0.80x,
+    63 + 1 0.56-0.66x (fp32 0.81-0.87x, 0.60-0.76x), 8 + 1 x 17 0.69-0.84x, 15 + 1 x 128
+    0.78-0.80x, 16 + 4 x 128 0.90x, 16 + 6 x 128 0.97x; but 16 + 10 x 128 1.01-1.08x and GSP's
+    9 + 7 x 128 1.02-1.07x (fp32 1.08-1.15x)."""
     dense_min_tokens: int | None = None
     """Ungrouped sequences with at least this many new tokens go to the many-row path; fewer
     (decodes, short extends) to the csrc/ decode kernel. None: :func:`dense_min_tokens_for` the
@@ -149,11 +152,13 @@ class CpuAttention(AttentionBackend):
                  cascade.suffix_kv_last_page_len), flat_meta[1:])
 
     def _split_suffix(self, metadata: AttentionMetadata, grouped: list[int]) -> tuple[tuple, tuple] | None:
-        """Level 1's decode members and extend members apart, when there are enough decodes
-        (suffix_split_min_decodes) next to at least one extend."""
+        """Level 1's decode members and extend members apart, when the decodes next to the
+        extends are enough (see suffix_split_min_decodes)."""
         lens = [metadata.qo_lens[i] for i in grouped]
         decodes = [j for j, n in enumerate(lens) if n == 1]
-        if len(decodes) < self.suffix_split_min_decodes or len(decodes) == len(lens):
+        extend_tokens = sum(lens) - len(decodes)
+        if (len(decodes) < self.suffix_split_min_decodes or not extend_tokens
+                or len(decodes) * self.suffix_split_tokens_per_decode < extend_tokens):
             return None
         c = metadata.cascade
         assert c is not None
