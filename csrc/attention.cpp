@@ -40,6 +40,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -88,6 +89,9 @@ inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int d)
 
 template <typename T>
 inline void store_row(const float* src, T* dst, int d) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return radixserve::scale_to_bf16(src, 1.0f, dst, d);
+#endif
   for (int i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
@@ -1076,6 +1080,17 @@ torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tenso
           wb = lb[r] == kNegInf ? 0.0f : std::exp2(lb[r] - mx);
         }
         const float inv = wa + wb > 0.0f ? 1.0f / (wa + wb) : 0.0f;
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (D <= kMaxDim) {  // (the scalar loop's sums, then rounded and stored 16 at a time)
+            alignas(64) float row[kMaxDim];
+            for (int d = 0; d < D; ++d)
+              row[d] = wa * static_cast<float>(a[r * D + d]) + wb * static_cast<float>(b[r * D + d]);
+            radixserve::scale_to_bf16(row, inv, o + r * D, D);
+            continue;
+          }
+        }
+#endif
         for (int d = 0; d < D; ++d)
           o[r * D + d] = static_cast<scalar_t>((wa * static_cast<float>(a[r * D + d]) +
                                                 wb * static_cast<float>(b[r * D + d])) * inv);

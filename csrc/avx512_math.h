@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
 
 namespace radixserve {
 
@@ -68,5 +69,22 @@ inline __m512 silu_mul_v(__m512 x, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(x, d), u);
   }
 }
+
+#ifdef __AVX512BF16__
+// dst[0, n) = bf16(src[i] * scale) (dst: bf16 bits), rounded to nearest even by vcvtneps2bf16, as
+// c10::BFloat16's cast rounds, except that fp32 denormals (below 1.2e-38) become 0 and a NaN keeps
+// its sign and payload. The kernels' scalar cast loops (an output row's normalisation, the cascade
+// merge) did not vectorise: in `python -m bench kernels --modes gemm --dtype bfloat16` the GEMM
+// kernel's rows took 0.85-0.88x the time with this in place of its scalar loop.
+inline void scale_to_bf16(const float* src, float scale, void* dst, int n) {
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), vs);
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+#endif
 
 }  // namespace radixserve

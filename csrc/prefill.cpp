@@ -522,7 +522,11 @@ void finish_block_bf16(const Problem<c10::BFloat16>& p, const Seq& s, const Item
       c10::BFloat16* dst = p.out + row * D;
       const float l = std::accumulate(w.lv.data() + r * kSumLanes, w.lv.data() + (r + 1) * kSumLanes, 0.0f);
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      radixserve::scale_to_bf16(orow, inv, dst, D);
+#else
       for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(orow[d] * inv);
+#endif
       p.lse[row] = l > 0.0f ? w.m[r] + std::log2(l) : kNegInf;
     }
 }

@@ -296,14 +296,22 @@ def test_empty_context_and_lse_base2():
     torch.testing.assert_close(lse[2:], ref_lse, atol=2e-5, rtol=1e-5)
 
 
-def test_merge_state_equals_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [32, 40])  # (40: a partial vector of 8 after two full ones)
+def test_merge_state_equals_torch(dtype, dim):
     from radixserve.attention.cascade import merge_states
 
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(5, 3, 32, generator=g), torch.randn(5, 3, 32, generator=g)
+    a, b = torch.randn(5, 3, dim, generator=g).to(dtype), torch.randn(5, 3, dim, generator=g).to(dtype)
     la, lb = torch.randn(5, 3, generator=g) * 4, torch.randn(5, 3, generator=g) * 4
     la[0, 0] = float("-inf")
-    torch.testing.assert_close(ext.merge_state(a, la, b, lb), merge_states(a, la, b, lb))
+    got = ext.merge_state(a, la, b, lb)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, merge_states(a, la, b, lb))
+    else:  # the fp32 merge of the bf16 inputs, rounded once: within one bf16 rounding of it
+        want = merge_states(a.float(), la, b.float(), lb)
+        torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2.0**-8)
 
 
 def test_rejects_bad_input():
