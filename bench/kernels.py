@@ -16,13 +16,24 @@ the engine, a layer's KV has usually left the caches by the time the layer runs 
 streams the model's weights through them): ``--cold-mib N`` reads an N MiB buffer before each
 timed call (about the model's weight bytes), and ``--shuffle-pages`` hands out the pages in a
 random order, as a pool does once requests have come and gone.
+
+``--against DIR`` times another version of the kernels next to this checkout's, in the same
+process: DIR is another checkout's csrc/ (say from ``git worktree add /tmp/base HEAD~1``), whose
+attention module (attention.cpp, prefill.cpp, decode.cpp) is built under a name of its own into
+the kernel cache. Every mode except "torch" then also runs on it ("MODE@against"), the two calls
+alternating in each repeat, and the table adds the median over repeats of each repeat's own
+ratio (this checkout / DIR): on these VMs, whose speed drifts by tens of percent from minute to
+minute, runs of two builds one after the other could not tell a 1% change from a 20% one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 HELP = "one layer of CPU attention per batch shape: csrc/ decode kernel vs flash path vs csrc/ GEMM path vs torch"
 
@@ -70,7 +81,42 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cold-mib", type=int, default=0,
                         help="read a buffer of this many MiB before each timed call (0: warm calls)")
     parser.add_argument("--shuffle-pages", action="store_true", help="hand out the pages in a random order")
+    parser.add_argument("--against", metavar="DIR", default=None,
+                        help="another checkout's csrc/ directory: time its kernels next to these, alternating")
     parser.add_argument("--json", action="store_true")
+
+
+AGAINST_SOURCES = ("attention.cpp", "prefill.cpp", "decode.cpp")
+
+
+def build_against(csrc: str | Path):
+    """The attention module of another checkout's ``csrc`` (its ``AGAINST_SOURCES``; the op
+    libraries of layers.cpp and linear.cpp stay this checkout's, which decode.cpp finds by name),
+    built under a name of its own in the kernel cache so that it loads next to this checkout's."""
+    from torch.utils import cpp_extension
+
+    from radixserve.attention import cpu_ext
+
+    csrc = Path(csrc)
+    missing = [s for s in AGAINST_SOURCES if not (csrc / s).is_file()]
+    if missing:
+        raise SystemExit(f"--against {csrc}: no {', '.join(missing)} there (give another checkout's csrc/)")
+    digest = hashlib.sha1()
+    for path in sorted(csrc.glob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    tag = digest.hexdigest()[:10]
+    directory = cpu_ext.build_dir().parent / f"against-{tag}"
+    (directory / "src").mkdir(parents=True, exist_ok=True)
+    for path in csrc.glob("*"):  # (headers too)
+        if path.is_file():
+            shutil.copyfile(path, directory / "src" / path.name)
+    print(f"  building {csrc}'s attention kernels in {directory} (a minute or two, once)", flush=True,
+          file=__import__("sys").stderr)
+    return cpp_extension.load(name=f"radixserve_attention_{tag}",
+                              sources=[str(directory / "src" / s) for s in AGAINST_SOURCES],
+                              build_directory=str(directory), extra_cflags=cpu_ext.CFLAGS,
+                              extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _case(shape, dtype, page, shared=(0, 0), shuffle=False):
@@ -117,27 +163,42 @@ def run(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if ext is None:
         modes = [m for m in modes if m == "torch"]
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CASES] + [m for m in modes if m not in MODES + EXTRA_MODES]
+    if unknown:
+        raise SystemExit(f"unknown case or mode {', '.join(unknown)}: cases are {', '.join(CASES)}; "
+                         f"modes {', '.join(MODES + EXTRA_MODES)}")
+    other = None
+    if args.against:
+        if ext is None:
+            raise SystemExit("--against needs this checkout's kernels, which are unavailable here")
+        other = build_against(args.against)
     cold = torch.ones(args.cold_mib << 18) if args.cold_mib > 0 else None  # fp32: 2**18 per MiB
     results = {}
-    for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
+    for name in names:
         pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)),
                                            args.shuffle_pages)
         backends = {}
         for mode in modes:
             if mode == "torch":
                 backends[mode] = TorchAttention(pool, 64**-0.5)
-            else:
-                b = CpuAttention(pool, 64**-0.5, _WidenedBf16(ext) if mode == "gemm-fp32" else ext)
+                continue
+            for label, kernels in ((mode, ext), (f"{mode}@against", other)):
+                if kernels is None:
+                    continue
+                b = CpuAttention(pool, 64**-0.5, _WidenedBf16(kernels) if mode == "gemm-fp32" else kernels)
                 if mode == "kernel":
                     b.dense_min_tokens = 1 << 30
                 elif mode == "flash":
                     b.dense_path = "flash"
                 elif mode in ("gemm", "gemm-fp32"):
                     b.dense_path = "gemm"
-                backends[mode] = b
+                backends[label] = b
         times = {m: [] for m in backends}
+        order = list(backends)
         for rep in range(args.repeats + 1):
-            for mode, b in backends.items():
+            for mode in order if rep % 2 else order[::-1]:  # (alternating, so neither build always goes first)
+                b = backends[mode]
                 if cold is not None:
                     cold.sum()  # push the case's KV out of the caches
                 start = time.perf_counter()
@@ -147,15 +208,25 @@ def run(args) -> int:
                     times[mode].append(time.perf_counter() - start)
         results[name] = {m: {"ms": statistics.median(ts) * 1e3, "gflops": flops / statistics.median(ts) / 1e9}
                          for m, ts in times.items()}
+        for mode in modes:  # this checkout / --against: the median of each repeat's ratio
+            if f"{mode}@against" in times:
+                ratios = [a / b for a, b in zip(times[mode], times[f"{mode}@against"], strict=True)]
+                results[name][mode]["vs_against"] = statistics.median(ratios)
         print(f"  {name} done", flush=True, file=__import__("sys").stderr)
     if args.json:
         print(json.dumps({"dtype": args.dtype, "threads": args.threads, "page_size": args.page_size,
-                          "cold_mib": args.cold_mib, "shuffle_pages": args.shuffle_pages, "cases": results}))
+                          "cold_mib": args.cold_mib, "shuffle_pages": args.shuffle_pages, "against": args.against,
+                          "cases": results}))
         return 0
     print(f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}"
           f"{', pages shuffled' if args.shuffle_pages else ''}"
-          f"{f', {args.cold_mib} MiB read before each call' if args.cold_mib else ''}, median of {args.repeats}")
-    print(f"{'case':<24}" + "".join(f"{m + ' (ms)':>16}{'GFLOP/s':>9}" for m in modes))
+          f"{f', {args.cold_mib} MiB read before each call' if args.cold_mib else ''}, median of {args.repeats}"
+          f"{f'; @against: {args.against}, x: this / against (median of each repeat ratio)' if other else ''}")
+    columns = [c for m in modes for c in ((m, f"{m}@against") if other is not None and m != "torch" else (m,))]
+    width = max([16] + [len(c) + 7 for c in columns])
+    print(f"{'case':<24}" + "".join(f"{c + ' (ms)':>{width}}{'GFLOP/s':>9}" for c in columns)
+          + "".join(f"{m + ' x':>12}" for m in modes if other is not None and m != "torch"))
     for name, r in results.items():
-        print(f"{name:<24}" + "".join(f"{r[m]['ms']:>16.2f}{r[m]['gflops']:>9.1f}" for m in modes))
+        print(f"{name:<24}" + "".join(f"{r[c]['ms']:>{width}.2f}{r[c]['gflops']:>9.1f}" for c in columns)
+              + "".join(f"{r[m]['vs_against']:>12.3f}" for m in modes if other is not None and m != "torch"))
     return 0

@@ -108,6 +108,29 @@ def test_kernels_cold_and_shuffled():
         assert timing["ms"] > 0 and timing["gflops"] > 0
 
 
+def test_kernels_against_another_build():
+    # --against: another csrc/ (here this checkout's own, built again under a name of its own) timed
+    # next to these kernels in one process; each mode but torch gets an @against column and a ratio
+    from radixserve.attention import cpu_ext
+
+    if cpu_ext.load() is None:
+        pytest.skip("the csrc/ kernels do not build here")
+    out = run_bench("kernels", "--cases", "extend7x128/130", "--modes", "kernel,torch", "--repeats", "3",
+                    "--against", str(ROOT / "csrc"), timeout=600)
+    assert out["against"] == str(ROOT / "csrc")
+    case = out["cases"]["extend7x128/130"]
+    assert set(case) == {"kernel", "kernel@against", "torch"}
+    assert case["kernel"]["vs_against"] > 0 and case["kernel@against"]["ms"] > 0
+    assert "vs_against" not in case["torch"]
+
+
+def test_kernels_rejects_unknown_case():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bench", "kernels", "--cases", "nope"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown case or mode nope" in proc.stderr
+
+
 def test_peers_rounds_alternate_and_report_medians(monkeypatch):
     """--rounds N: every round runs both engines next to each other, alternating which goes first;
     the entry holds each round and the medians, the ratio being the median of the rounds' own
