@@ -214,7 +214,7 @@ int start_block(const Problem<T>& p, const Seq& s, const Item& it, int t0, int t
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-// 2^x for 16 lanes, x <= 0 (bf16's lazy rows: <= kLazyHeadroom): fp32 by the degree-6 Taylor
+// 2^x for 16 lanes, x <= 0 (bf16's lazy rows: any, kept only if <= 8): fp32 by the degree-6 Taylor
 // polynomial (relative error ~2.2e-7 in fp32), bf16 by exp2_minimax4 (2.7e-6, about as the
 // degree-5 Taylor polynomial before it, with one FMA and one instruction for the fraction fewer).
 // bf16's probabilities round to 2^-9, but its LSEs (which the cascade merges) are fp32: a degree-3
@@ -255,20 +255,17 @@ inline void store_p2(uint16_t* pb, __m512 e0, __m512 e1) {
 #endif
 }
 
-// sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb) for j < valid, 0 for [valid, n); returns
-// their sum in 16 lanes. With kTrack, *vmax_out gets the max of sr[0, valid) in 16 lanes (read
-// before any overwrite; -inf in lanes that saw none). bf16 takes its full vectors two at a time
-// (store_p2).
-template <bool kBf16, bool kTrack>
-inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb, __m512* vmax_out) {
+// sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb, sr left as it is) for j < valid, 0 for
+// [valid, n); returns their sum in 16 lanes. bf16 takes its full vectors two at a time (store_p2).
+template <bool kBf16>
+inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb) {
   const int full = valid & ~15;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
-  __m512 vsum = _mm512_setzero_ps(), vmax = _mm512_set1_ps(kNegInf);
+  __m512 vsum = _mm512_setzero_ps();
   int j = 0;
   if constexpr (kBf16) {
     for (; j + 32 <= full; j += 32) {
       const __m512 x0 = _mm512_loadu_ps(sr + j), x1 = _mm512_loadu_ps(sr + j + 16);
-      if constexpr (kTrack) vmax = _mm512_max_ps(vmax, _mm512_max_ps(x0, x1));
       const __m512 e0 = exp2_v<true>(_mm512_fmsub_ps(x0, vs, vm));
       const __m512 e1 = exp2_v<true>(_mm512_fmsub_ps(x1, vs, vm));
       vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
@@ -277,7 +274,6 @@ inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16
   }
   for (; j < full; j += 16) {
     const __m512 x = _mm512_loadu_ps(sr + j);
-    if constexpr (kTrack) vmax = _mm512_max_ps(vmax, x);
     const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm));
     vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, 0xFFFF);
@@ -285,44 +281,41 @@ inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16
   for (j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
     const __mmask16 live = tail_mask(valid - j);
     const __m512 x = _mm512_maskz_loadu_ps(live, sr + j);
-    if constexpr (kTrack) vmax = _mm512_mask_max_ps(vmax, live, vmax, x);
     const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm)));
     vsum = _mm512_add_ps(vsum, e);
     store_p<kBf16>(sr, pb, j, e, tail_mask(n - j));
   }
-  if constexpr (kTrack) *vmax_out = vmax;
   return vsum;
 }
 
-// How far (base 2) a tile's scores may rise above a bf16 row's running max before it moves: the
-// probabilities then stay at most 2^8, their sums and the outputs far inside fp32's range, with
+// How large a bf16 row's probabilities may grow against its running max before it moves: at most
+// 2^8 (scores up to 8 above it, base 2), their sums and the outputs far inside fp32's range, with
 // fp32's and bf16's relative precision at any scale (the largest probability of a tile is no longer
 // exactly 1: on the kernel cases of bench kernels the mean error against fp32 rose 2-3%).
-constexpr float kLazyHeadroom = 8.0f;
+constexpr float kLazyLimit = 256.0f;
 
 // The exponentials of a row's scores sr[0, valid) against its running max (base 2), into sr (fp32)
 // or pb (bf16), 0 for [valid, n); returns their sum in 16 lanes, and m_out the max they were taken
 // against.
 // fp32: two passes (the row max of scale * sr and m_in, then the exponentials). bf16 rows that
-// already have a running max take one pass against it and keep it unless a score rose more than
-// kLazyHeadroom above it (then a second pass against the new max, which the first one found; the
-// fp32 scores are still in sr): the separate max pass was a third of the softmax's time on AMX (its
-// reduction serialises each row), and rows whose max stays put skip rescaling their output. The
-// check compares lanes (a lane of scale * max not <= m_in + kLazyHeadroom, NaN included): the max
-// is reduced across lanes only when it moves.
+// already have a running max take one pass against it and keep it unless a lane's sum of the
+// probabilities passed kLazyLimit (NaN included; a sum bounds each of its terms, so every kept
+// probability is within the limit): then the two passes, against the new max (the fp32 scores are
+// still in sr). The separate max pass was a third of the softmax's time on AMX (its reduction
+// serialises each row), and rows whose max stays put skip rescaling their output. The check was
+// first on each lane's max score, tracked during the pass: checking the sums instead drops that
+// max from the loop (python -m bench kernels --modes gemm --dtype bfloat16 --threads 2 --against
+// the previous build: 0.976-0.999x, bench/RESULTS.md section 36).
 template <bool kBf16>
 inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
   if constexpr (kBf16) {
     if (m_in != kNegInf) {
-      __m512 vmax;
-      const __m512 vsum = exp_pass<true, true>(sr, n, valid, scale, m_in, pb, &vmax);
-      if (!_mm512_cmp_ps_mask(_mm512_mul_ps(vmax, _mm512_set1_ps(scale)), _mm512_set1_ps(m_in + kLazyHeadroom),
-                              _CMP_NLE_UQ)) {
+      const __m512 vsum = exp_pass<true>(sr, n, valid, scale, m_in, pb);
+      if (!_mm512_cmp_ps_mask(vsum, _mm512_set1_ps(kLazyLimit), _CMP_NLE_UQ)) {
         m_out = m_in;
         return vsum;
       }
-      m_out = _mm512_reduce_max_ps(vmax) * scale;
-      return exp_pass<true, false>(sr, n, valid, scale, m_out, pb, nullptr);
+      // (a lane's sum past the limit: the max pass and the exponentials again, below)
     }
   }
   const int full = valid & ~15;
@@ -330,7 +323,7 @@ inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, floa
   for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
   if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
   m_out = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
-  return exp_pass<kBf16, false>(sr, n, valid, scale, m_out, pb, nullptr);
+  return exp_pass<kBf16>(sr, n, valid, scale, m_out, pb);
 }
 #endif
 

@@ -122,8 +122,8 @@ def test_prefill_kernel_rejects_bad_input():
 
 @pytest.mark.parametrize("gemm", ["auto", "dpbf16"])
 def test_prefill_kernel_bf16_scores_rising_past_the_running_max(gemm):
-    # bf16 rows keep their running max from tile to tile until a score rises more than 8 (base 2) above
-    # it; then the tile is redone against the new max. Keys along a ramp toward the queries' direction,
+    # bf16 rows keep their running max from tile to tile until a lane's sum of a tile's probabilities
+    # against it passes 2^8; then the tile is redone against the new max. Keys along a ramp toward the queries' direction,
     # so each 256-key tile's scores top the last one's by over 32: kept, the old max would let the
     # probabilities of a 1500-key context pass 2^128 (inf in fp32)
     if gemm == "dpbf16" and not ext.bf16_dpbf16():
