@@ -73,9 +73,9 @@ inline __m512 silu_mul_v(__m512 x, __m512 u) {
 #ifdef __AVX512BF16__
 // dst[0, n) = bf16(src[i] * scale) (dst: bf16 bits), rounded to nearest even by vcvtneps2bf16, as
 // c10::BFloat16's cast rounds, except that fp32 denormals (below 1.2e-38) become 0 and a NaN keeps
-// its sign and payload. The kernels' scalar cast loops (an output row's normalisation, the cascade
-// merge) did not vectorise: in `python -m bench kernels --modes gemm --dtype bfloat16` the GEMM
-// kernel's rows took 0.85-0.88x the time with this in place of its scalar loop.
+// its sign and payload. In place of the kernels' scalar cast loops (an output row's normalisation,
+// the cascade merge): 0.96-1.00x the time of `python -m bench kernels --modes gemm --dtype bfloat16
+// --threads 2` cases, against the scalar loops in the same process (bench/RESULTS.md section 36).
 inline void scale_to_bf16(const float* src, float scale, void* dst, int n) {
   uint16_t* out = static_cast<uint16_t*>(dst);
   const __m512 vs = _mm512_set1_ps(scale);

@@ -305,7 +305,8 @@ constexpr float kLazyLimit = 256.0f;
 // serialises each row), and rows whose max stays put skip rescaling their output. The check was
 // first on each lane's max score, tracked during the pass: checking the sums instead drops that
 // max from the loop (python -m bench kernels --modes gemm --dtype bfloat16 --threads 2 --against
-// the previous build: 0.976-0.999x, bench/RESULTS.md section 36).
+// the previous build: 0.97-0.99x on the long-context cases, about 1.0x on the fleet's short turns;
+// bench/RESULTS.md section 36).
 template <bool kBf16>
 inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
   if constexpr (kBf16) {
