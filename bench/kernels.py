@@ -28,9 +28,7 @@ minute, runs of two builds one after the other could not tell a 1% change from a
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -101,20 +99,13 @@ def build_against(csrc: str | Path):
     missing = [s for s in AGAINST_SOURCES if not (csrc / s).is_file()]
     if missing:
         raise SystemExit(f"--against {csrc}: no {', '.join(missing)} there (give another checkout's csrc/)")
-    digest = hashlib.sha1()
-    for path in sorted(csrc.glob("*")):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    tag = digest.hexdigest()[:10]
+    tag = cpu_ext._sources_tag(csrc)
     directory = cpu_ext.build_dir().parent / f"against-{tag}"
-    (directory / "src").mkdir(parents=True, exist_ok=True)
-    for path in csrc.glob("*"):  # (headers too)
-        if path.is_file():
-            shutil.copyfile(path, directory / "src" / path.name)
-    print(f"  building {csrc}'s attention kernels in {directory} (a minute or two, once)", flush=True,
-          file=__import__("sys").stderr)
-    return cpp_extension.load(name=f"radixserve_attention_{tag}",
-                              sources=[str(directory / "src" / s) for s in AGAINST_SOURCES],
+    directory.mkdir(parents=True, exist_ok=True)
+    staged = cpu_ext._stage_sources(directory, csrc)  # (headers too; unchanged copies keep ninja's build)
+    print(f"  loading {csrc}'s attention kernels from {directory} (the first time: a minute or two to build)",
+          flush=True, file=__import__("sys").stderr)
+    return cpp_extension.load(name=f"radixserve_attention_{tag}", sources=[str(staged / s) for s in AGAINST_SOURCES],
                               build_directory=str(directory), extra_cflags=cpu_ext.CFLAGS,
                               extra_ldflags=["-fopenmp"], verbose=False)
 

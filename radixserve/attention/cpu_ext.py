@@ -55,12 +55,13 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def _sources_tag() -> str:
-    """A hash of csrc/'s files: each version of the kernels builds into a directory of its own, so
-    two checkouts or installs sharing one cache never rebuild over each other (each rebuild took a
-    minute or more, long enough for a starting worker's first request to time out)."""
+def _sources_tag(source: Path | None = None) -> str:
+    """A hash of csrc/'s files (or ``source``'s): each version of the kernels builds into a
+    directory of its own, so two checkouts or installs sharing one cache never rebuild over each
+    other (each rebuild took a minute or more, long enough for a starting worker's first request
+    to time out)."""
     digest = hashlib.sha1()
-    for path in sorted(csrc_dir().glob("*")):
+    for path in sorted((source or csrc_dir()).glob("*")):
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:10]
@@ -123,8 +124,8 @@ def _build_lock(directory: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _stage_sources(directory: Path) -> Path:
-    """Copies of csrc/'s files in ``directory/src``, the paths the build compiles: the same for
+def _stage_sources(directory: Path, source: Path | None = None) -> Path:
+    """Copies of csrc/'s files (or ``source``'s) in ``directory/src``, the paths the build compiles: the same for
     every checkout whose sources hash to this directory. torch writes the source paths into the
     build's ninja file, so building from each checkout's own csrc/ made two checkouts sharing the
     cache rebuild the extension at every switch (a minute or more each), though the sources were
@@ -132,7 +133,7 @@ def _stage_sources(directory: Path) -> Path:
     (and times) as at the last build."""
     staged = directory / "src"
     staged.mkdir(exist_ok=True)
-    for path in sorted(csrc_dir().glob("*")):
+    for path in sorted((source or csrc_dir()).glob("*")):
         if not path.is_file():
             continue
         data, copy = path.read_bytes(), staged / path.name
