@@ -16,13 +16,14 @@
 // threads. Softmax statistics and accumulation are fp32.
 //
 // Two paths:
-// - fp32 compute (fp32; fp16 and bf16 widened to fp32 where bf16 has no AMX): register-blocked
-//   AVX-512 micro-kernels. K^T is packed once per item into tiles of [D][keys] (16 x 16
-//   transposes, widening as it goes), S is a 12-row x 32-key block of FMAs over D, and P V reads
-//   V rows in place when the sequence's slots are one ascending run (else gathered once), a 6-row
-//   x 64-dim block of FMAs per key. Each row block stops at its last visible key, so the causal
-//   diagonal tiles cost about half. MKL's sgemm on the same small blocks spent much of its time
-//   re-packing both operands on every call. Without AVX-512 the blocks go to MKL's sgemm.
+// - fp32 compute (fp32; fp16 and bf16 widened to fp32 where bf16 has no AMX), with AVX-512:
+//   oneDNN's fp32 brgemm ukernel (torch's at::native::cpublas::brgemm; a JIT kernel per shape,
+//   cached per thread, that packs nothing itself) on blocks of kSubRows rows. K^T is packed once
+//   per item into tiles of [D][kKeys] (16 x 16 transposes, widening as it goes); P V reads V rows
+//   in place when the sequence's slots are one ascending run (else gathered once), its last < 16
+//   keys by a 6-row x 64-dim block of FMAs. Each row block stops at its last visible key, so the
+//   causal diagonal tiles cost about half. MKL's sgemm on the same small blocks spent much of its
+//   time re-packing both operands on every call. Without AVX-512 the blocks go to MKL's sgemm.
 // - bf16 on AMX: oneDNN's brgemm (run_item_amx), K^T and V packed into VNNI blocks, P rounded to
 //   bf16 as torch's flash kernel does.
 
@@ -567,40 +568,13 @@ void run_item_amx(const Problem<c10::BFloat16>& p, const Seq& s, const Item& it,
 
 // -- the fp32-compute path ---------------------------------------------------------------------
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-constexpr int kQkRows = 12;  // S block: 12 rows x 32 keys = 24 accumulators
+constexpr int kQkRows = 12;  // vdpbf16ps S block: 12 rows x 32 keys = 24 accumulators
 constexpr int kPvRows = 6;   // P V block: 6 rows x 64 dims = 24 accumulators
-constexpr int kPvKeys = 128;  // keys per pass of P V, so the V rows of a pass stay in L1
-
-// S[r][j0 + 16x] = sum_d Q[r][d] KT[d][j0 + 16x] for RB rows and NB vectors of 16 keys. kt is
-// the tile at column j0 (row stride width), q rows of D values, s rows of lds.
-template <int RB, int NB>
-inline void qk_block(const float* q, int D, const float* kt, int width, float* s, int lds) {
-  __m512 acc[RB][NB];
-#pragma GCC unroll 12
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 2
-    for (int x = 0; x < NB; ++x) acc[r][x] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    __m512 b[NB];
-#pragma GCC unroll 2
-    for (int x = 0; x < NB; ++x) b[x] = _mm512_loadu_ps(kt + static_cast<int64_t>(d) * width + 16 * x);
-#pragma GCC unroll 12
-    for (int r = 0; r < RB; ++r) {
-      const __m512 a = _mm512_set1_ps(q[r * D + d]);
-#pragma GCC unroll 2
-      for (int x = 0; x < NB; ++x) acc[r][x] = _mm512_fmadd_ps(a, b[x], acc[r][x]);
-    }
-  }
-#pragma GCC unroll 12
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 2
-    for (int x = 0; x < NB; ++x) _mm512_storeu_ps(s + static_cast<int64_t>(r) * lds + 16 * x, acc[r][x]);
-}
-
-template <int NB>
-inline void qk_rows(int rb, const float* q, int D, const float* kt, int width, float* s, int lds) {
-  with_rows<kQkRows>(rb, [&](auto r) { qk_block<decltype(r)::value, NB>(q, D, kt, width, s, lds); });
-}
+constexpr int kPvKeys = 128;  // keys per pass of vdpbf16ps P V, so the V rows of a pass stay in L1
+// Rows per fp32 brgemm call. On the fleet's prefix level (1,088 query tokens over 2,048 keys, not
+// causal), in-process against the 12 x 32 micro-kernels this replaced: 64 rows 0.95x the time,
+// 128 rows 0.95-0.96x, 32 rows 0.97-0.99x (bench/RESULTS.md section 37).
+constexpr int kSubRows = 64;
 
 // O[r][16x] += sum_j P[r][j] V[j][16x], j < nk, for RB rows and NV vectors of 16 dims.
 template <int RB, int NV>
@@ -643,9 +617,10 @@ inline void pv_rows(int rb, const float* pm, int ldp, int nk, const float* v, in
   with_rows<kPvRows>(rb, [&](auto r) { pv_dims<decltype(r)::value>(pm, ldp, nk, v, ldv, o, D); });
 }
 
-// K^T of keys [0, kmax) into tiles of kKeys keys, widened to fp32: tile c (keys [c, c + width),
-// width = min(kKeys, kpad - c)) at kt + c * D, value (d, j) at d * width + j; keys past kmax are 0.
-// kpad: kmax rounded up to 16.
+// K^T of keys [0, kmax) into tiles of kKeys keys, widened to fp32: tile c (keys [c, c + kKeys))
+// at kt + c * D, value (d, j) at d * kKeys + j (one row stride for every tile, so one brgemm
+// kernel serves them all); keys in [kmax, kpad) are 0, the last tile's columns past kpad unwritten.
+// kpad: kmax rounded up to 16; kt holds kpad rounded up to kKeys.
 template <typename T>
 void pack_keys_f32(const Problem<T>& p, const Seq& s, const int32_t* pages, int head, int kmax, int kpad,
                    float* kt, float* rows16) {
@@ -670,7 +645,7 @@ void pack_keys_f32(const Problem<T>& p, const Seq& s, const int32_t* pages, int 
         }
       }
       for (int dp = 0; dp < D; dp += 16)
-        transpose16(rows, dp, reinterpret_cast<uint32_t*>(tile + static_cast<int64_t>(dp) * width + j0), width);
+        transpose16(rows, dp, reinterpret_cast<uint32_t*>(tile + static_cast<int64_t>(dp) * kKeys + j0), kKeys);
     }
   }
 }
@@ -850,13 +825,13 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
     ld = D;
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  (void)kb;  // (the micro-kernels read K through the packed K^T)
+  (void)kb;  // (brgemm reads K through the packed K^T)
   const int kpad = (kmax + 15) / 16 * 16;
-  if (w.k.size() < static_cast<size_t>(kpad) * D + 16 * static_cast<size_t>(D))
-    w.k.resize(static_cast<size_t>(kpad) * D + 16 * static_cast<size_t>(D));
+  const size_t kt_size = static_cast<size_t>((kpad + kKeys - 1) / kKeys * kKeys) * D;
+  if (w.k.size() < kt_size + 16 * static_cast<size_t>(D)) w.k.resize(kt_size + 16 * static_cast<size_t>(D));
   float* kt = w.k.data();  // K^T tiles, then 16 rows of scratch for the widening
-  pack_keys_f32(p, s, pages, it.head, kmax, kpad, kt, kt + static_cast<int64_t>(kpad) * D);
-  const float softmax_scale = p.scale_log2;  // the micro-kernels compute Q K^T unscaled
+  pack_keys_f32(p, s, pages, it.head, kmax, kpad, kt, kt + kt_size);
+  const float softmax_scale = p.scale_log2;  // brgemm computes Q K^T unscaled (it has no alpha)
 #else
   const float softmax_scale = 1.0f;  // sgemm applies it as alpha
 #endif
@@ -869,16 +844,13 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
       const int n = std::min(kKeys, kend - c);
       float* sb = w.s.data();
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-      const int width = std::min(kKeys, kpad - c);
       const float* tile = kt + static_cast<int64_t>(c) * D;
-      for (int r0 = 0; r0 < R; r0 += kQkRows) {  // each row block up to its last visible key
-        const int rb = std::min(kQkRows, R - r0);
+      for (int r0 = 0; r0 < R; r0 += kSubRows) {  // each row block up to its last visible key (<= kpad - c)
+        const int rb = std::min(kSubRows, R - r0);
         const int cols = (std::clamp(w.limit[r0 + rb - 1] - c, 0, n) + 15) / 16 * 16;
-        int j0 = 0;
-        for (; j0 + 32 <= cols; j0 += 32)
-          qk_rows<2>(rb, w.q.data() + static_cast<int64_t>(r0) * D, D, tile + j0, width, sb + r0 * kKeys + j0, kKeys);
-        if (j0 < cols)
-          qk_rows<1>(rb, w.q.data() + static_cast<int64_t>(r0) * D, D, tile + j0, width, sb + r0 * kKeys + j0, kKeys);
+        if (cols > 0)
+          at::native::cpublas::brgemm(rb, cols, D, D, kKeys, kKeys, false, w.q.data() + static_cast<int64_t>(r0) * D,
+                                      tile, sb + static_cast<int64_t>(r0) * kKeys, false);
       }
 #else
       gemm_abt(R, n, D, p.scale_log2, w.q.data(), D, kb + c * ld, static_cast<int>(ld), sb, kKeys);
@@ -887,14 +859,16 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
         softmax_row<float>(sb + static_cast<int64_t>(r) * kKeys, n, std::min(n, w.limit[r] - c), softmax_scale, w.m[r],
                            &w.l[r], w.o.data() + r * D, D, nullptr);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-      for (int k0 = 0; k0 < n; k0 += kPvKeys) {  // P is 0 past each row's last visible key
-        for (int r0 = 0; r0 < R; r0 += kPvRows) {
-          const int rb = std::min(kPvRows, R - r0);
-          const int nk = std::clamp(w.limit[r0 + rb - 1] - c - k0, 0, std::min(kPvKeys, n - k0));
-          if (nk > 0)
-            pv_rows(rb, sb + static_cast<int64_t>(r0) * kKeys + k0, kKeys, nk, vb + (c + k0) * ld, ld,
-                    w.o.data() + static_cast<int64_t>(r0) * D, D);
-        }
+      for (int r0 = 0; r0 < R; r0 += kSubRows) {  // P is 0 past each row's last visible key
+        const int rb = std::min(kSubRows, R - r0);
+        const int nk = std::clamp(w.limit[r0 + rb - 1] - c, 0, n);
+        const int whole = nk / 16 * 16;  // keys brgemm takes (its K: few shapes); the rest (< 16) below
+        const float* prow = sb + static_cast<int64_t>(r0) * kKeys;
+        float* orow = w.o.data() + static_cast<int64_t>(r0) * D;
+        if (whole > 0) at::native::cpublas::brgemm(rb, D, whole, kKeys, ld, D, true, prow, vb + c * ld, orow, false);
+        for (int q0 = 0; q0 < rb && whole < nk; q0 += kPvRows)
+          pv_rows(std::min(kPvRows, rb - q0), prow + static_cast<int64_t>(q0) * kKeys + whole, kKeys, nk - whole,
+                  vb + (c + whole) * ld, ld, orow + static_cast<int64_t>(q0) * D, D);
       }
 #else
       gemm_ab_acc(R, D, n, sb, kKeys, vb + c * ld, static_cast<int>(ld), w.o.data(), D);
