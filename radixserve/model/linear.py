@@ -115,10 +115,14 @@ MAX_ROWS_FP32_AVX512 = 2
 # F.linear, although packing would be faster there too (bench model, 2 threads, M=4: 0.18 ms ->
 # 0.10 ms). From 16 rows on, some shapes are bit-identical and others not (module docstring).
 PACKED_MIN_ROWS = 16
-# Most rows sent to it: sgemm's own packing of W is amortized over many rows, and at 2 threads
-# (bench shapes, weights packed for 256 rows) the packed path was 1.10-1.22x faster at 256 rows,
-# 1.00-1.08x at 512, 0.96-1.04x at 1024 and 0.94-1.00x at 2048; prefill-sized batches keep F.linear.
-PACKED_MAX_ROWS = 512
+# Most rows sent to it (the default step budget): sgemm's own packing of W is amortized over many
+# rows, but not quite. At 2 threads with the bench model's shapes and weights packed for 256 rows,
+# the packed path was 1.10-1.22x faster at 256 rows and 1.00-1.08x at 512 with one weight in the
+# caches (0.96-1.04x at 1024, 0.94-1.00x at 2048). As the engine runs them, a model's 8 layers of
+# weights in turn (90 MiB, out of the caches), the packed GEMM took 0.91x F.linear's time at 512
+# rows, 0.94x at 690, 0.96x at 900, 0.97x at 1,100, 0.98x at 1,400 and 1.00x at 2,048 (medians of
+# 77-295 alternating pairs; bench/RESULTS.md section 37). Larger batches keep F.linear.
+PACKED_MAX_ROWS = 2048
 # Row counts at which the "exact" policy compares a new packed copy with F.linear (random inputs:
 # a different summation order shows in some of the outputs). With weights packed for 256 rows
 # (pack_fp32's default) a shape agreed at all of 16-2048 rows or at none here; 17 is there because
