@@ -6,8 +6,9 @@ with neither AMX nor AVX512-BF16; "gemm" takes AMX tiles or vdpbf16ps where the 
 
 Shapes are the fleet/GSP steps' (bench model: 8 query heads, 4 KV heads, head_dim 64): decodes
 over long contexts, a fresh prefill, prefill chunks over a cached prefix, short chunks over short
-contexts (a cascade group's suffix level), and GSP-like chunks over one shared cached prefix (their
-page tables share its pages) next to a fresh prefill. Each case is timed
+contexts (a cascade group's suffix level), GSP-like chunks over one shared cached prefix (their
+page tables share its pages) next to a fresh prefill, and whole cascade groups (the shared prefix
+once for all members, each member's own keys, the merge). Each case is timed
 ``--repeats`` times with the modes interleaved (drift hits all alike); the median is printed,
 with the effective GFLOP/s of the attention products (4 * query rows * heads * visible keys * D).
 
@@ -50,8 +51,15 @@ CASES = {
     "extend64x17/200": [(17, 200)] * 64,
     "extend7x128/130": [(128, 130)] * 7,
     "gsp8x128/1152+fresh1024": [(128, 1152)] * 8 + [(1024, 1024)],
+    # cascade groups, as the engine plans shared prefixes: the members' new tokens against the
+    # prefix once (level 0, not causal), each against its own suffix (level 1), then merged (the
+    # fleet's later turns: 17 new tokens over 2,048 shared + ~200 own; a GSP group's questions)
+    "cascade64x17/2048+200": [(17, 2248)] * 64,
+    "cascade8x128/1024+128": [(128, 1152)] * 8,
 }
-SHARED = {"gsp8x128/1152+fresh1024": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
+SHARED = {"gsp8x128/1152+fresh1024": (8, 1024), "cascade64x17/2048+200": (64, 2048),
+          "cascade8x128/1024+128": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
+CASCADE = {"cascade64x17/2048+200", "cascade8x128/1024+128"}  # their shared prefix planned as one cascade group
 MODES = ("kernel", "flash", "gemm", "torch")
 EXTRA_MODES = ("gemm-fp32",)
 
@@ -110,7 +118,7 @@ def build_against(csrc: str | Path):
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def _case(shape, dtype, page, shared=(0, 0), shuffle=False):
+def _case(shape, dtype, page, shared=(0, 0), shuffle=False, cascade=False):
     import torch
 
     from radixserve.attention.metadata import build_metadata
@@ -132,7 +140,8 @@ def _case(shape, dtype, page, shared=(0, 0), shuffle=False):
     members, tokens = shared
     for table in tables[1:members]:  # the prefix's pages are the first sequence's
         table[: tokens // page] = tables[0][: tokens // page]
-    meta = build_metadata(tables, [kv for _, kv in shape], [qo for qo, _ in shape], page)
+    groups = [(0, members, tokens)] if cascade else []
+    meta = build_metadata(tables, [kv for _, kv in shape], [qo for qo, _ in shape], page, groups=groups)
     t = sum(qo for qo, _ in shape)
     q = torch.randn(t, heads, dim, generator=g).to(dtype)
     k = torch.randn(t, kv_heads, dim, generator=g).to(dtype)
@@ -168,7 +177,7 @@ def run(args) -> int:
     results = {}
     for name in names:
         pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)),
-                                           args.shuffle_pages)
+                                           args.shuffle_pages, name in CASCADE)
         backends = {}
         for mode in modes:
             if mode == "torch":

@@ -124,6 +124,31 @@ def test_kernels_against_another_build():
     assert "vs_against" not in case["torch"]
 
 
+def test_kernels_cascade_case_is_planned_as_one_group():
+    # the cascade cases run the engine's shared-prefix path (level 0 against the prefix, level 1
+    # against each member's own keys, merged), and every mode computes the same attention
+    import torch
+
+    from bench.kernels import CASES, SHARED, _case
+    from radixserve.attention import cpu_ext
+    from radixserve.attention.cpu_backend import CpuAttention
+    from radixserve.attention.torch_backend import TorchAttention
+
+    name = "cascade8x128/1024+128"
+    pool, meta, q, k, v, flops = _case(CASES[name], torch.float32, 16, SHARED[name], cascade=True)
+    assert meta.cascade is not None and meta.cascade.groups == ((0, 8, 1024),)
+    assert flops == 8 * 4 * 8 * 64 * (128 * 1024 + 128 * 129 // 2)
+    ref = TorchAttention(pool, 64**-0.5)
+    ref.plan(meta)
+    want = ref.forward(q, k, v, 0)
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("the csrc/ kernels do not build here")
+    got = CpuAttention(pool, 64**-0.5, ext)
+    got.plan(meta)
+    torch.testing.assert_close(got.forward(q, k, v, 0), want, atol=1e-5, rtol=1e-4)
+
+
 def test_kernels_rejects_unknown_case():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "bench", "kernels", "--cases", "nope"], cwd=ROOT, env=env,
