@@ -80,9 +80,10 @@ class CpuAttention(AttentionBackend):
     pool's dtype and the path."""
     dense_path: str | None = None
     """The many-row path: "gemm" (csrc/prefill.cpp, one call per batch; the default for every
-    dtype: bf16 runs on AMX tiles, else on vdpbf16ps, else widened to fp32 on the AVX-512
-    micro-kernels (sgemm without AVX-512); widened: 108 vs 55 GFLOP/s for torch's flash kernel, one thread, ``python -m bench
-    kernels --dtype bfloat16 --modes gemm,flash``, 16 x 128 over 2176 keys) or "flash" (torch's
+    dtype: bf16 runs on AMX tiles, else on vdpbf16ps, else widened to fp32 on the fp32 path,
+    oneDNN's brgemm with AVX-512 (sgemm without); widened, on the AVX-512 micro-kernels before
+    brgemm: 108 vs 55 GFLOP/s for torch's flash kernel, one thread, ``python -m bench kernels
+    --dtype bfloat16 --modes gemm,flash``, 16 x 128 over 2176 keys) or "flash" (torch's
     flash kernel per sequence, :mod:`~radixserve.attention.cpu_dense`)."""
 
     def __init__(self, pool: KVPool, scale: float, ext):

@@ -121,7 +121,9 @@ PACKED_MIN_ROWS = 16
 # caches (0.96-1.04x at 1024, 0.94-1.00x at 2048). As the engine runs them, a model's 8 layers of
 # weights in turn (90 MiB, out of the caches), the packed GEMM took 0.91x F.linear's time at 512
 # rows, 0.94x at 690, 0.96x at 900, 0.97x at 1,100, 0.98x at 1,400 and 1.00x at 2,048 (medians of
-# 77-295 alternating pairs; bench/RESULTS.md section 37). Larger batches keep F.linear.
+# 77-295 alternating pairs); `python -m bench layers --tokens 512,690,1100,2048` (one layer, its
+# weights in the caches): F.linear's layer 1.06x, 1.04x, 1.04x and 0.98x the packed one's time
+# (bench/RESULTS.md section 37). Larger batches keep F.linear.
 PACKED_MAX_ROWS = 2048
 # Row counts at which the "exact" policy compares a new packed copy with F.linear (random inputs:
 # a different summation order shows in some of the outputs). With weights packed for 256 rows
