@@ -21,9 +21,11 @@
 //   cached per thread, that packs nothing itself) on blocks of kSubRows rows. K^T is packed once
 //   per item into tiles of [D][kKeys] (16 x 16 transposes, widening as it goes); P V reads V rows
 //   in place when the sequence's slots are one ascending run (else gathered once), its last < 16
-//   keys by a 6-row x 64-dim block of FMAs. Each row block stops at its last visible key, so the
-//   causal diagonal tiles cost about half. MKL's sgemm on the same small blocks spent much of its
-//   time re-packing both operands on every call. Without AVX-512 the blocks go to MKL's sgemm.
+//   keys by a 6-row x 64-dim block of FMAs. Each row block stops at its last visible key, so a
+//   causal diagonal tile costs little more than its visible part (64-row blocks trim it more
+//   coarsely than the 12-row FMA blocks before them: 1.07x on the short extend7x128/130 of bench
+//   kernels). MKL's sgemm on the same small blocks spent much of its time re-packing both
+//   operands on every call. Without AVX-512 the blocks go to MKL's sgemm.
 // - bf16 on AMX: oneDNN's brgemm (run_item_amx), K^T and V packed into VNNI blocks, P rounded to
 //   bf16 as torch's flash kernel does.
 

@@ -126,7 +126,7 @@ def test_kernels_against_another_build():
 
 def test_kernels_cascade_case_is_planned_as_one_group():
     # the cascade cases run the engine's shared-prefix path (level 0 against the prefix, level 1
-    # against each member's own keys, merged), and every mode computes the same attention
+    # against each member's own keys, merged), and the GEMM path computes what the torch backend does
     import torch
 
     from bench.kernels import CASES, SHARED, _case
