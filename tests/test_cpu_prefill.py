@@ -66,6 +66,31 @@ def test_prefill_kernel_empty_context_and_lse_against_torch():
 
 
 @pytest.mark.parametrize("gemm", ["fp32", "brgemm", "dpbf16"])
+def test_prefill_kernel_bf16_empty_context_after_another_sequence(gemm):
+    # bf16: a sequence with no keys gets out 0 and lse -inf, also when its rows come after another
+    # sequence's in the same thread's scratch (the AMX path does not zero its output rows first)
+    if gemm == "brgemm" and not ext.bf16_brgemm():
+        pytest.skip("no AMX: brgemm is not available on this CPU")
+    if gemm == "dpbf16" and not ext.bf16_dpbf16():
+        pytest.skip("no AVX512-BF16 here: the vdpbf16ps kernels are not built")
+    pool, _, _, _, _ = make_case(5, 16, 4, 2, torch.bfloat16, qo_kv=[(1, 64)])
+    q = torch.randn(6, 4, 64).bfloat16()
+    qo_indptr = torch.tensor([0, 4, 6], dtype=torch.int32)  # the one with keys first (and costlier)
+    kv_indptr = torch.tensor([0, 3, 3], dtype=torch.int32)
+    last = torch.tensor([9, 16], dtype=torch.int32)
+    pages = torch.tensor([0, 1, 2], dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (one thread: the empty sequence's items run after the other's)
+    try:
+        out, lse = ext.prefill_attention(q, pool.k[0], pool.v[0], qo_indptr, kv_indptr, pages, last, 0.125, False,
+                                         gemm)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[4:], torch.zeros_like(out[4:])) and torch.isinf(lse[4:]).all() and (lse[4:] < 0).all()
+    assert out[:4].abs().amax() > 0 and torch.isfinite(lse[:4]).all()
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "brgemm", "dpbf16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("order", ["shuffled", "ascending"])
 def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim, order):
