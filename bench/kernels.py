@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -59,7 +60,7 @@ CASES = {
 }
 SHARED = {"gsp8x128/1152+fresh1024": (8, 1024), "cascade64x17/2048+200": (64, 2048),
           "cascade8x128/1024+128": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
-CASCADE = {"cascade64x17/2048+200", "cascade8x128/1024+128"}  # their shared prefix planned as one cascade group
+CASCADE = {n for n in CASES if n.startswith("cascade")}  # their shared prefix planned as one cascade group
 MODES = ("kernel", "flash", "gemm", "torch")
 EXTRA_MODES = ("gemm-fp32",)
 
@@ -112,7 +113,7 @@ def build_against(csrc: str | Path):
     directory.mkdir(parents=True, exist_ok=True)
     staged = cpu_ext._stage_sources(directory, csrc)  # (headers too; unchanged copies keep ninja's build)
     print(f"  loading {csrc}'s attention kernels from {directory} (the first time: a minute or two to build)",
-          flush=True, file=__import__("sys").stderr)
+          flush=True, file=sys.stderr)
     return cpp_extension.load(name=f"radixserve_attention_{tag}", sources=[str(staged / s) for s in AGAINST_SOURCES],
                               build_directory=str(directory), extra_cflags=cpu_ext.CFLAGS,
                               extra_ldflags=["-fopenmp"], verbose=False)
@@ -212,7 +213,7 @@ def run(args) -> int:
             if f"{mode}@against" in times:
                 ratios = [a / b for a, b in zip(times[mode], times[f"{mode}@against"], strict=True)]
                 results[name][mode]["vs_against"] = statistics.median(ratios)
-        print(f"  {name} done", flush=True, file=__import__("sys").stderr)
+        print(f"  {name} done", flush=True, file=sys.stderr)
     if args.json:
         print(json.dumps({"dtype": args.dtype, "threads": args.threads, "page_size": args.page_size,
                           "cold_mib": args.cold_mib, "shuffle_pages": args.shuffle_pages, "against": args.against,

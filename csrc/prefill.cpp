@@ -105,22 +105,22 @@ inline uint16_t to_bf16_bits(float x) {  // round to nearest even (inputs are fi
 // becomes fp32.
 template <typename T, typename C>
 inline void copy_row(const T* src, C* dst, int d) {
-  if constexpr (sizeof(T) == sizeof(C) && sizeof(C) == 2) {
+  if constexpr (sizeof(T) == sizeof(C)) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    // bf16 rows (128 bytes at head_dim 64): 64-byte masked moves, not a call to memcpy per row
-    // (python -m bench kernels --dtype bfloat16 --modes gemm --against: 0.97-0.99x on the short
-    // cases; fp32's 256-byte rows the same way measured 1.00-1.03x, so they keep memcpy)
-    const char* from = reinterpret_cast<const char*>(src);
-    char* to = reinterpret_cast<char*>(dst);
-    const int bytes = static_cast<int>(sizeof(C)) * d;
-    for (int i = 0; i < bytes; i += 64) {
-      const __mmask64 m = bytes - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (bytes - i)) - 1;
-      _mm512_mask_storeu_epi8(to + i, m, _mm512_maskz_loadu_epi8(m, from + i));
+    if constexpr (sizeof(C) == 2) {
+      // bf16 rows (128 bytes at head_dim 64): 64-byte masked moves, not a call to memcpy per row
+      // (python -m bench kernels --dtype bfloat16 --modes gemm --against: 0.97-0.99x on the short
+      // cases; fp32's 256-byte rows the same way measured 1.00-1.03x, so they keep memcpy)
+      const char* from = reinterpret_cast<const char*>(src);
+      char* to = reinterpret_cast<char*>(dst);
+      const int bytes = static_cast<int>(sizeof(C)) * d;
+      for (int i = 0; i < bytes; i += 64) {
+        const __mmask64 m = bytes - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (bytes - i)) - 1;
+        _mm512_mask_storeu_epi8(to + i, m, _mm512_maskz_loadu_epi8(m, from + i));
+      }
+      return;
     }
-#else
-    std::memcpy(dst, src, sizeof(C) * d);
 #endif
-  } else if constexpr (sizeof(T) == sizeof(C)) {
     std::memcpy(dst, src, sizeof(C) * d);
   } else {
 #pragma omp simd
