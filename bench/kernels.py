@@ -8,9 +8,10 @@ Shapes are the fleet/GSP steps' (bench model: 8 query heads, 4 KV heads, head_di
 over long contexts, a fresh prefill, prefill chunks over a cached prefix, short chunks over short
 contexts (a cascade group's suffix level), GSP-like chunks over one shared cached prefix (their
 page tables share its pages) next to a fresh prefill, and whole cascade groups (the shared prefix
-once for all members, each member's own keys, the merge). Each case is timed
-``--repeats`` times with the modes interleaved (drift hits all alike); the median is printed,
-with the effective GFLOP/s of the attention products (4 * query rows * heads * visible keys * D).
+once for all members, each member's own keys, the merge), of extend chunks or of decodes. Each
+case is timed ``--repeats`` times with the modes interleaved (drift hits all alike); the median is
+printed, with the effective GFLOP/s of the attention products (4 * query rows * heads * visible
+keys * D).
 
 By default the calls run back to back, so a case whose KV fits the caches is read from them. In
 the engine, a layer's KV has usually left the caches by the time the layer runs (every step
@@ -57,9 +58,12 @@ CASES = {
     # fleet's later turns: 17 new tokens over 2,048 shared + ~200 own; a GSP group's questions)
     "cascade64x17/2048+200": [(17, 2248)] * 64,
     "cascade8x128/1024+128": [(128, 1152)] * 8,
+    # a decode step of one (GSP's decode-only steps: a group's 8 members, one new token each)
+    "cascade8x1/1024+136": [(1, 1160)] * 8,
 }
 SHARED = {"gsp8x128/1152+fresh1024": (8, 1024), "cascade64x17/2048+200": (64, 2048),
-          "cascade8x128/1024+128": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
+          "cascade8x128/1024+128": (8, 1024),
+          "cascade8x1/1024+136": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
 CASCADE = {n for n in CASES if n.startswith("cascade")}  # their shared prefix planned as one cascade group
 MODES = ("kernel", "flash", "gemm", "torch")
 EXTRA_MODES = ("gemm-fp32",)

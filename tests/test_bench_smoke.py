@@ -124,7 +124,9 @@ def test_kernels_against_another_build():
     assert "vs_against" not in case["torch"]
 
 
-def test_kernels_cascade_case_is_planned_as_one_group():
+@pytest.mark.parametrize("name, new_tokens, own_keys", [("cascade8x128/1024+128", 128, 128),
+                                                      ("cascade8x1/1024+136", 1, 136)])
+def test_kernels_cascade_case_is_planned_as_one_group(name, new_tokens, own_keys):
     # the cascade cases run the engine's shared-prefix path (level 0 against the prefix, level 1
     # against each member's own keys, merged), and the GEMM path computes what the torch backend does
     import torch
@@ -134,10 +136,11 @@ def test_kernels_cascade_case_is_planned_as_one_group():
     from radixserve.attention.cpu_backend import CpuAttention
     from radixserve.attention.torch_backend import TorchAttention
 
-    name = "cascade8x128/1024+128"
     pool, meta, q, k, v, flops = _case(CASES[name], torch.float32, 16, SHARED[name], cascade=True)
     assert meta.cascade is not None and meta.cascade.groups == ((0, 8, 1024),)
-    assert flops == 8 * 4 * 8 * 64 * (128 * 1024 + 128 * 129 // 2)
+    assert meta.cascade.decodes_only == (new_tokens == 1)
+    n = new_tokens
+    assert flops == 8 * 4 * 8 * 64 * (n * (1024 + own_keys - n) + n * (n + 1) // 2)
     ref = TorchAttention(pool, 64**-0.5)
     ref.plan(meta)
     want = ref.forward(q, k, v, 0)
