@@ -182,7 +182,9 @@ struct Scratch {
   radixserve::AlignedVector<C> q, k, v;
   radixserve::AlignedVector<float> s, o;
   std::vector<float> m, l;  // each row's running max and softmax sum (fp32 only: bf16 keeps lv)
-  radixserve::AlignedVector<uint16_t> p;  // bf16 probabilities (bf16 only)
+  // probabilities: bf16 (the AMX and vdpbf16ps paths), or fp32 of blocks of several key tiles (the
+  // fp32 path with AVX-512; one tile's go in place of its scores)
+  radixserve::AlignedVector<C> p;
   radixserve::AlignedVector<float> lv;    // bf16: each row's softmax sum as kSumLanes partial sums
   std::vector<int> limit;
 };
@@ -275,10 +277,12 @@ inline void store_p2(uint16_t* pb, __m512 e0, __m512 e1) {
 #endif
 }
 
-// sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb, sr left as it is) for j < valid, 0 for
-// [valid, n); returns their sum in 16 lanes. bf16 takes its full vectors two at a time (store_p2).
+// sr[j] <- 2^(scale * sr[j] - m) (or its bf16 in pb, sr left as it is; fp32 into pf instead of sr
+// where pf is given) for j < valid, 0 for [valid, n); returns their sum in 16 lanes. bf16 takes its
+// full vectors two at a time (store_p2).
 template <bool kBf16>
-inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb) {
+inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16_t* pb, float* pf = nullptr) {
+  float* out = pf != nullptr ? pf : sr;
   const int full = valid & ~15;
   const __m512 vm = _mm512_set1_ps(m), vs = _mm512_set1_ps(scale);
   __m512 vsum = _mm512_setzero_ps();
@@ -296,39 +300,42 @@ inline __m512 exp_pass(float* sr, int n, int valid, float scale, float m, uint16
     const __m512 x = _mm512_loadu_ps(sr + j);
     const __m512 e = exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm));
     vsum = _mm512_add_ps(vsum, e);
-    store_p<kBf16>(sr, pb, j, e, 0xFFFF);
+    store_p<kBf16>(out, pb, j, e, 0xFFFF);
   }
   for (j = full; j < n; j += 16) {  // the partly visible vector, then zeros up to n
     const __mmask16 live = tail_mask(valid - j);
     const __m512 x = _mm512_maskz_loadu_ps(live, sr + j);
     const __m512 e = _mm512_maskz_mov_ps(live, exp2_v<kBf16>(_mm512_fmsub_ps(x, vs, vm)));
     vsum = _mm512_add_ps(vsum, e);
-    store_p<kBf16>(sr, pb, j, e, tail_mask(n - j));
+    store_p<kBf16>(out, pb, j, e, tail_mask(n - j));
   }
   return vsum;
 }
 
-// How large a bf16 row's probabilities may grow against its running max before it moves: at most
+// How large a row's probabilities may grow against its running max before it moves: at most
 // 2^8 (scores up to 8 above it, base 2), their sums and the outputs far inside fp32's range, with
 // fp32's and bf16's relative precision at any scale (the largest probability of a tile is no longer
 // exactly 1: on the kernel cases of bench kernels the mean error against fp32 rose 2-3%).
 constexpr float kLazyLimit = 256.0f;
 
-// The exponentials of a row's scores sr[0, valid) against its running max (base 2), into sr (fp32)
-// or pb (bf16), 0 for [valid, n); returns their sum in 16 lanes, and m_out the max they were taken
-// against.
-// fp32: two passes (the row max of scale * sr and m_in, then the exponentials). bf16 rows that
-// already have a running max take one pass against it and keep it unless a lane's sum of the
-// probabilities passed kLazyLimit (NaN included; a sum bounds each of its terms, so every kept
-// probability is within the limit): then the two passes, against the new max (the fp32 scores are
-// still in sr). The separate max pass was a third of the softmax's time on AMX (its reduction
-// serialises each row), and rows whose max stays put skip rescaling their output. The check was
-// first on each lane's max score, tracked during the pass: checking the sums instead drops that
-// max from the loop (python -m bench kernels --modes gemm --dtype bfloat16 --threads 2 --against
-// the previous build: 0.97-0.99x on the long-context cases, about 1.0x on the fleet's short turns;
-// bench/RESULTS.md section 36).
+// The exponentials of a row's scores sr[0, valid) against its running max (base 2), into sr or
+// pf (fp32) or pb (bf16), 0 for [valid, n); returns their sum in 16 lanes, and m_out the max they
+// were taken against.
+// Rows that already have a running max take one pass against it and keep it unless a lane's sum
+// of the probabilities passed kLazyLimit (NaN included; a sum bounds each of its terms, so every
+// kept probability is within the limit): then two passes (the row max of scale * sr and m_in,
+// then the exponentials against it; the fp32 scores are still in sr). A row's first tile, and
+// fp32 written in place (no pf: a block of one key tile), take the two passes. The separate max
+// pass was a third of the softmax's time on AMX (its reduction serialises each row), and rows
+// whose max stays put skip rescaling their output. The check was first on each lane's max score,
+// tracked during the pass: checking the sums instead drops that max from the loop (python -m bench
+// kernels --modes gemm --dtype bfloat16 --threads 2 --against the previous build: 0.97-0.99x on
+// the long-context cases, about 1.0x on the fleet's short turns; bench/RESULTS.md section 36).
+// fp32 took the one pass from section 38 on (P in its own buffer, so that sr survives a fallback):
+// 0.95-0.97x on its long-context cases.
 template <bool kBf16>
-inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb) {
+inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb,
+                      float* pf = nullptr) {
   if constexpr (kBf16) {
     if (m_in != kNegInf) {
       const __m512 vsum = exp_pass<true>(sr, n, valid, scale, m_in, pb);
@@ -338,32 +345,40 @@ inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, floa
       }
       // (a lane's sum past the limit: the max pass and the exponentials again, below)
     }
+  } else {
+    if (m_in != kNegInf && pf != nullptr) {
+      const __m512 vsum = exp_pass<false>(sr, n, valid, scale, m_in, pb, pf);
+      if (!_mm512_cmp_ps_mask(vsum, _mm512_set1_ps(kLazyLimit), _CMP_NLE_UQ)) {
+        m_out = m_in;
+        return vsum;
+      }
+    }
   }
   const int full = valid & ~15;
   __m512 vmax = _mm512_set1_ps(kNegInf);
   for (int j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
   if (full < valid) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(valid - full), sr + full));
   m_out = std::max(m_in, _mm512_reduce_max_ps(vmax) * scale);
-  return exp_pass<kBf16>(sr, n, valid, scale, m_out, pb);
+  return exp_pass<kBf16>(sr, n, valid, scale, m_out, pb, pf);
 }
 #endif
 
 // Softmax pass over one tile for row r: updates max/sum, rescales the row's output, leaves the
-// probabilities (0 past the row's last visible key) in p (fp32 in place, or bf16 in pb). l: the
-// row's sum (fp32), or its kSumLanes partial sums (bf16).
+// probabilities (0 past the row's last visible key) in pf, or in place (fp32), or in pb (bf16). l:
+// the row's sum (fp32), or its kSumLanes partial sums (bf16).
 template <typename C>
 inline void softmax_row(float* sr, int n, int valid, float scale, float& m, float* l, float* orow, int D,
-                        uint16_t* pb) {
+                        uint16_t* pb, float* pf = nullptr) {
   constexpr bool kBf16 = std::is_same_v<C, uint16_t>;
   constexpr int lanes = kBf16 ? kSumLanes : 1;
   if (valid <= 0) {  // the whole tile is past this row's causal bound
     if constexpr (kBf16) std::memset(pb, 0, sizeof(uint16_t) * n);
-    else std::memset(sr, 0, sizeof(float) * n);
+    else std::memset(pf != nullptr ? pf : sr, 0, sizeof(float) * n);
     return;
   }
   float m_new, sum = 0.0f;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-  const __m512 vsum = exp_row<kBf16>(sr, n, valid, scale, m, m_new, pb);
+  const __m512 vsum = exp_row<kBf16>(sr, n, valid, scale, m, m_new, pb, pf);
   if constexpr (!kBf16) sum = _mm512_reduce_add_ps(vsum);
 #else
   float mx = kNegInf;
@@ -380,12 +395,13 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
     std::memset(pb + valid, 0, sizeof(uint16_t) * (n - valid));
   } else {
 #pragma omp simd reduction(+ : sum)
+    float* out = pf != nullptr ? pf : sr;
     for (int j = 0; j < valid; ++j) {
       const float e = exp2_neg(sr[j] * scale - m_new);
-      sr[j] = e;
+      out[j] = e;
       sum += e;
     }
-    std::memset(sr + valid, 0, sizeof(float) * (n - valid));
+    std::memset(out + valid, 0, sizeof(float) * (n - valid));
   }
 #endif
   if (m_new != m) {
@@ -867,6 +883,10 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
   const float softmax_scale = 1.0f;  // sgemm applies it as alpha
 #endif
   size_block(w, s.tokens * G, D);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (kmax > kKeys && w.p.size() < static_cast<size_t>(s.tokens) * G * kKeys)
+    w.p.resize(static_cast<size_t>(s.tokens) * G * kKeys);  // (only where some block has several tiles)
+#endif
   for (int t0 = t_lo; t0 < t_hi; t0 += s.tokens) {
     const int t1 = std::min(t_hi, t0 + s.tokens);
     const int R = start_block(p, s, it, t0, t1, G, w);
@@ -886,15 +906,22 @@ void run_item(const Problem<T>& p, const Seq& s, const Item& it, Scratch<float>&
 #else
       gemm_abt(R, n, D, p.scale_log2, w.q.data(), D, kb + c * ld, static_cast<int>(ld), sb, kKeys);
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      // P apart from S where the block has more tiles, so that a row past its first tile takes one
+      // pass (exp_row); a single tile's P goes in place, sparing the second buffer's cache lines
+      float* pf = kend > kKeys ? w.p.data() : nullptr;
+#else
+      float* pf = nullptr;  // (in place)
+#endif
       for (int r = 0; r < R; ++r)
         softmax_row<float>(sb + static_cast<int64_t>(r) * kKeys, n, std::min(n, w.limit[r] - c), softmax_scale, w.m[r],
-                           &w.l[r], w.o.data() + r * D, D, nullptr);
+                           &w.l[r], w.o.data() + r * D, D, nullptr, pf ? pf + static_cast<int64_t>(r) * kKeys : nullptr);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (int r0 = 0; r0 < R; r0 += kSubRows) {  // P is 0 past each row's last visible key
         const int rb = std::min(kSubRows, R - r0);
         const int nk = std::clamp(w.limit[r0 + rb - 1] - c, 0, n);
         const int whole = nk / 16 * 16;  // keys brgemm takes (its K: few shapes); the rest (< 16) below
-        const float* prow = sb + static_cast<int64_t>(r0) * kKeys;
+        const float* prow = (pf ? pf : sb) + static_cast<int64_t>(r0) * kKeys;
         float* orow = w.o.data() + static_cast<int64_t>(r0) * D;
         if (whole > 0) at::native::cpublas::brgemm(rb, D, whole, kKeys, ld, D, true, prow, vb + c * ld, orow, false);
         for (int q0 = 0; q0 < rb && whole < nk; q0 += kPvRows)

@@ -145,18 +145,19 @@ def test_prefill_kernel_rejects_bad_input():
                               meta.kv_indices[:1], torch.tensor([1], dtype=torch.int32), 0.1, True)
 
 
-@pytest.mark.parametrize("gemm", ["auto", "dpbf16"])
-def test_prefill_kernel_bf16_scores_rising_past_the_running_max(gemm):
-    # bf16 rows keep their running max from tile to tile until a lane's sum of a tile's probabilities
-    # against it passes 2^8; then the tile is redone against the new max. Keys along a ramp toward the queries' direction,
-    # so each 256-key tile's scores top the last one's by over 32: kept, the old max would let the
-    # probabilities of a 1500-key context pass 2^128 (inf in fp32)
+@pytest.mark.parametrize("dtype, gemm", [(torch.bfloat16, "auto"), (torch.bfloat16, "dpbf16"), (torch.float32, "auto")])
+def test_prefill_kernel_scores_rising_past_the_running_max(dtype, gemm):
+    # rows past their first key tile keep their running max from tile to tile until a lane's sum of
+    # a tile's probabilities against it passes 2^8; then the tile is redone against the new max (fp32
+    # from the scores it kept apart from the probabilities). Keys along a ramp toward the queries'
+    # direction, so each 256-key tile's scores top the last one's by over 32: kept, the old max would
+    # let the probabilities of a 1500-key context pass 2^128 (inf in fp32)
     if gemm == "dpbf16" and not ext.bf16_dpbf16():
         pytest.skip("no AVX512-BF16 here: the vdpbf16ps kernels are not built")
     scale = 0.1
-    pool, meta, q, _, _ = make_case(3, 16, 4, 2, torch.bfloat16, qo_kv=[(40, 1500), (3, 900)])
+    pool, meta, q, _, _ = make_case(3, 16, 4, 2, dtype, qo_kv=[(40, 1500), (3, 900)])
     u = torch.nn.functional.normalize(torch.randn(64, generator=torch.Generator().manual_seed(1)), dim=0)
-    q = (q.float() * 0.3 + 8 * u).bfloat16()
+    q = (q.float() * 0.3 + 8 * u).to(dtype)
     for seq in range(2):
         pages = meta.kv_indices[meta.kv_indptr[seq]:meta.kv_indptr[seq + 1]].long()
         kv_len = (len(pages) - 1) * 16 + int(meta.kv_last_page_len[seq])
@@ -164,12 +165,12 @@ def test_prefill_kernel_bf16_scores_rising_past_the_running_max(gemm):
         keys = pool.k[0][pages].flatten(0, 1)[:kv_len].float() * 0.3 + (pos * 0.12)[:, None, None] * u
         for i, page in enumerate(pages.tolist()):
             rows = keys[i * 16:(i + 1) * 16]
-            pool.k[0][page, : len(rows)] = rows.bfloat16()
+            pool.k[0][page, : len(rows)] = rows.to(dtype)
     rise = (8 * u @ (256 * 0.12 * u)) * scale * 1.4426950408889634
     assert rise > 32  # each tile's scores top the previous tile's by this much (base 2), far past the headroom
     args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
             scale, True)
     out, lse = ext.prefill_attention(*args, bf16_gemm=gemm)
     ref_out, ref_lse = ext.paged_attention(*args)
-    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3 if dtype == torch.bfloat16 else 1e-4, rtol=1e-4)
