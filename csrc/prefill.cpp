@@ -10,8 +10,8 @@
 // chunk's tokens (GQA folded into the rows, so each K/V row is read once per group), cut into
 // blocks of ~kRows rows. A work item is one (sequence, KV head) with a range of its blocks; its
 // keys are prepared once for all of the item's blocks. Per block and tile of kKeys keys:
-// S = Q K^T, an online softmax pass over S (vectorised exp2, scores in base 2; bf16 rows past their
-// first tile take one pass against their running max while no score rises far above it), O += P V.
+// S = Q K^T, an online softmax pass over S (vectorised exp2, scores in base 2; rows past their first
+// tile take one pass against their running max while no score rises far above it), O += P V.
 // Items are handed out longest first from an atomic counter, so uneven chunks balance across
 // threads. Softmax statistics and accumulation are fp32.
 //
