@@ -332,7 +332,7 @@ constexpr float kLazyLimit = 256.0f;
 // kernels --modes gemm --dtype bfloat16 --threads 2 --against the previous build: 0.97-0.99x on
 // the long-context cases, about 1.0x on the fleet's short turns; bench/RESULTS.md section 36).
 // fp32 took the one pass from section 38 on (P in its own buffer, so that sr survives a fallback):
-// 0.95-0.97x on its long-context cases.
+// 0.96-0.97x on its long-context cases.
 template <bool kBf16>
 inline __m512 exp_row(float* sr, int n, int valid, float scale, float m_in, float& m_out, uint16_t* pb,
                       float* pf = nullptr) {
@@ -394,8 +394,8 @@ inline void softmax_row(float* sr, int n, int valid, float scale, float& m, floa
     }
     std::memset(pb + valid, 0, sizeof(uint16_t) * (n - valid));
   } else {
-#pragma omp simd reduction(+ : sum)
     float* out = pf != nullptr ? pf : sr;
+#pragma omp simd reduction(+ : sum)
     for (int j = 0; j < valid; ++j) {
       const float e = exp2_neg(sr[j] * scale - m_new);
       out[j] = e;

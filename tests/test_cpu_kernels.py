@@ -4,6 +4,7 @@ transformers with them on."""
 from __future__ import annotations
 
 import os
+import platform
 import random
 import shutil
 import sys
@@ -27,6 +28,28 @@ pytestmark = pytest.mark.skipif(ext is None and not TOOLCHAIN,
 
 def test_the_extension_builds_where_a_compiler_exists():
     assert ext is not None, "csrc/ did not build although a C++ compiler is present: see the warning logged above"
+
+
+def test_the_sources_compile_for_a_cpu_without_avx512():
+    # The build targets this CPU (-march=native), so on an AVX-512 machine (CI's) the AVX2 and
+    # plain fallbacks of csrc/ are never compiled, and an error there would only show on such a
+    # CPU, as a build failure and the torch backend. Compile each source for x86-64-v3 (AVX2, no
+    # AVX-512), syntax only, all at once.
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    if platform.machine() != "x86_64" or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("needs an x86-64 C++ compiler")
+    csrc = cpu_ext.csrc_dir()
+    flags = ["-std=c++17", "-fopenmp", "-fsyntax-only", "-march=x86-64-v3", f"-I{csrc}",
+             f"-I{sysconfig.get_paths()['include']}", *(f"-I{path}" for path in cpp_extension.include_paths())]
+    procs = {name: subprocess.Popen([os.environ.get("CXX", "c++"), *flags, str(csrc / name)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for name in cpu_ext.SOURCES}
+    errors = {name: proc.communicate(timeout=600)[0] for name, proc in procs.items()}
+    failed = {name: out for name, out in errors.items() if procs[name].returncode != 0}
+    assert not failed, "\n".join(f"{name}:\n{out[-3000:]}" for name, out in failed.items())
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
