@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -119,12 +120,19 @@ _gc_frozen = False
 def _freeze_gc_once() -> None:
     """The first model of a process (weights, config, tokenizer) lives as long as the process:
     move it out of the collector's generations so GC passes during the step loop stay short.
-    Once per process: freezing again at every Engine would keep each one's garbage for good."""
+    Once per process: freezing again at every Engine would keep each one's garbage for good.
+
+    At exit the frozen objects go back to the collector (``gc.unfreeze``), so the interpreter's
+    shutdown frees them as usual. Left frozen, they are never freed, and extension modules that
+    count their objects complain: with triton installed (xgrammar pulls it in, and ``import
+    torch`` imports it), every process that ran an engine ended with some 30 lines of "nanobind:
+    leaked ..." on stderr, the last thing ``radixserve demo`` printed."""
     global _gc_frozen
     if not _gc_frozen:
         _gc_frozen = True
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)
 
 
 def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:
