@@ -24,7 +24,10 @@ radixserve's timed steps are also split into steps with prompt tokens and decode
 their seconds, the attention backend's share of the former with its FLOP rate (and, on the
 csrc/ backend, split by kernel call: cascade prefix and suffix levels, many-row chunks, the decode
 kernel, KV store and merges), and the rate of the layers' linear maps over the rest (compare with
-`python -m bench floor`'s GEMM rate). This command installs
+`python -m bench floor`'s GEMM rate). With --floor, each round ends with `python -m bench floor`
+in a child process (the workload's FLOPs at the GEMM rate measured right then): each engine's wall
+over that floor, and the floor over vLLM's wall, so one run shows where the 0.67x target sits
+against what no engine can beat on this machine at that minute. This command installs
 nothing: vLLM must be importable by --vllm-python (default: this interpreter), e.g. a venv made
 as bench/README.md describes.
 """
@@ -78,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "print each round and the medians")
     p.add_argument("--breakdown", action="store_true",
                    help="also split radixserve's time by step kind: attention and linear-map rates (see above)")
+    p.add_argument("--floor", action="store_true",
+                   help="after each round, measure the workload's compute floor (`python -m bench floor`: its FLOPs "
+                        "at the GEMM rate measured then, --max-batched-tokens rows) and print it next to the walls")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -395,6 +401,37 @@ def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
     return json.loads(lines[-1][len(RESULT):])
 
 
+FLOOR_FLAGS = ("agents", "system_tokens", "private_tokens", "turns", "output_tokens", "gsp_groups", "gsp_prompts",
+               "gsp_prefix", "gsp_question", "gsp_output")
+
+
+def measure_floor(args: argparse.Namespace, model: str, workload: str, timeout: float = 600) -> dict:
+    """``python -m bench floor`` for this workload's shapes, dtype and thread count, in a child
+    process of its own (nothing of it stays behind to disturb the engines' runs): the GEMM rate
+    measured now and the seconds the workload's arithmetic takes at that rate."""
+    cmd = [sys.executable, "-m", "bench", "floor", "--json", "--model", model, "--dtype", args.dtype,
+           "--threads", str(args.threads), "--rows", str(args.max_batched_tokens)]
+    for flag in FLOOR_FLAGS:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench floor failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    row = next(r for r in res["rows"] if r["workload"] == workload)
+    return {"floor_s": row["floor_s"], "gemm_gflop_per_s": res["gemm_gflop_per_s"]}
+
+
+def floor_ratios(entry: dict, floor: dict) -> dict:
+    """Each engine's wall over the floor, and the floor over vLLM's wall (where the 0.67x target
+    sits against what no engine can beat)."""
+    walls = {e: s["wall_s"] for e, s in entry["engines"].items()}
+    out = {**floor, **{f"{e}_over_floor": w / floor["floor_s"] for e, w in walls.items()}}
+    if "vllm" in walls:
+        out["floor_over_vllm"] = floor["floor_s"] / walls["vllm"]
+    return out
+
+
 def summary(res: dict) -> dict:
     from radixserve.ops.stats import percentile  # here: the vLLM child may run where radixserve is not installed
 
@@ -471,6 +508,8 @@ def median_of(rounds: list[dict]) -> dict:
         engines[e] = {k: (median(r["engines"][e][k] for r in rounds) if isinstance(v, (int, float)) else v)
                       for k, v in first.items()}
     out: dict = {"engines": engines}
+    if "floor" in rounds[0]:
+        out["floor"] = {k: median(r["floor"][k] for r in rounds) for k in rounds[0]["floor"]}
     if "ratios" in rounds[0]:
         out["ratios"] = {k: median(r["ratios"][k] for r in rounds) for k in rounds[0]["ratios"]}
         equal = [r["equal_requests"] for r in rounds]
@@ -514,6 +553,8 @@ def run(args: argparse.Namespace) -> int:
             runs = {e: run_child(vllm_python if e == "vllm" else sys.executable, e, {**spec, "engine": e}, args.timeout)
                     for e in order}
             rounds.append(compare({e: runs[e] for e in engines}, model))
+            if args.floor:
+                rounds[-1]["floor"] = floor_ratios(rounds[-1], measure_floor(args, model, w))
         entry = {"config": {k: v for k, v in spec.items() if k not in ("model",)}, **rounds[0]}
         if len(rounds) > 1:
             entry.update(median_of(rounds))
@@ -526,8 +567,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floor_words(r: dict) -> str:
+    if "floor" not in r:
+        return ""
+    f = r["floor"]
+    words = f"; floor {f['floor_s']:.2f} s"
+    return words + (f", floor / vLLM {f['floor_over_vllm']:.2f}x" if "floor_over_vllm" in f else "")
+
+
 def _count(n: int | None) -> str:
-    return "-" if n is None else f"{n:,}"
+    return "-" if n is None else f"{n:,.0f}"  # (a median over an even number of rounds may be a half)
 
 
 def _secs(s: float | None) -> str:
@@ -550,18 +599,26 @@ def render(res: dict) -> str:
             walls = ", ".join(f"{e} {s['wall_s']:.2f} s" for e, s in r["engines"].items())
             ratio = (f"; wall {r['ratios']['wall']:.2f}x, TTFT p50 {r['ratios']['ttft_p50']:.2f}x"
                      f", equal tokens {r['equal_requests']}" if "ratios" in r else "")
-            lines.append(f"round {k + 1}: {walls}{ratio}")
+            lines.append(f"round {k + 1}: {walls}{ratio}{_floor_words(r)}")
         if "rounds" in entry:
             lines.append(f"medians over {len(entry['rounds'])} rounds (ratios: the median of each round's ratio):")
         lines.append(head)
         for e, s in entry["engines"].items():
             lines.append(f"{e:<12}{s['backend']:<22}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
-                         f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,}{_count(s.get('page_faults')):>13}"
+                         f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,.0f}{_count(s.get('page_faults')):>13}"
                          f"{_secs(s.get('system_s')):>9}")
         if "ratios" in entry:
             r = entry["ratios"]
             lines.append(f"radixserve / vLLM: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
                          f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests")
+        if "floor" in entry:
+            f = entry["floor"]
+            median = "medians: " if "rounds" in entry else ""
+            line = (f"compute floor (bench floor, {median}{f['gemm_gflop_per_s']:.0f} GFLOP/s GEMM rate): {f['floor_s']:.2f} s; "
+                    + ", ".join(f"{e} / floor {f[e + '_over_floor']:.2f}x" for e in entry["engines"]))
+            if "floor_over_vllm" in f:
+                line += f"; floor / vLLM {f['floor_over_vllm']:.2f}x (the 0.67x target is {0.67 / f['floor_over_vllm']:.2f}x the floor)"
+            lines.append(line)
         for kind, b in entry.get("breakdown", {}).items():
             what = ("steps with prompt tokens" if kind == "prompt" else "decode-only steps") + \
                 (" (round 1)" if "rounds" in entry else "")

@@ -197,6 +197,30 @@ def test_peers_rounds_alternate_and_report_medians(monkeypatch):
     out.clear()
     assert peers.run(parser.parse_args(["--model", "m", "--rounds", "0"])) == 2
 
+    # --floor: `bench floor` after each round (faked: 2, 4, 2 s), each wall over it, it over vLLM's
+    floors = iter([2.0, 4.0, 2.0])
+    asked = []
+
+    def fake_floor(args, model, workload):
+        asked.append((args.dtype, args.max_batched_tokens, workload))
+        return {"floor_s": next(floors), "gemm_gflop_per_s": 100.0}
+
+    monkeypatch.setattr(peers, "measure_floor", fake_floor)
+    calls.clear()
+    out.clear()
+    assert peers.run(parser.parse_args(["--model", "m", "--workloads", "gsp", "--rounds", "3", "--floor", "--json"])) == 0
+    assert asked == [("float32", 2048, "gsp")] * 3
+    entry = json.loads(out[-1])["workloads"]["gsp"]
+    assert [r["floor"]["radixserve_over_floor"] for r in entry["rounds"]] == [1.5, 2.25, 2.0]
+    assert [r["floor"]["floor_over_vllm"] for r in entry["rounds"]] == [pytest.approx(1 / 3), 0.4, 0.4]
+    assert entry["floor"] == {"floor_s": 2.0, "gemm_gflop_per_s": 100.0, "radixserve_over_floor": 2.0,
+                              "vllm_over_floor": 2.5, "floor_over_vllm": 0.4}
+    table = peers.render(json.loads(out[-1]))
+    assert "round 2: radixserve 9.00 s, vllm 10.00 s; wall 0.90x, TTFT p50 0.90x, equal tokens 1/2; floor 4.00 s, " \
+           "floor / vLLM 0.40x" in table
+    assert ("compute floor (bench floor, medians: 100 GFLOP/s GEMM rate): 2.00 s; radixserve / floor 2.00x, "
+            "vllm / floor 2.50x; floor / vLLM 0.40x (the 0.67x target is 1.68x the floor)") in table
+
 
 def test_peers_radixserve_alone(tiny_model):
     """`bench peers --engines radixserve` (no vLLM needed): both workloads run in a child process
@@ -208,7 +232,7 @@ def test_peers_radixserve_alone(tiny_model):
         [sys.executable, "-m", "bench", "peers", "--engines", "radixserve", "--model", tiny_model, "--threads", "1",
          "--agents", "2", "--turns", "2", "--system-tokens", "48", "--private-tokens", "8", "--output-tokens", "3",
          "--gsp-groups", "2", "--gsp-prompts", "2", "--gsp-prefix", "40", "--gsp-question", "6", "--gsp-output", "2",
-         "--breakdown", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+         "--breakdown", "--floor", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     assert res["command"] == "peers" and "vllm_version" not in res
@@ -219,6 +243,9 @@ def test_peers_radixserve_alone(tiny_model):
         assert r["requests"] == requests and r["wall_s"] > 0 and r["out_tok_per_s"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert r["page_faults"] >= 0 and r["system_s"] >= 0  # of the timed part, from getrusage
+        floor = entry["floor"]  # (--floor: `bench floor` in a child process, this workload's row)
+        assert floor["floor_s"] > 0 and floor["gemm_gflop_per_s"] > 0 and "floor_over_vllm" not in floor
+        assert floor["radixserve_over_floor"] == pytest.approx(r["wall_s"] / floor["floor_s"])
         attention, gemm = r["backend"].split("/")
         assert attention in ("CpuAttention", "TorchAttention") and gemm in ("mkl", "onednn", "none")
         kinds = entry["breakdown"]
