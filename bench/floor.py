@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.peers import OBSERVATION_TOKENS
+from bench.peers import OBSERVATION_TOKENS, WALL_TARGET
 
 HELP = "FLOPs of the peers workloads at the measured GEMM rate: the floor any engine's wall time has"
 
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--gsp-question", type=int, default=128)
     p.add_argument("--gsp-output", type=int, default=8)
     p.add_argument("--vllm-wall", type=float, nargs=2, default=None, metavar=("FLEET_S", "GSP_S"),
-                   help="vLLM's measured wall times: also print floor / vLLM and the 0.67x target")
+                   help=f"vLLM's measured wall times: also print floor / vLLM and the {WALL_TARGET}x target")
     p.add_argument("--json", action="store_true")
 
 
@@ -157,7 +157,7 @@ def run(args) -> int:
                "floor_s": (linear + attention) / rate}
         if args.vllm_wall:
             vllm = args.vllm_wall[i]
-            row.update(vllm_wall_s=vllm, floor_over_vllm=row["floor_s"] / vllm, target_s=0.67 * vllm)
+            row.update(vllm_wall_s=vllm, floor_over_vllm=row["floor_s"] / vllm, target_s=WALL_TARGET * vllm)
         rows.append(row)
     if args.json:
         print(json.dumps({"dtype": args.dtype, "threads": args.threads, "gemm_gflop_per_s": rate / 1e9, "rows": rows}))
@@ -165,7 +165,7 @@ def run(args) -> int:
     print(f"GEMM rate of the model's linear maps at {args.rows} rows, {args.dtype}, {args.threads} threads: "
           f"{rate / 1e9:.0f} GFLOP/s")
     print(f"{'workload':9} {'tokens':>8} {'linear GFLOP':>13} {'attention GFLOP':>16} {'floor (s)':>10}"
-          + (f" {'vLLM wall (s)':>14} {'floor / vLLM':>13} {'0.67x target (s)':>17}" if args.vllm_wall else ""))
+          + (f" {'vLLM wall (s)':>14} {'floor / vLLM':>13} {f'{WALL_TARGET}x target (s)':>17}" if args.vllm_wall else ""))
     for r in rows:
         line = f"{r['workload']:9} {r['tokens']:>8,} {r['linear_gflop']:>13.0f} {r['attention_gflop']:>16.0f} {r['floor_s']:>10.2f}"
         if args.vllm_wall:
