@@ -5,6 +5,7 @@ requests are restarted, not left hanging."""
 
 from __future__ import annotations
 
+import logging
 import random
 from types import SimpleNamespace
 
@@ -118,17 +119,23 @@ def _generate(router: Router, rid: str) -> None:
     router._on_generate(b"client", None, P.Generate(id=rid, token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2)))
 
 
-def test_leave_restarts_requests_on_another_worker_at_once():
+def test_leave_restarts_requests_on_another_worker_at_once(caplog):
     router, out = _router()
     router._on_worker_frames([b"a", P.encode(P.Register(worker="a", pid=1, session="sa"))])
     _generate(router, "c1")
     job = next(iter(router.works.values()))
     assert job.worker.name == "a"
     router._on_worker_frames([b"b", P.encode(P.Register(worker="b", pid=2, session="sb"))])
-    router._on_worker_frames([b"a", P.encode(P.Leave(worker="a"))])
+    with caplog.at_level(logging.INFO, logger="radixserve.router"):
+        router._on_worker_frames([b"a", P.encode(P.Leave(worker="a"))])
     assert not router.workers["a"].alive
     assert router.counters["workers_left"] == 1 and router.counters["worker_deaths"] == 0
     assert job.worker is router.workers["b"]  # restarted, no heartbeat timeout waited for
+    assert "worker a left; 1 request in flight there: 1 restarted, 0 answered with an error" in caplog.text
+    with caplog.at_level(logging.INFO, logger="radixserve.router"):
+        router._on_worker_frames([b"c", P.encode(P.Register(worker="c", pid=3, session="sc"))])
+        router._on_worker_frames([b"c", P.encode(P.Leave(worker="c"))])
+    assert "worker c left; no requests in flight there" in caplog.text
 
 
 def test_same_session_registering_again_restarts_what_it_lost():

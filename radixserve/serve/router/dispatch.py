@@ -75,23 +75,29 @@ class Dispatch(RouterBase):
     def _declare_dead(self, worker: WorkerState, why: str, *, left: bool = False) -> None:
         if not worker.alive:
             return
-        if left:
-            log.info("worker %s left (%d requests still in flight there are restarted)", worker.name, len(worker.inflight))
-        else:
-            log.warning("worker %s is dead: %s; restarting its %d requests", worker.name, why, len(worker.inflight))
+        if not left:
             self.counters["worker_deaths"] += 1
         worker.alive = False
         self.by_identity.pop(worker.identity, None)
         jobs = sorted(worker.inflight.values(), key=lambda j: j.n, reverse=True)
+        restarted = 0
         for job in jobs:
             self._finish(job, worker, keep_job=True)
             if self._retryable(job) and not self.shutting_down:
                 self._requeue(job)
+                restarted += 1
             else:
                 self.jobs.pop((job.client, job.cid), None)
                 what = f"after streaming {job.streamed} tokens" if job.streamed else f"after {job.attempt} attempts"
                 self._reply_error(job.client, job.cid, P.WORKER_LOST,
                                   f"worker {worker.name} died ({why}) {what}; retry the request")
+        fate = (f"{len(jobs)} request{'s' if len(jobs) > 1 else ''} in flight there: {restarted} restarted, "
+                f"{len(jobs) - restarted} answered with an error (streaming already, out of attempts or shutting down)"
+                if jobs else "no requests in flight there")
+        if left:
+            log.info("worker %s left; %s", worker.name, fate)
+        else:
+            log.warning("worker %s is dead: %s; %s", worker.name, why, fate)
         worker.index.clear()
         worker.synced = False
         if worker.proc is not None and worker.proc.poll() is None and not left:
