@@ -49,8 +49,8 @@ def test_the_sources_compile_for_a_cpu_without_avx512():
               *(f"-I{path}" for path in cpp_extension.include_paths())]
     procs = {name: subprocess.Popen([cxx, *flags, str(csrc / name)], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True) for name in cpu_ext.SOURCES}
-    errors = {name: proc.communicate(timeout=600)[0] for name, proc in procs.items()}
-    failed = {name: out for name, out in errors.items() if procs[name].returncode != 0}
+    outputs = {name: proc.communicate(timeout=600)[0] for name, proc in procs.items()}
+    failed = {name: out for name, out in outputs.items() if procs[name].returncode != 0}
     assert not failed, "\n".join(f"{name}:\n{out[-3000:]}" for name, out in failed.items())
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
