@@ -36,6 +36,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: Annotated[str, _help("cpu or cuda[:N] (default: cpu)")] = "cpu"
     dtype: Annotated[Literal["float32", "bfloat16", "float16"] | None, _help("default: the checkpoint's")] = None
     """float32, bfloat16 or float16; None takes the checkpoint's dtype (float32 on CPU for fp16)."""
+    weights: Annotated[Literal["auto", "quantized", "dequantize"], _help(
+        "GGUF weights: quantized (kept in the file's blocks, memory-mapped; CPU), dequantize (to the dtype, the "
+        "reference) or auto (default: quantized where it can run)")] = "auto"
+    """How a ``.gguf`` model's weights are held: ``quantized`` keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
+    tensors in their blocks, read from the memory-mapped file by csrc/quant.cpp (CPU only, one process);
+    ``dequantize`` converts every tensor to ``dtype`` at load (the reference the quantized path is tested
+    against); ``auto`` is ``quantized`` on the CPU with the extension built and tensor_parallel 1, else
+    ``dequantize``. Hugging Face directories always load as they are."""
     attention: Literal["auto", "cpu", "torch", "flashinfer"] = "auto"
     """Attention backend: auto (FlashInfer on CUDA when installed; on the CPU the csrc/ kernels when they
     build, else torch), cpu (the csrc/ kernels), torch (the plain-torch oracle) or flashinfer."""

@@ -17,6 +17,9 @@ from radixserve import Engine, SamplingParams
 from radixserve.errors import ModelLoadError
 from radixserve.model.default import INSTALL_HINT, resolve_model, smollm2_gguf
 from radixserve.model.gguf import convert_gguf, gguf_config, gguf_tensors
+from radixserve.model.loader import load_model
+from radixserve.model.quant import QuantLinear
+from radixserve.testing_gguf import write_gguf
 
 from conftest import random_prompts
 
@@ -97,78 +100,6 @@ def test_dequantize_every_type_equals_gguf_reference(tmp_path):
 
 
 # ------------------------------------------------------------------------- a tiny llama GGUF
-def _permute(w: torch.Tensor, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (halves -> pairs)."""
-    w = w.numpy()
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(path, hf_dir, arch: str = "llama", q8_names=()) -> None:
-    """Write ``hf_dir`` as a GGUF the way llama.cpp's converter lays it out (q/k permuted for llama)."""
-    from transformers import AutoTokenizer
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    state = load_file(str(hf_dir / "model.safetensors"))
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    tj = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tj.get("added_tokens", [])}
-    tokens = [t for t, _ in vocab]
-    for added in tj.get("added_tokens", []):
-        if added["id"] >= len(tokens):
-            tokens.append(added["content"])
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny {arch}")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_add_bos_token(True)
-    w.add_chat_template(tok.chat_template)
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    block = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    for name, t in state.items():
-        if name in names:
-            gname = names[name]
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            stem, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{block[stem]}.{kind}"
-        data = t.float().numpy()
-        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
-            data = _permute(t.float(), heads if ".attn_q." in gname else kv)
-        if gname in q8_names:
-            w.add_tensor(gname, gguf.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def _tiny_gguf(root, arch: str):
     from radixserve.testing import make_tiny_model_dir
 
@@ -176,7 +107,8 @@ def _tiny_gguf(root, arch: str):
     extra = {"head_dim": 128} if arch == "qwen3" else {}
     hf_dir = make_tiny_model_dir(root / f"hf-{arch}", arch, seed=11, **extra)
     path = root / f"tiny-{arch}.gguf"
-    _write_gguf(path, hf_dir, arch, q8_names={"blk.1.ffn_up.weight", "blk.1.ffn_down.weight"})
+    q8 = {"blk.1.ffn_up.weight", "blk.1.ffn_down.weight"}
+    write_gguf(path, hf_dir, arch, lambda name: T.Q8_0 if name in q8 else None)
     return hf_dir, path, root / "cache"
 
 
@@ -187,18 +119,27 @@ def tiny_ggufs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_converts_to_the_original_weights(tiny_ggufs, arch):
+def test_tiny_gguf_loads_the_original_weights(tiny_ggufs, arch):
     hf_dir, path, cache = tiny_ggufs[arch]
     out = convert_gguf(path, cache)
     assert convert_gguf(path, cache) == out  # cached: converted once
+    assert not list(out.glob("*.safetensors"))  # the weights stay in the file
     original = load_file(str(hf_dir / "model.safetensors"))
-    converted = load_file(str(out / "model.safetensors"))
-    assert set(converted) == set(original)
-    for name, t in original.items():
-        if "layers.1.mlp.up_proj" in name or "layers.1.mlp.down_proj" in name:  # written as Q8_0
-            assert (converted[name] - t).abs().max() <= t.abs().max() / 100, name
-        else:  # F32: exact (so llama's q/k are un-permuted in the right direction; biases, q/k norms kept)
-            assert torch.equal(converted[name], t), name
+    for weights in ("dequantize", "quantized"):
+        model = load_model(out, weights=weights).model
+        loaded = model.checkpoint_tensors()
+        quantized = {name for name in original if name not in loaded}
+        # (layer 1's gate_proj is F32, so gate_up_proj stays dense: a fused projection is quantized whole or not at all)
+        assert quantized == ({"model.layers.1.mlp.down_proj.weight"} if weights == "quantized" else set())
+        if quantized:
+            assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
+        for name, t in original.items():
+            if name in quantized:
+                continue
+            if "layers.1.mlp.up_proj" in name or "layers.1.mlp.down_proj" in name:  # written as Q8_0
+                assert (loaded[name] - t).abs().max() <= t.abs().max() / 100, name
+            else:  # F32: exact (so llama's q/k are un-permuted in the right direction; biases, q/k norms kept)
+                assert torch.equal(loaded[name], t), name
     cfg = json.loads((out / "config.json").read_text())
     ref = json.loads((hf_dir / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -39,7 +39,8 @@ class EngineCore:
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
-        self.loaded = loaded = load_model(config.model, device=self.device, dtype=config.dtype, max_model_len=config.max_model_len)
+        self.loaded = loaded = load_model(config.model, device=self.device, dtype=config.dtype, max_model_len=config.max_model_len,
+                                          weights=setup.weights_mode(config))
         self.tokenizer, self.max_model_len, self.vocab_size = loaded.tokenizer, loaded.max_model_len, loaded.vocab_size
         self.pool = setup.make_pool(loaded, config, self.device)
         self.cache = CacheManager(self.pool, enable_prefix_cache=config.enable_prefix_cache, eviction=config.eviction)

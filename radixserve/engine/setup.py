@@ -8,10 +8,22 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.errors import BadRequestError
 from radixserve.engine.tensor_parallel import TensorParallelRunner
 from radixserve.kv.pool import KVPool
 from radixserve.model.llama import head_dim_of
 from radixserve.model.parallel import check_divisible
+
+
+def weights_mode(config: EngineConfig) -> str:
+    """``config.weights``, with ``auto`` meaning ``dequantize`` under tensor parallelism (which
+    shards dense weights only); ``quantized`` with it is refused."""
+    if config.tensor_parallel > 1:
+        if config.weights == "quantized":
+            raise BadRequestError("weights", "tensor parallelism shards dense weights: use weights=dequantize "
+                                             "(--weights dequantize) or tensor_parallel=1")
+        return "dequantize"
+    return config.weights
 
 
 def make_pool(loaded, config: EngineConfig, device: torch.device) -> KVPool:

@@ -84,7 +84,8 @@ def _follower(rank: int, world: int, store_path: str, spec: FollowerSpec, conn) 
     try:
         torch.set_num_threads(spec.threads)
         device = torch.device("cpu")
-        loaded = load_model(spec.model_path, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len)
+        loaded = load_model(spec.model_path, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len,
+                            weights="dequantize")  # (rank 0 too: setup.weights_mode)
         cfg = loaded.config
         row_parallel = shard_model(loaded.model, rank, world)
         pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=spec.num_pages, page_size=spec.page_size,

@@ -159,8 +159,6 @@ def unsupported(model: CausalLM, dtype: torch.dtype) -> str | None:
     ext = cpu_ext.load()
     if ext is None or not hasattr(ext, "decode_layers") or lin.kernel() is None or fused.kernels() is None:
         return "the CPU extension is not built"
-    if lin.max_rows(dtype) < 1:
-        return "the small-M linear kernel does not take this dtype here"
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return "global forward hooks are registered"
     layers = _layers(model)
@@ -183,4 +181,6 @@ def unsupported(model: CausalLM, dtype: torch.dtype) -> str | None:
         for t in [p for p in layer.parameters()]:
             if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
                 return "a parameter is not a contiguous CPU tensor of the model's dtype"
+    if lin.max_rows(dtype) < 1:  # (last: it may time the GEMMs, which a model of other layers never runs)
+        return "the small-M linear kernel does not take this dtype here"
     return None

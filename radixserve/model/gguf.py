@@ -1,12 +1,12 @@
-"""GGUF files (llama.cpp's format) as Hugging Face model directories.
+"""GGUF files (llama.cpp's format): their metadata as a Hugging Face model directory.
 
 :func:`convert_gguf` reads a Llama-family GGUF (architectures llama, mistral, qwen2, qwen3) with
-the ``gguf`` package: the config from its metadata, every tensor dequantized by ``gguf``'s own
-``dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K: whatever it supports),
-renamed to the Hugging Face names our decoder uses, and the tokenizer and chat template built by
-transformers from the same file. It writes ``config.json``, fp32 ``model.safetensors``,
-``generation_config.json`` and the tokenizer files into the cache folder once, keyed by the file's
-path, size and mtime, so every later load is a plain directory load (a few seconds).
+the ``gguf`` package and writes, once, a small directory of what transformers reads: the config
+from the file's metadata, ``generation_config.json``, and the tokenizer and chat template built by
+transformers from the same file; plus ``gguf.json``, which names the file itself. The weights stay
+in the file: :mod:`radixserve.model.gguf_weights` maps it at every load, keeping the quantized
+tensors in their blocks (or dequantizing them, the reference). The directory is keyed by the
+file's path, size and mtime, so a changed file converts again.
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of llama-arch models (its RoPE
 rotates adjacent pairs, Hugging Face's rotates halves); :func:`unpermute_qk` reverses it, as
@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +32,10 @@ from radixserve.errors import ModelLoadError
 log = logging.getLogger("radixserve")
 
 #: Bump when the files written by :func:`convert_gguf` change.
-CONVERT_VERSION = "gguf-v1"
+CONVERT_VERSION = "gguf-v2"  # v2: no weights written (they are read from the file)
+
+#: The file in a converted directory that names its GGUF file.
+SOURCE_FILE = "gguf.json"
 
 #: GGUF ``general.architecture`` -> Hugging Face ``architectures[0]``.
 ARCHS = {
@@ -174,12 +176,21 @@ def gguf_config(reader) -> dict:
     return cfg
 
 
-def gguf_tensors(reader, config: dict):
-    """Yield ``(hf_name, float32 ndarray)`` for every tensor the decoder uses, dequantized."""
-    from gguf import dequantize
+def permuted_qk(arch: str, gguf_name: str, config: dict) -> int | None:
+    """The head count to undo llama.cpp's q/k permutation with, for tensor ``gguf_name`` of an
+    ``arch`` file; None when the tensor is not permuted."""
+    if arch not in _PERMUTED_ARCHS:
+        return None
+    if ".attn_q." in gguf_name:
+        return config["num_attention_heads"]
+    if ".attn_k." in gguf_name:
+        return config["num_key_value_heads"]
+    return None
 
-    arch = field_value(reader, "general.architecture")
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+def decoder_tensors(reader):
+    """``(hf_name, tensor)`` for every tensor of ``reader`` the decoder uses (a warning for ignored
+    ones; :class:`ModelLoadError` for unknown ones)."""
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -188,18 +199,19 @@ def gguf_tensors(reader, config: dict):
                             "outputs may drift past the original context")
                 continue
             raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+        yield name, t
+
+
+def gguf_tensors(reader, config: dict):
+    """Yield ``(hf_name, float32 ndarray)`` for every tensor the decoder uses, dequantized by
+    gguf's own numpy ``dequantize`` (the reference) and in Hugging Face's q/k row order."""
+    from gguf import dequantize
+
+    arch = field_value(reader, "general.architecture")
+    for name, t in decoder_tensors(reader):
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
-            w = unpermute_qk(w, heads if ".attn_q." in t.name else kv_heads)
-        yield name, w
-
-
-def _progress(iterable, total: int, desc: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with transformers
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+        heads = permuted_qk(arch, t.name, config)
+        yield name, w if heads is None else unpermute_qk(w, heads)
 
 
 def cache_dir_for(path: Path, cache_dir: Path) -> Path:
@@ -210,7 +222,8 @@ def cache_dir_for(path: Path, cache_dir: Path) -> Path:
 
 
 def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The Hugging Face directory of GGUF file ``path``, converting it on first use."""
+    """The model directory of GGUF file ``path`` (config, tokenizer, and :data:`SOURCE_FILE` naming
+    the file), written on first use."""
     from radixserve.model.builtin import default_cache_dir
 
     path = Path(path).expanduser()
@@ -223,7 +236,7 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         t0 = time.perf_counter()
-        log.info("converting %s (once) into %s", path, out)
+        log.info("reading the config and tokenizer of %s (once) into %s", path, out)
         _write_dir(path, tmp)
         os.chmod(tmp, 0o755)
         try:
@@ -232,7 +245,7 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
             if not (out / "config.json").is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
-        log.info("GGUF converted in %.1f s", time.perf_counter() - t0)
+        log.info("GGUF metadata and tokenizer converted in %.1f s", time.perf_counter() - t0)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -240,19 +253,13 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
 
 
 def _write_dir(path: Path, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
     reader = _reader(path)
     cfg = gguf_config(reader)
-    tensors = {}
-    for name, w in _progress(gguf_tensors(reader, cfg), len(reader.tensors), f"dequantizing {path.name}"):
-        tensors[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
-    if cfg["tie_word_embeddings"]:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
-    del tensors
+    st = path.stat()
+    source = {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
     config = AutoConfig.for_model(**cfg)
     config.save_pretrained(out)
     eos = {cfg[k] for k in ("eos_token_id",) if k in cfg}
@@ -277,3 +284,22 @@ def _keep_chat_template(out: Path, tokenizer) -> None:
         tc = json.loads(tc_path.read_text())
         tc.setdefault("chat_template", template)
         tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+
+
+def gguf_source(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted model directory reads its weights from, or None for a Hugging
+    Face directory. Raises :class:`ModelLoadError` when that file is gone or has changed since."""
+    pointer = Path(model_dir) / SOURCE_FILE
+    if not pointer.is_file():
+        return None
+    source = json.loads(pointer.read_text())
+    path = Path(source["file"])
+    try:
+        st = path.stat()
+    except OSError:
+        raise ModelLoadError(f"{str(model_dir)!r} reads its weights from {str(path)!r}, which is gone; "
+                             "pass the .gguf file itself") from None
+    if (st.st_size, st.st_mtime_ns) != (source["size"], source["mtime_ns"]):
+        raise ModelLoadError(f"{str(path)!r} changed since {str(model_dir)!r} was made from it; pass the .gguf file "
+                             "itself (it is read again)")
+    return path

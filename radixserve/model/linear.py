@@ -586,7 +586,7 @@ def prepack(model: nn.Module) -> int:
     probe_shapes(model)  # (before _packable: it asks for the backend, which may time them)
     pairs = [(m.weight, m.packed) for m in model.modules() if isinstance(m, Linear)]
     cache = getattr(model, "output_packed", None)
-    if isinstance(cache, PackedWeight):
+    if isinstance(cache, PackedWeight) and model.output_embedding is not None:
         pairs.append((model.output_embedding, cache))  # type: ignore[arg-type]
     packable = [(w, c) for w, c in pairs if _packable(w)]
     if not packable:
@@ -743,3 +743,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, packed=self.packed)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this ``[gate; up]`` projection (:func:`linear_silu_and_mul`)."""
+        return linear_silu_and_mul(x, self.weight, self.bias, packed=self.packed)

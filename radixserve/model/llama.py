@@ -19,7 +19,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from radixserve.attention.base import AttentionBackend
 from radixserve.model import fused
 from radixserve.model.fused_decode import FusedDecode
-from radixserve.model.linear import Linear, PackedWeight, linear_silu_and_mul, logits
+from radixserve.model.linear import Linear, PackedWeight, logits
+from radixserve.model.quant import QuantLinear
 
 
 @dataclass
@@ -164,8 +165,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj
-        return self.down_proj(linear_silu_and_mul(x, gu.weight, gu.bias, packed=gu.packed))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):
@@ -189,7 +189,7 @@ class Backbone(nn.Module):
         super().__init__()
         spec = arch_spec(config)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)  # or a QuantEmbedding
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, spec, self.rotary) for i in range(config.num_hidden_layers)
         )
@@ -206,11 +206,15 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # the packed fp32 copy of output_embedding (tied or not; radixserve.model.linear), not a parameter
         self.output_packed = PackedWeight()
+        # the output head over a quantized embedding table (tied weights of a GGUF; gguf_weights.py)
+        self.quant_head: QuantLinear | None = None
         self.fused_decode = FusedDecode()  # the decode batches' layers in one native call, where they qualify
 
     @property
-    def output_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+    def output_embedding(self) -> torch.Tensor | None:
+        """The output head's dense weight (tied or not); None where it is quantized."""
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return getattr(head, "weight", None)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -222,7 +226,10 @@ class CausalLM(nn.Module):
                 pending = layer(x, pending, batch)
         rows = batch.logits_rows
         x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
-        return logits(x, self.output_embedding, self.output_packed)
+        head = self.quant_head if self.tie_word_embeddings else self.lm_head
+        if isinstance(head, QuantLinear):
+            return head(x).float()
+        return logits(x, cast(torch.Tensor, self.output_embedding), self.output_packed)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a Hugging Face checkpoint stores, by its name, as a view of our parameters.

@@ -1,10 +1,13 @@
 """Load a local Hugging Face model directory: config, safetensors weights (sharded too), tokenizer.
 
-A ``.gguf`` file is converted once into such a directory first (:mod:`radixserve.model.gguf`)."""
+A ``.gguf`` file's config and tokenizer are converted once into such a directory
+(:mod:`radixserve.model.gguf`); its weights are read from the file itself at every load, kept
+quantized or dequantized (:mod:`radixserve.model.gguf_weights`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,14 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixserve.errors import ModelLoadError
+from radixserve.model import quant
 from radixserve.model.default import resolve_model
+from radixserve.model.gguf import gguf_source
+from radixserve.model.gguf_weights import GGUFWeights, load_gguf_weights
 from radixserve.model.llama import ARCHITECTURES, CausalLM
+
+log = logging.getLogger("radixserve")
+WEIGHTS = ("auto", "quantized", "dequantize")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,6 +38,12 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: frozenset[int]
+    gguf: GGUFWeights | None = None  # a GGUF's weights: what stayed quantized, what was dequantized
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some weights are held in quantized blocks."""
+        return self.gguf is not None and bool(self.gguf.quantized)
 
     @property
     def vocab_size(self) -> int:
@@ -69,7 +84,10 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | None = None,
     max_model_len: int | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
+    """Load a model (see the module docstring). ``weights`` (``auto``, ``quantized`` or
+    ``dequantize``; :class:`radixserve.config.EngineConfig`) says how a GGUF's weights are held."""
     path = resolve_model(path)  # a .gguf file -> its converted directory
     config = load_config(path)
     torch_dtype = _pick_dtype(config, dtype, torch.device(device))
@@ -78,13 +96,23 @@ def load_model(
         if max_model_len > limit:
             raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
         limit = max_model_len
+    source = gguf_source(path)
+    quantized = _quantize(weights, source, torch.device(device))
 
     with torch.device("meta"):  # no random init: every weight comes from the checkpoint
         model = CausalLM(config, max_positions=limit)
-    model = model.to_empty(device=device)
-    _load_weights(model, path)
+    summary = None
+    if source is not None:
+        summary = load_gguf_weights(model, source, config.to_dict(), quantized=quantized, device=device)
+    else:
+        model = model.to_empty(device=device)
+        _load_weights(model, path)
     model.to(dtype=torch_dtype).eval()
     model.model.rotary.build(device)  # fp32 cos/sin tables, cast per use like transformers
+    if summary is not None:
+        dense = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("weights of %s: %s; %.1f MiB of %s parameters", summary.path.name, summary.describe(), dense / 2**20,
+                 str(torch_dtype).removeprefix("torch."))
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(
@@ -95,7 +123,25 @@ def load_model(
         dtype=torch_dtype,
         max_model_len=limit,
         eos_token_ids=frozenset(_eos_ids(config, path)),
+        gguf=summary,
     )
+
+
+def _quantize(weights: str, source: Path | None, device: torch.device) -> bool:
+    """Whether a model's GGUF weights stay quantized (``weights``: see :func:`load_model`)."""
+    if weights not in WEIGHTS:
+        raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+    if weights == "dequantize" or (source is None and weights == "auto"):
+        return False
+    why = ("the model is not a .gguf file" if source is None else
+           f"quantized weights run on the CPU only, not {device}" if device.type != "cpu" else
+           "the CPU kernels are not built (see the warning above)" if quant.ops() is None else None)
+    if why is None:
+        return True
+    if weights == "quantized":
+        raise ModelLoadError(f"weights=quantized: {why}; use weights=dequantize")
+    log.info("GGUF weights dequantized at load: %s", why)
+    return False
 
 
 def _pick_dtype(config, requested: str | None, device: torch.device) -> torch.dtype:

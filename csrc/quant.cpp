@@ -1,0 +1,632 @@
+// GGUF's quantized weights on the CPU, multiplied where they lie: no float copy of the weights.
+//
+// A GGUF tensor W [N, K] of a quantized type is N rows of K / B blocks of B weights (B = 32, or
+// 256 for the K-quants), each block a few bytes of integer levels and fp16 scales (ggml's
+// layouts, decoded below type by type). Every supported type reads as groups of 32 consecutive
+// weights whose levels q map to weights by one scale s and one offset o per 16 weights:
+// w = q s + o. The types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (B = 32), Q4_K, Q5_K, Q6_K (B = 256).
+//
+// Ops (TORCH_LIBRARY radixserve_quant):
+// - dequantize(data, qtype, k, rows) -> fp32 [R, K]: the listed rows of W (all rows when `rows` is
+//   empty; an embedding lookup otherwise), equal bit for bit to gguf's numpy `dequantize` (q s,
+//   rounded, then + o: no fused multiply-add).
+// - qlinear(x, weights, qtypes, row_maps, bias, impl) -> fp32 [M, N]: y = x W^T (+ b), W the rows
+//   of the parts `weights` one after the other (a fused projection whose q, k and v, or gate and
+//   up, each keep the type the file gave them). row_maps[i], int32 [Ni] or empty, names the row of
+//   part i that each of its outputs reads: llama.cpp's q/k row permutation is undone so, with no
+//   copy of the weights. x is fp32 [M, K] (rows may be strided, the last dimension contiguous).
+//   fp32 arithmetic throughout (each weight rounded to fp32 once, as gguf's dequantize does, but
+//   with q s + o fused), so the results are those of dequantize-then-matmul up to summation order.
+//   Two AVX-512 paths:
+//   - up to kGemvMaxRows rows (decode steps): each thread walks its share of W's rows once, in
+//     order, decoding each group of 32 weights into two fp32 vectors in registers and multiplying
+//     them into every row of x. It reads W at its quantized size, once per call.
+//   - more rows (prefill chunks): W's rows in tiles of kTileCols, each tile decoded once per call
+//     into a [K][kTileCols] fp32 block (transposed through registers, kKc values of K at a time so
+//     the block stays in L2), then an 8-row x 32-column register-blocked FMA micro-kernel over all
+//     rows of x. Tiles are handed out one at a time (radixserve::parallel_tasks).
+//   impl 1, and builds without AVX-512: a portable path (each group decoded into 32 floats, then
+//   `omp simd` loops the compiler vectorises for the target, AVX2 included).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "aligned.h"
+#include "parallel.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
+#include <immintrin.h>
+#define RADIXSERVE_QUANT_AVX512 1
+#endif
+
+namespace {
+
+// ggml's type ids (GGMLQuantizationType).
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+struct Format {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+constexpr Format format_of(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ---- the scalar decoders: group j (32 weights) of a block as levels q and (s, o) per 16 ----------
+// gguf's numpy dequantize computes q * s, then + o (where o is not 0), in fp32; so does Group::value.
+struct Group {
+  int32_t q[32];
+  float s[2], o[2];
+};
+
+template <int64_t QT>
+inline void decode_group(const uint8_t* b, int j, Group& g) {
+  if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
+    constexpr bool has_min = QT == kQ4_1 || QT == kQ5_1, five = QT == kQ5_0 || QT == kQ5_1;
+    const float d = fp16_at(b);
+    const float m = has_min ? fp16_at(b + 2) : 0.0f;
+    const uint8_t* p = b + (has_min ? 4 : 2);
+    const uint32_t qh = five ? u32_at(p) : 0;
+    const uint8_t* qs = p + (five ? 4 : 0);
+    const int bias = has_min ? 0 : five ? 16 : 8;
+    for (int i = 0; i < 16; ++i) {
+      g.q[i] = ((qs[i] & 0xF) | (five ? ((qh >> i) & 1) << 4 : 0)) - bias;
+      g.q[i + 16] = ((qs[i] >> 4) | (five ? ((qh >> (i + 16)) & 1) << 4 : 0)) - bias;
+    }
+    g.s[0] = g.s[1] = d;
+    g.o[0] = g.o[1] = m;
+  } else if constexpr (QT == kQ8_0) {
+    const float d = fp16_at(b);
+    for (int i = 0; i < 32; ++i) g.q[i] = static_cast<int8_t>(b[2 + i]);
+    g.s[0] = g.s[1] = d;
+    g.o[0] = g.o[1] = 0.0f;
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const float d = fp16_at(b), dmin = fp16_at(b + 2);
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    const uint8_t* qh = b + 16;  // Q5_K only
+    const uint8_t* qs = b + (QT == kQ5_K ? 48 : 16) + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < 32; ++i)
+      g.q[i] = ((qs[i] >> shift) & 0xF) | (QT == kQ5_K ? ((qh[i] >> j) & 1) << 4 : 0);
+    g.s[0] = g.s[1] = d * static_cast<float>(sc);
+    g.o[0] = g.o[1] = -(dmin * static_cast<float>(mn));
+  } else {
+    static_assert(QT == kQ6_K, "a type without a decoder");
+    const float d = fp16_at(b + 208);
+    const int r = j % 4;
+    const uint8_t* ql = b + (j / 4) * 64 + (r % 2) * 32;
+    const uint8_t* qh = b + 128 + (j / 4) * 32;
+    const int shift = 4 * (r / 2), hshift = 2 * r;
+    for (int i = 0; i < 32; ++i) g.q[i] = (((ql[i] >> shift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    g.s[0] = d * static_cast<float>(sc[2 * j]);
+    g.s[1] = d * static_cast<float>(sc[2 * j + 1]);
+    g.o[0] = g.o[1] = 0.0f;
+  }
+}
+
+// Weights of a decoded group into out[32]: q * s (rounded) + o, as gguf computes them. (This file
+// builds with GCC's default -ffp-contract=fast, which may fuse a product and a sum into one FMA:
+// the volatile keeps the product's rounding.)
+inline void group_values(const Group& g, float* out) {
+  for (int i = 0; i < 32; ++i) {
+    volatile float prod = static_cast<float>(g.q[i]) * g.s[i / 16];
+    out[i] = prod + g.o[i / 16];
+  }
+}
+
+// Rows [r0, r1) of `rows` (or of W) dequantized into out[r - r0][K].
+template <int64_t QT>
+void dequantize_rows(const uint8_t* data, int64_t row_bytes, int64_t K, const int64_t* rows, int64_t r0, int64_t r1,
+                     float* out) {
+  constexpr Format f = format_of(QT);
+  Group g;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = data + (rows ? rows[r] : r) * row_bytes;
+    float* o = out + r * K;
+    for (int64_t b = 0; b < K / f.block; ++b)
+      for (int j = 0; j < f.block / 32; ++j) {
+        decode_group<QT>(row + b * f.bytes, j, g);
+        group_values(g, o + b * f.block + 32 * j);
+      }
+  }
+}
+
+template <int64_t QT>
+using Type = std::integral_constant<int64_t, QT>;
+
+// Calls fn(Type<QT>{}) for the runtime type `qtype` (fn reads QT as decltype(arg)::value).
+template <typename Fn>
+void dispatch(int64_t qtype, Fn&& fn) {
+  switch (qtype) {
+    case kQ4_0: return fn(Type<kQ4_0>{});
+    case kQ4_1: return fn(Type<kQ4_1>{});
+    case kQ5_0: return fn(Type<kQ5_0>{});
+    case kQ5_1: return fn(Type<kQ5_1>{});
+    case kQ8_0: return fn(Type<kQ8_0>{});
+    case kQ4_K: return fn(Type<kQ4_K>{});
+    case kQ5_K: return fn(Type<kQ5_K>{});
+    case kQ6_K: return fn(Type<kQ6_K>{});
+    default: TORCH_CHECK(false, "quant: unsupported GGUF type id ", qtype);
+  }
+}
+
+// ---- the parts of a product: W as rows of several tensors ---------------------------------------
+struct Part {
+  const uint8_t* data;
+  const int32_t* row_map;  // nullptr: in order
+  int64_t qtype, rows, row_bytes, first;  // first: this part's first output column
+};
+
+// The part holding output column n (parts are few: a linear scan).
+inline const Part& part_of(const std::vector<Part>& parts, int64_t n) {
+  size_t i = 0;
+  while (i + 1 < parts.size() && parts[i + 1].first <= n) ++i;
+  return parts[i];
+}
+
+inline const uint8_t* row_of(const Part& p, int64_t n) {
+  const int64_t r = n - p.first;
+  return p.data + (p.row_map ? p.row_map[r] : r) * p.row_bytes;
+}
+
+// ---- portable path -----------------------------------------------------------------------------
+// Columns [n0, n1) of y for all M rows: each group decoded into 32 floats, then multiplied into
+// every row of x by loops the compiler vectorises.
+template <int64_t QT>
+void columns_portable(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t M, int64_t K,
+                      float* y, int64_t ldy) {
+  constexpr Format f = format_of(QT);
+  Group g;
+  alignas(64) float w[32];
+  std::vector<float> acc(static_cast<size_t>(M));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = row_of(p, n);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < K / f.block; ++b)
+      for (int j = 0; j < f.block / 32; ++j) {
+        decode_group<QT>(row + b * f.bytes, j, g);
+        for (int i = 0; i < 32; ++i) w[i] = static_cast<float>(g.q[i]) * g.s[i / 16] + g.o[i / 16];
+        const int64_t k0 = b * f.block + 32 * j;
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xr = x + m * ldx + k0;
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int i = 0; i < 32; ++i) s += xr[i] * w[i];
+          acc[m] += s;
+        }
+      }
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = acc[m];
+  }
+}
+
+#if defined(RADIXSERVE_QUANT_AVX512)
+// ---- AVX-512 decoders: group j of a block as two vectors of 16 weights -------------------------
+struct W32 {
+  __m512 lo, hi;  // weights 0-15 and 16-31 of the group
+};
+
+inline __m512 u8_levels(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+
+// 16 levels of 4 bits (low or high nibbles of 16 bytes), plus 16 where the mask's bit is set.
+inline __m512 nibble_levels(__m128i bytes, int shift, __mmask16 fifth) {
+  const __m128i nib = _mm_and_si128(_mm_srli_epi16(bytes, shift), _mm_set1_epi8(0x0F));
+  __m512i q = _mm512_cvtepu8_epi32(nib);
+  q = _mm512_mask_add_epi32(q, fifth, q, _mm512_set1_epi32(16));
+  return _mm512_cvtepi32_ps(q);
+}
+
+inline W32 scaled(__m512 lo, __m512 hi, float s0, float o0, float s1, float o1) {
+  return {_mm512_fmadd_ps(lo, _mm512_set1_ps(s0), _mm512_set1_ps(o0)),
+          _mm512_fmadd_ps(hi, _mm512_set1_ps(s1), _mm512_set1_ps(o1))};
+}
+
+template <int64_t QT>
+inline W32 decode_w32(const uint8_t* b, int j) {
+  if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
+    constexpr bool has_min = QT == kQ4_1 || QT == kQ5_1, five = QT == kQ5_0 || QT == kQ5_1;
+    const float d = fp16_at(b);
+    const float m = has_min ? fp16_at(b + 2) : -(five ? 16.0f : 8.0f) * d;
+    const uint8_t* p = b + (has_min ? 4 : 2);
+    const uint32_t qh = five ? u32_at(p) : 0;
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (five ? 4 : 0)));
+    return scaled(nibble_levels(v, 0, static_cast<__mmask16>(qh)), nibble_levels(v, 4, static_cast<__mmask16>(qh >> 16)),
+                  d, m, d, m);
+  } else if constexpr (QT == kQ8_0) {
+    const __m512 d = _mm512_set1_ps(fp16_at(b));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
+    return {_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d)};
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    const float s = fp16_at(b) * static_cast<float>(sc), o = -(fp16_at(b + 2) * static_cast<float>(mn));
+    const uint8_t* qs = b + (QT == kQ5_K ? 48 : 16) + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    __mmask32 fifth = 0;
+    if constexpr (QT == kQ5_K)
+      fifth = _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)),
+                                    _mm256_set1_epi8(static_cast<char>(1 << j)));
+    const __m512 lo = nibble_levels(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), shift,
+                                    static_cast<__mmask16>(fifth));
+    const __m512 hi = nibble_levels(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)), shift,
+                                    static_cast<__mmask16>(fifth >> 16));
+    return scaled(lo, hi, s, o, s, o);
+  } else {
+    static_assert(QT == kQ6_K, "a type without a decoder");
+    const float d = fp16_at(b + 208);
+    const int r = j % 4;
+    const uint8_t* ql = b + (j / 4) * 64 + (r % 2) * 32;
+    const uint8_t* qh = b + 128 + (j / 4) * 32;
+    const int shift = 4 * (r / 2), hshift = 2 * r;
+    auto levels = [&](int half) {
+      const __m128i l = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16 * half)), shift),
+                                      _mm_set1_epi8(0x0F));
+      const __m128i h = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half)), hshift),
+                                      _mm_set1_epi8(0x03));
+      return u8_levels(_mm_or_si128(l, _mm_slli_epi16(h, 4)));  // (h <= 3: the shift stays in its byte)
+    };
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float s0 = d * static_cast<float>(sc[2 * j]), s1 = d * static_cast<float>(sc[2 * j + 1]);
+    return scaled(levels(0), levels(1), s0, -32.0f * s0, s1, -32.0f * s1);
+  }
+}
+
+// ---- small batches: each W row once, decoded in registers, into every row of x ------------------
+// y[m][n] for MB rows of x (at most 8) and the output columns [n0, n1) of part p.
+template <int64_t QT, int MB>
+void columns_gemv(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
+  constexpr Format f = format_of(QT);
+  constexpr int G = static_cast<int>(f.block / 32);
+  const int64_t nblocks = K / f.block;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = row_of(p, n);
+    __m512 a0[MB], a1[MB];  // two accumulators per row: the FMA latency does not pace the loop
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* blk = row + b * f.bytes;
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const W32 w = decode_w32<QT>(blk, j);
+        const float* xk = x + b * f.block + 32 * j;
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + m * ldx), w.lo, a0[m]);
+          a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + m * ldx + 16), w.hi, a1[m]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  }
+}
+
+template <int64_t QT>
+void columns_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t M, int64_t K,
+                       float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const float* xm = x + m0 * ldx;
+    float* ym = y + m0 * ldy;
+    switch (std::min<int64_t>(M - m0, 8)) {
+      case 1: columns_gemv<QT, 1>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      case 2: columns_gemv<QT, 2>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      case 3: columns_gemv<QT, 3>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      case 4: columns_gemv<QT, 4>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      case 5: columns_gemv<QT, 5>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      case 6: columns_gemv<QT, 6>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      case 7: columns_gemv<QT, 7>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+      default: columns_gemv<QT, 8>(p, n0, n1, xm, ldx, K, ym, ldy); break;
+    }
+  }
+}
+
+// ---- larger batches: tiles of W decoded once into [k][kTileCols] fp32 blocks ---------------------
+constexpr int kTileCols = 32;   // W rows (output columns) per tile: two vectors of 16
+constexpr int64_t kKc = 2048;   // values of K per decoded block (K x 32 fp32: 256 KiB at most, in L2)
+constexpr int kMicroRows = 8;   // rows of x per micro-kernel call: 16 accumulators
+
+// In-register transpose of 16 vectors of 16 floats: r[i][j] -> r[j][i].
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // 128-bit lanes: rows i and i+4 exchange lanes, then i and i+8
+  const __m512i lo4 = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi4 = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int i = 0; i < 16; ++i) t[i] = r[i];
+  for (int g = 0; g < 16; g += 8)
+    for (int i = 0; i < 4; ++i) {
+      const __m512d a = _mm512_castps_pd(t[g + i]), b = _mm512_castps_pd(t[g + i + 4]);
+      r[g + i] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, lo4, b));
+      r[g + i + 4] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, hi4, b));
+    }
+  const __m512i lo8 = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), hi8 = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 16; ++i) t[i] = r[i];
+  for (int i = 0; i < 8; ++i) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 8]);
+    r[i] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, lo8, b));
+    r[i + 8] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, hi8, b));
+  }
+}
+
+// Decodes values [k0, k0 + kc) of `cols` (<= 32) output columns starting at n0 into
+// wt[(k - k0) * 32 + c]; columns past `cols` are zero.
+template <int64_t QT>
+void decode_tile(const Part& p, int64_t n0, int cols, int64_t k0, int64_t kc, float* wt) {
+  constexpr Format f = format_of(QT);
+  for (int c0 = 0; c0 < kTileCols; c0 += 16) {
+    const uint8_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = c0 + i < cols ? row_of(p, n0 + c0 + i) : nullptr;
+    for (int64_t k = k0; k < k0 + kc; k += 32) {
+      const int64_t b = k / f.block;
+      const int j = static_cast<int>((k % f.block) / 32);
+      __m512 lo[16], hi[16];
+      for (int i = 0; i < 16; ++i) {
+        if (rows[i]) {
+          const W32 w = decode_w32<QT>(rows[i] + b * f.bytes, j);
+          lo[i] = w.lo;
+          hi[i] = w.hi;
+        } else {
+          lo[i] = hi[i] = _mm512_setzero_ps();
+        }
+      }
+      transpose16(lo);
+      transpose16(hi);
+      float* out = wt + (k - k0) * kTileCols + c0;
+      for (int i = 0; i < 16; ++i) {
+        _mm512_store_ps(out + i * kTileCols, lo[i]);
+        _mm512_store_ps(out + (16 + i) * kTileCols, hi[i]);
+      }
+    }
+  }
+}
+
+// C[MB][32] (+)= x[MB][kc] . wt[kc][32]; cols: the columns of C stored (<= 32).
+template <int MB>
+void micro_kernel(const float* x, int64_t ldx, const float* wt, int64_t kc, float* y, int64_t ldy, int cols, bool add) {
+  __m512 c0[MB], c1[MB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) c0[m] = c1[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_load_ps(wt + k * kTileCols), b1 = _mm512_load_ps(wt + k * kTileCols + 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
+      c0[m] = _mm512_fmadd_ps(a, b0, c0[m]);
+      c1[m] = _mm512_fmadd_ps(a, b1, c1[m]);
+    }
+  }
+  const __mmask16 k0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    float* row = y + m * ldy;
+    if (add) {
+      c0[m] = _mm512_add_ps(c0[m], _mm512_maskz_loadu_ps(k0, row));
+      c1[m] = _mm512_add_ps(c1[m], _mm512_maskz_loadu_ps(k1, row + 16));
+    }
+    _mm512_mask_storeu_ps(row, k0, c0[m]);
+    _mm512_mask_storeu_ps(row + 16, k1, c1[m]);
+  }
+}
+
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* wt, int64_t kc, float* y, int64_t ldy, int cols,
+                bool add) {
+  switch (rows) {
+    case 1: return micro_kernel<1>(x, ldx, wt, kc, y, ldy, cols, add);
+    case 2: return micro_kernel<2>(x, ldx, wt, kc, y, ldy, cols, add);
+    case 3: return micro_kernel<3>(x, ldx, wt, kc, y, ldy, cols, add);
+    case 4: return micro_kernel<4>(x, ldx, wt, kc, y, ldy, cols, add);
+    case 5: return micro_kernel<5>(x, ldx, wt, kc, y, ldy, cols, add);
+    case 6: return micro_kernel<6>(x, ldx, wt, kc, y, ldy, cols, add);
+    case 7: return micro_kernel<7>(x, ldx, wt, kc, y, ldy, cols, add);
+    default: return micro_kernel<8>(x, ldx, wt, kc, y, ldy, cols, add);
+  }
+}
+
+// Output columns [n0, n0 + cols) of part p (cols <= 32) for all M rows.
+template <int64_t QT>
+void tile_gemm(const Part& p, int64_t n0, int cols, const float* x, int64_t ldx, int64_t M, int64_t K, float* y,
+               int64_t ldy, float* wt) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t kc = std::min(kKc, K - k0);
+    decode_tile<QT>(p, n0, cols, k0, kc, wt);
+    for (int64_t m0 = 0; m0 < M; m0 += kMicroRows)
+      micro_rows(std::min<int64_t>(kMicroRows, M - m0), x + m0 * ldx + k0, ldx, wt, kc, y + m0 * ldy + n0, ldy, cols,
+                 k0 > 0);
+  }
+}
+#endif  // RADIXSERVE_QUANT_AVX512
+
+// Most rows of x the register path takes; larger batches go to the tiles.
+constexpr int64_t kGemvMaxRows = 4;
+
+bool has_avx512() {
+#if defined(RADIXSERVE_QUANT_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<Part> check_parts(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
+                              const std::vector<torch::Tensor>& row_maps, int64_t K) {
+  TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size() && weights.size() == row_maps.size(),
+              "qlinear: weights, qtypes and row_maps must be non-empty lists of one length");
+  std::vector<Part> parts;
+  int64_t first = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    const Format f = format_of(qtypes[i]);
+    TORCH_CHECK(f.block > 0, "qlinear: unsupported GGUF type id ", qtypes[i]);
+    TORCH_CHECK(K % f.block == 0, "qlinear: K=", K, " is not a multiple of the type's block of ", f.block);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1 &&
+                    w.size(1) == K / f.block * f.bytes,
+                "qlinear: weight ", i, " must be a uint8 CPU tensor [N, ", K / f.block * f.bytes,
+                "] (rows of blocks, last dimension contiguous), got ", w.sizes());
+    const auto& map = row_maps[i];
+    const int64_t rows = map.numel() ? map.numel() : w.size(0);
+    if (map.numel()) {
+      TORCH_CHECK(map.scalar_type() == at::kInt && map.dim() == 1 && map.is_contiguous(),
+                  "qlinear: row_maps must be contiguous int32 vectors (or empty)");
+      const auto mm = map.aminmax();
+      TORCH_CHECK(std::get<0>(mm).item<int32_t>() >= 0 && std::get<1>(mm).item<int32_t>() < w.size(0),
+                  "qlinear: a row map names a row outside its weight");
+    }
+    parts.push_back({w.data_ptr<uint8_t>(), map.numel() ? map.data_ptr<int32_t>() : nullptr, qtypes[i], rows,
+                     w.stride(0), first});
+    first += rows;
+  }
+  return parts;
+}
+
+torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, const torch::Tensor& rows) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(f.block > 0, "dequantize: unsupported GGUF type id ", qtype);
+  TORCH_CHECK(k > 0 && k % f.block == 0, "dequantize: K=", k, " is not a positive multiple of ", f.block);
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.stride(1) == 1 &&
+                  data.size(1) == k / f.block * f.bytes,
+              "dequantize: data must be a uint8 CPU tensor [N, ", k / f.block * f.bytes, "], got ", data.sizes());
+  torch::Tensor ids;
+  if (rows.numel()) {
+    ids = rows.to(at::kLong).contiguous();
+    TORCH_CHECK(ids.dim() == 1, "dequantize: rows must be 1-D");
+    const auto mm = ids.aminmax();
+    TORCH_CHECK(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < data.size(0),
+                "dequantize: a row index is out of range [0, ", data.size(0), ")");
+  }
+  const int64_t R = rows.numel() ? ids.numel() : data.size(0);
+  auto out = torch::empty({R, k}, data.options().dtype(at::kFloat));
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  const int64_t* idx = rows.numel() ? ids.data_ptr<int64_t>() : nullptr;
+  float* dst = out.data_ptr<float>();
+  const int64_t row_bytes = data.stride(0);
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+    dispatch(qtype, [&](auto t) { dequantize_rows<decltype(t)::value>(src, row_bytes, k, idx, r0, r1, dst); });
+  });
+  return out;
+}
+
+torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
+                      const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "qlinear: x must be a float32 CPU tensor [M, K], last dimension contiguous");
+  TORCH_CHECK(impl >= 0 && impl <= 3, "qlinear: impl must be 0 (auto), 1 (portable), 2 (AVX-512 rows) or 3 (AVX-512 tiles)");
+  TORCH_CHECK(impl < 2 || has_avx512(), "qlinear: this build has no AVX-512 path");
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<Part> parts = check_parts(weights, qtypes, row_maps, K);
+  const int64_t N = parts.back().first + parts.back().rows;
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.device().is_cpu() && b.dim() == 1 && b.numel() == N, "qlinear: bias must be [", N, "]");
+    bp = b.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // Calls fn(part, lo, hi) for the output columns [n0, n1), part by part.
+  auto for_parts = [&](int64_t n0, int64_t n1, auto&& fn) {
+    for (const Part& p : parts) {
+      const int64_t lo = std::max(n0, p.first), hi = std::min(n1, p.first + p.rows);
+      if (lo < hi) fn(p, lo, hi);
+    }
+  };
+  const bool avx512 = has_avx512() && impl != 1;
+  const bool tiles = avx512 && (impl == 3 || (impl == 0 && M > kGemvMaxRows));
+  if (!avx512) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
+        dispatch(p.qtype, [&](auto t) { columns_portable<decltype(t)::value>(p, lo, hi, xp, ldx, M, K, yp, N); });
+      });
+    });
+  }
+#if defined(RADIXSERVE_QUANT_AVX512)
+  else if (!tiles) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
+        dispatch(p.qtype, [&](auto t) { columns_gemv_rows<decltype(t)::value>(p, lo, hi, xp, ldx, M, K, yp, N); });
+      });
+    });
+  } else {
+    // tiles of 32 columns that never straddle two parts
+    std::vector<std::pair<const Part*, int64_t>> tasks;
+    for (const Part& p : parts)
+      for (int64_t n = p.first; n < p.first + p.rows; n += kTileCols) tasks.emplace_back(&p, n);
+    radixserve::parallel_tasks(static_cast<int64_t>(tasks.size()), [&](auto next) {
+      radixserve::AlignedVector<float> wt(static_cast<size_t>(std::min(kKc, K) * kTileCols));
+      for (int64_t t = next(); t < static_cast<int64_t>(tasks.size()); t = next()) {
+        const Part& p = *tasks[t].first;
+        const int64_t n0 = tasks[t].second;
+        const int cols = static_cast<int>(std::min<int64_t>(kTileCols, p.first + p.rows - n0));
+        dispatch(p.qtype, [&](auto t) { tile_gemm<decltype(t)::value>(p, n0, cols, xp, ldx, M, K, yp, N, wt.data()); });
+      }
+    });
+  }
+#endif
+  if (bp) y.add_(b);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve_quant, m) {
+  m.def("dequantize(Tensor data, int qtype, int k, Tensor rows) -> Tensor", &dequantize);
+  m.def("qlinear(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] row_maps, Tensor? bias, int impl=0) -> Tensor",
+        &qlinear);
+  m.def("has_avx512() -> bool", &has_avx512);
+}

@@ -1,0 +1,167 @@
+"""A GGUF file's tensors as a model's weights, read from the memory-mapped file at every load.
+
+With ``quantized``, every linear projection (q/k/v, o, gate/up, down, the output head) and the
+token embedding whose tensors are all of a type csrc/quant.cpp multiplies
+(:data:`radixserve.model.quant.QTYPES`) becomes a :class:`~radixserve.model.quant.QuantLinear` /
+:class:`~radixserve.model.quant.QuantEmbedding` over views of the mapped file: the weights cost
+what the file costs, and pages are read in as the first steps touch them. Everything else (norms,
+biases, and weights of other types, logged once by type) is dequantized into the model's ordinary
+parameters. Without ``quantized`` every tensor is dequantized: the reference the quantized path
+is tested against, equal to gguf's numpy ``dequantize``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from radixserve.errors import ModelLoadError
+from radixserve.model import quant
+from radixserve.model.gguf import decoder_tensors, field_value, permuted_qk, unpermute_qk
+from radixserve.model.llama import CausalLM
+from radixserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, QuantTensor
+
+log = logging.getLogger("radixserve")
+
+#: The fused projections and the checkpoint weights whose rows they stack, per decoder layer.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+@dataclass
+class GGUFWeights:
+    """What a load kept quantized and what it dequantized (for the log and ``radixserve plan``)."""
+
+    path: Path
+    quantized: Counter = field(default_factory=Counter)  # type name -> tensors kept quantized
+    quantized_bytes: int = 0
+    dequantized: Counter = field(default_factory=Counter)  # type name -> 2-D tensors dequantized
+
+    def describe(self) -> str:
+        kept = ", ".join(f"{name} x {n}" for name, n in sorted(self.quantized.items()))
+        deq = ", ".join(f"{name} x {n}" for name, n in sorted(self.dequantized.items()))
+        parts = [f"quantized {kept} ({self.quantized_bytes / 2**20:,.1f} MiB, mapped from {self.path.name})" if kept
+                 else "none kept quantized"]
+        if deq:
+            parts.append(f"dequantized {deq}")
+        return "; ".join(parts)
+
+
+def _weight(t) -> tuple[int, int]:
+    """(rows N, columns K) of a 2-D GGUF tensor (ggml lists its dimensions innermost first)."""
+    return int(t.shape[1]), int(t.shape[0])
+
+
+def _quant_tensor(t, arch: str, config: dict) -> QuantTensor:
+    n, k = _weight(t)
+    data = torch.from_numpy(t.data.reshape(n, -1))
+    heads = permuted_qk(arch, t.name, config)
+    row_map = None if heads is None else torch.from_numpy(unpermute_qk(np.arange(n, dtype=np.int32), heads).copy())
+    return QuantTensor(data, int(t.tensor_type), (n, k), row_map)
+
+
+def _dense(t, arch: str, config: dict) -> torch.Tensor:
+    """Tensor ``t`` as fp32, in Hugging Face's q/k row order: csrc/quant.cpp's dequantize where it
+    takes the type (equal to gguf's bit for bit), else gguf's numpy ``dequantize``."""
+    from gguf import dequantize
+
+    ops = quant.ops() if int(t.tensor_type) in QTYPES and len(t.shape) == 2 else None
+    if ops is not None:
+        n, k = _weight(t)
+        w = ops.dequantize(torch.from_numpy(t.data.reshape(n, -1)), int(t.tensor_type), k, torch.empty(0, dtype=torch.long))
+    else:
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+    heads = permuted_qk(arch, t.name, config)
+    return w if heads is None else torch.from_numpy(unpermute_qk(w.numpy(), heads))
+
+
+def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: bool,
+                      device: str | torch.device = "cpu") -> GGUFWeights:
+    """Fill ``model`` (a :class:`~radixserve.model.llama.CausalLM` on the meta device) from GGUF
+    file ``path``; ``config``: the Hugging Face config as a dict. Allocates its parameters on
+    ``device``. Modules whose weights stay quantized are replaced first, so no memory is ever
+    allocated for their dense form."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path), "c")  # copy-on-write: writable arrays, nothing written
+    except Exception as exc:
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {exc}") from None
+    arch = str(field_value(reader, "general.architecture"))
+    tensors = dict(decoder_tensors(reader))
+    summary = GGUFWeights(path)
+    consumed: set[str] = set()
+    biases: dict[QuantLinear, list[str]] = {}
+    if quantized:
+        for target, names in _projections(model):
+            ts = [tensors.get(f"{n}.weight") for n in names]
+            if not all(t is not None and int(t.tensor_type) in QTYPES for t in ts):
+                continue
+            layer = QuantLinear([_quant_tensor(t, arch, config) for t in ts])
+            _replace(model, target, layer)
+            consumed.update(f"{n}.weight" for n in names)
+            biases[layer] = [f"{n}.bias" for n in names if f"{n}.bias" in tensors]
+            summary.quantized.update(p.type_name for p in layer.parts)
+            summary.quantized_bytes += layer.nbytes
+        embed = tensors.get("model.embed_tokens.weight")
+        if embed is not None and int(embed.tensor_type) in QTYPES:
+            table = _quant_tensor(embed, arch, config)
+            model.model.embed_tokens = QuantEmbedding(table)
+            consumed.add("model.embed_tokens.weight")
+            summary.quantized[table.type_name] += 1
+            summary.quantized_bytes += table.nbytes
+            if model.tie_word_embeddings:
+                model.quant_head = QuantLinear([table])  # the same mapped blocks
+    model.to_empty(device=device)
+    params = model.checkpoint_tensors()
+    loaded: set[str] = set()
+    for name, t in tensors.items():
+        if name in consumed or any(name in names for names in biases.values()):
+            continue
+        if name not in params:
+            if name == "lm_head.weight" and model.tie_word_embeddings:
+                continue
+            raise ModelLoadError(f"unexpected weight {name!r} in {path.name}")
+        w = _dense(t, arch, config)
+        if tuple(w.shape) != tuple(params[name].shape):
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(w)
+        loaded.add(name)
+        if len(t.shape) == 2:
+            summary.dequantized[gguf.GGMLQuantizationType(int(t.tensor_type)).name] += 1
+    for layer, names in biases.items():
+        if names:
+            layer.bias = nn.Parameter(torch.cat([_dense(tensors[n], arch, config) for n in names]).to(device),
+                                      requires_grad=False)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"{path.name} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    if quantized and summary.dequantized:
+        log.info("GGUF: no native kernel for %s: dequantized (%s)",
+                 ", ".join(sorted(summary.dequantized)), summary.describe())
+    return summary
+
+
+def _projections(model: CausalLM):
+    """(module path, checkpoint names of its row blocks) of every linear projection of ``model``."""
+    for i, _ in enumerate(model.model.layers):
+        for target, names in _FUSED.items():
+            yield f"model.layers.{i}.{target}", [f"model.layers.{i}.{n}" for n in names]
+    if not model.tie_word_embeddings:
+        yield "lm_head", ["lm_head"]
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
