@@ -1165,7 +1165,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
                             torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                            const std::vector<torch::Tensor>& prefix);
+                            const std::vector<torch::Tensor>& prefix, const std::vector<torch::Tensor>& quant);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "radixserve CPU paged attention kernels";
@@ -1189,5 +1189,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("params"), py::arg("packed"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
         py::arg("slots"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
         py::arg("kv_last_page_len"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-        py::arg("eps"), py::arg("scale"), py::arg("prefix") = std::vector<torch::Tensor>());
+        py::arg("eps"), py::arg("scale"), py::arg("prefix") = std::vector<torch::Tensor>(),
+        py::arg("quant") = std::vector<torch::Tensor>());
 }

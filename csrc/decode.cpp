@@ -36,6 +36,9 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            double scale, bool causal);
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b);
+// quant.cpp
+torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
+                      const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl);
 // prefill.cpp
 std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                              torch::Tensor qo_indptr, torch::Tensor kv_indptr,
@@ -102,8 +105,41 @@ bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.nu
 // x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
 // the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
 // oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
+// A linear layer's weight kept in GGUF blocks (quant.cpp's qlinear): its parts, their types and
+// row maps; no parts: a dense weight.
+struct QuantWeight {
+  std::vector<at::Tensor> parts, maps;
+  std::vector<int64_t> qtypes;
+};
+
+// `quant` (decode_layers' argument) as one QuantWeight per linear layer: for each, an int64 tensor
+// [parts, qtype...] and then each part's data and row map; an empty list: every weight dense.
+std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, int64_t linears) {
+  std::vector<QuantWeight> out(static_cast<size_t>(linears));
+  if (quant.empty()) return out;
+  size_t i = 0;
+  for (auto& q : out) {
+    TORCH_CHECK(i < quant.size() && quant[i].scalar_type() == at::kLong && quant[i].is_contiguous(),
+                "decode_layers: quant must hold an int64 [parts, qtypes...] tensor per linear layer");
+    const int64_t* meta = quant[i++].data_ptr<int64_t>();
+    for (int64_t p = 0; p < meta[0]; ++p) {
+      TORCH_CHECK(i + 1 < quant.size(), "decode_layers: quant ends inside a linear layer's parts");
+      q.qtypes.push_back(meta[1 + p]);
+      q.parts.push_back(quant[i++]);
+      q.maps.push_back(quant[i++]);
+    }
+  }
+  TORCH_CHECK(i == quant.size(), "decode_layers: quant has more tensors than its linear layers take");
+  return out;
+}
+
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                   const at::Tensor& packed) {
+                   const at::Tensor& packed, const QuantWeight& qw) {
+  if (!qw.parts.empty()) {  // fp32 arithmetic, as radixserve.model.quant.QuantLinear
+    const at::Tensor y = qlinear(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), qw.parts, qw.qtypes, qw.maps,
+                                 bias_of(b), 0);
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);
   if (amx_packed(packed)) return amx_op().call(x, packed, bias_of(b), false);
   return onednn_op().call(x, packed, bias_of(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
@@ -124,14 +160,17 @@ constexpr int64_t kPerLayer = 10;
 // metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), the other four then being the
 // members' own suffixes followed by the whole contexts of the decodes in no group: each layer
 // attends to both and merges the grouped rows by LSE, as radixserve/attention/cpu_backend.py
-// does. Returns the last layer's MLP output (the pending residual).
+// does. quant: empty, or for each layer's qkv, o, gate_up and down weights in turn an int64 tensor
+// [parts, qtype...] then each part's GGUF blocks and row map (no parts: that weight is dense),
+// for weights held in their quantized blocks (radixserve.model.quant.QuantLinear: quant.cpp's
+// qlinear, in fp32). Returns the last layer's MLP output (the pending residual).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                             const std::vector<torch::Tensor>& packed,
                             const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
                             torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                            const std::vector<torch::Tensor>& prefix) {
+                            const std::vector<torch::Tensor>& prefix, const std::vector<torch::Tensor>& quant) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(params.size()) == kPerLayer * layers &&
                   static_cast<int64_t>(v_caches.size()) == layers,
@@ -147,15 +186,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
   // the rows in cascade groups (the first ones); 0 without a prefix level
   const int64_t grouped = prefix.empty() ? 0 : prefix[0][prefix[0].size(0) - 1].item<int64_t>();
   TORCH_CHECK(grouped >= 0 && grouped <= T, "decode_layers: the prefix level covers ", grouped, " of ", T, " rows");
+  const std::vector<QuantWeight> qws = quant_weights(quant, 4 * layers);
   std::optional<at::Tensor> pending;
   const at::Tensor none;  // (undefined: the small-M kernel)
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = params.data() + layer * kPerLayer;
     const at::Tensor* pk = packed.empty() ? nullptr : packed.data() + layer * 4;
     const auto pw = [&](int i) -> const at::Tensor& { return pk == nullptr ? none : pk[i]; };
+    const QuantWeight* qw = qws.data() + layer * 4;
     at::Tensor h = at::empty_like(x);
     op.norm.call(x, pending, w[0], eps, h);
-    const at::Tensor qkv = product(op, h, w[1], w[2], pw(0));
+    const at::Tensor qkv = product(op, h, w[1], w[2], pw(0), qw[0]);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv_proj has ", qkv.size(1),
                 " outputs, not (num_heads + 2 * num_kv_heads) * head_dim");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
@@ -177,21 +218,21 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
       else
         attn.narrow(0, 0, grouped).copy_(merged);  // the rows after them are in no group
     }
-    const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1));
+    const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1), qw[1]);
     h = at::empty_like(x);
     op.norm.call(x, o, w[5], eps, h);
     // silu(gate) * up: on the AMX GEMM's packed copy in its epilogue, as
     // radixserve.model.linear.linear_silu_and_mul takes it; else the product, then the activation
     const at::Tensor& pgu = pw(2);
     at::Tensor act;
-    if (amx_packed(pgu)) {
+    if (amx_packed(pgu) && qw[2].parts.empty()) {
       act = amx_glu_op().call(h, pgu, bias_of(w[7]));
     } else {
-      const at::Tensor gate_up = product(op, h, w[6], w[7], pgu);
+      const at::Tensor gate_up = product(op, h, w[6], w[7], pgu, qw[2]);
       act = at::empty({T, gate_up.size(1) / 2}, x.options());
       op.silu.call(gate_up, act);
     }
-    pending = product(op, act, w[8], w[9], pw(3));
+    pending = product(op, act, w[8], w[9], pw(3), qw[3]);
   }
   return *pending;
 }

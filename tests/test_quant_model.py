@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType as T
 
 from radixserve import Engine, SamplingParams
@@ -157,3 +158,27 @@ def test_smollm2_q4_1_greedy_agreement():
         prompts, SamplingParams(**params, logprobs=2))
     equal, total = assert_agrees(quantized, reference)
     print(f"SmolLM2 Q4_1, quantized vs dequantized weights: {equal}/{total} greedy tokens equal before any parting")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_over_quantized_weights_equals_layer_by_layer(quant_ggufs, arch, dtype, tmp_path, monkeypatch):
+    """csrc/decode.cpp runs the quantized layers (quant.cpp's qlinear) in its one call: every
+    step's logits equal the layer-by-layer path's bit for bit, at batch 1 and at a batch of 6."""
+    from radixserve.model import fused_decode
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    for prompts in (random_prompts([9], seed=1), random_prompts([3, 8, 13, 21, 34, 55], seed=3)):
+        runs = []
+        for fused in (True, False):
+            monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
+            engine = Engine(str(quant_ggufs[arch]), dtype=dtype, weights="quantized", kv_cache_tokens=2048)
+            logits: list = []
+            engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+            tokens = [o.token_ids for o in _run(engine, prompts)]
+            runs.append((tokens, logits, engine.runner.model.fused_decode.batches))
+        (tokens, logits, batches), (want_tokens, want_logits, ref_batches) = runs
+        assert batches >= 15 and ref_batches == 0  # every decode step fused (16 tokens: 15 decode steps)
+        assert tokens == want_tokens and len(logits) == len(want_logits)
+        for step, (got, want) in enumerate(zip(logits, want_logits)):
+            assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"

@@ -13,6 +13,8 @@ It runs when all of these hold, and the layers run one by one otherwise:
 - the model (checked once per model): a Llama-family decoder without QK norm, on the CPU, in
   float32 or bfloat16, with the extension built, no forward hooks (tensor parallelism adds its
   all-reduce as one) and plain 2-D weights;
+- linear layers whose weights stay in GGUF blocks (:class:`radixserve.model.quant.QuantLinear`)
+  run csrc/quant.cpp's ``qlinear`` inside the same call, at any row count;
 - the batch: every sequence on the csrc/ decode kernel (``AttentionBackend.decode_kernel_args``:
   the CPU backend with no many-row chunk, and either no cascade group or every row a decode with
   the grouped ones first, in row order: then each layer also attends to the groups' shared
@@ -38,6 +40,7 @@ from torch import nn
 
 from radixserve.model import fused
 from radixserve.model import linear as lin
+from radixserve.model.quant import QuantLinear
 
 if TYPE_CHECKING:
     from radixserve.model.llama import CausalLM, DecoderLayer, ForwardBatch
@@ -46,6 +49,8 @@ log = logging.getLogger("radixserve")
 
 ENV = "RADIXSERVE_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
+_DENSE = torch.tensor([0])  # decode_layers' quant entry of a dense weight: no parts
+_NO_MAP = torch.empty(0, dtype=torch.int32)  # a quantized part read in order
 
 
 def enabled() -> bool:
@@ -64,7 +69,9 @@ class FusedDecode:
         self._shape: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # heads, KV heads, head_dim, eps
         self._ext: Any = None  # the extension module (radixserve.attention.cpu_ext.load)
         self.batches = 0  # batches whose layers ran in one call
-        self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight]] = []
+        # each layer's qkv, o, gate_up and down: (weight, bias, packed-copy cache), None for a quantized one
+        self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight] | None] = []
+        self._quant: list[torch.Tensor] = []  # decode_layers' quant argument (empty: every weight dense)
         self._not_prepacked: set[int] = set()  # row counts some linear layer runs on neither path
         self._none = torch.empty(0)  # a weight on the small-M kernel (decode.cpp reads empty as that)
 
@@ -91,7 +98,7 @@ class FusedDecode:
             self._params = self._build(model, x.dtype)
             if self._params is False:
                 return None
-        packed = self._prepacked(rows, lin.max_rows(x.dtype))
+        packed = self._prepacked(rows, x.dtype)
         if packed is None:
             return None
         heads, kv_heads, head_dim, eps = self._shape
@@ -100,20 +107,24 @@ class FusedDecode:
         return self._ext.decode_layers(
             x, self._params, packed, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr,
             args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale,
-            list(args.prefix))
+            list(args.prefix), self._quant)
 
-    def _prepacked(self, rows: int, kernel_rows: int) -> list[torch.Tensor] | None:
+    def _prepacked(self, rows: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Each layer's qkv, o, gate_up and down weights as :func:`radixserve.model.linear.linear`
-        multiplies a batch of ``rows`` rows by them: the prepacked copy (oneDNN's or the AMX
-        GEMM's) where it takes one, an empty tensor where it takes the small-M kernel (at most
-        ``kernel_rows`` rows); None when some weight takes neither (the row counts found so are
-        remembered)."""
+        multiplies a batch of ``rows`` rows of ``dtype`` by them: the prepacked copy (oneDNN's or
+        the AMX GEMM's) where it takes one, an empty tensor where it takes the small-M kernel (at
+        most :func:`radixserve.model.linear.max_rows` rows) or the weight is quantized; None when
+        some weight takes neither (the row counts found so are remembered)."""
         if rows in self._not_prepacked:
             return None
         out = []
-        for weight, bias, cache in self._linears:
+        for linear in self._linears:
+            if linear is None:  # quantized: quant.cpp's qlinear at any row count
+                out.append(self._none)
+                continue
+            weight, bias, cache = linear
             buf = lin.prepacked_weight(rows, weight, bias, cache)
-            if buf is None and rows > kernel_rows:
+            if buf is None and rows > lin.max_rows(dtype):
                 self._not_prepacked.add(rows)
                 return None
             out.append(self._none if buf is None else buf)
@@ -131,17 +142,34 @@ class FusedDecode:
         params: list[torch.Tensor] = []
         for layer in _layers(model):
             attn, mlp = layer.self_attn, layer.mlp
-            self._linears += [(m.weight, m.bias, m.packed) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                       mlp.down_proj)]
-            for t in (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                      attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                      mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias):
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            weights: list[torch.Tensor | None] = []
+            for m in linears:
+                if isinstance(m, QuantLinear):
+                    self._linears.append(None)
+                    self._quant += [torch.tensor([len(m.parts), *(p.qtype for p in m.parts)])]
+                    for p in m.parts:
+                        self._quant += [p.data, _NO_MAP if p.row_map is None else p.row_map]
+                    weights.append(None)
+                else:
+                    self._linears.append((m.weight, m.bias, m.packed))
+                    self._quant.append(_DENSE)
+                    weights.append(m.weight)
+            for t in (layer.input_layernorm.weight, weights[0], attn.qkv_proj.bias, weights[1], attn.o_proj.bias,
+                      layer.post_attention_layernorm.weight, weights[2], mlp.gate_up_proj.bias, weights[3],
+                      mlp.down_proj.bias):
                 params.append(none if t is None else t)  # (the parameters themselves, as the layers read them)
+        if all(q is _DENSE for q in self._quant):
+            self._quant = []
         first = _layers(model)[0]
         self._shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
                        float(first.input_layernorm.eps))
-        log.info("decode batches run their decoder layers in one native call: up to %d rows, and beyond where "
-                 "every linear layer runs oneDNN (%s=0 turns this off)", lin.max_rows(dtype), ENV)
+        if self._quant and all(m is None for m in self._linears):
+            log.info("decode batches run their decoder layers in one native call, quantized weights at every row "
+                     "count (%s=0 turns this off)", ENV)
+        else:
+            log.info("decode batches run their decoder layers in one native call: up to %d rows, and beyond where "
+                     "every linear layer runs oneDNN (%s=0 turns this off)", lin.max_rows(dtype), ENV)
         return params
 
 
@@ -165,6 +193,7 @@ def unsupported(model: CausalLM, dtype: torch.dtype) -> str | None:
     if not layers:
         return "the model has no layers"
     eps = layers[0].input_layernorm.eps
+    dense = False  # some linear layer's weight is a dense tensor
     for layer in layers:
         if layer.self_attn.qk_norm:
             return "QK norm is not fused"
@@ -176,11 +205,12 @@ def unsupported(model: CausalLM, dtype: torch.dtype) -> str | None:
                 return "the layers' norms differ"
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for m in linears:
-            if type(m) is not Linear:
+            if type(m) not in (Linear, QuantLinear):
                 return f"a linear layer is a {type(m).__name__}"
+            dense |= type(m) is Linear
         for t in [p for p in layer.parameters()]:
             if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
                 return "a parameter is not a contiguous CPU tensor of the model's dtype"
-    if lin.max_rows(dtype) < 1:  # (last: it may time the GEMMs, which a model of other layers never runs)
+    if dense and lin.max_rows(dtype) < 1:  # (last: it may time the GEMMs, which a quantized model never runs)
         return "the small-M linear kernel does not take this dtype here"
     return None
