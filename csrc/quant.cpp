@@ -245,73 +245,99 @@ void columns_portable(const Part& p, int64_t n0, int64_t n1, const float* x, int
 
 #if defined(RADIXSERVE_QUANT_AVX512)
 // ---- AVX-512 decoders: group j of a block as two vectors of 16 weights -------------------------
+// Levels of at most 5 bits are looked up in a table of their weights (vpermps / vpermt2ps: 16 or
+// 32 entries, a block's q s + o for every q), built once per group: a level costs a byte-to-dword
+// expansion and a permute, with no conversion or scaling of its own, and the permutes read only an
+// index's low 4 (5) bits, so a nibble needs no mask. The tables are built by a product and a sum
+// with explicit rounding (GCC would fuse a plain vmulps and vaddps into one FMA), so every weight
+// equals gguf's dequantized value bit for bit; Q8_0 and Q6_K (more levels) convert and scale.
 struct W32 {
   __m512 lo, hi;  // weights 0-15 and 16-31 of the group
 };
 
-inline __m512 u8_levels(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// 16 levels of 4 bits (low or high nibbles of 16 bytes), plus 16 where the mask's bit is set.
-inline __m512 nibble_levels(__m128i bytes, int shift, __mmask16 fifth) {
-  const __m128i nib = _mm_and_si128(_mm_srli_epi16(bytes, shift), _mm_set1_epi8(0x0F));
-  __m512i q = _mm512_cvtepu8_epi32(nib);
-  q = _mm512_mask_add_epi32(q, fifth, q, _mm512_set1_epi32(16));
-  return _mm512_cvtepi32_ps(q);
+inline float fp16_fast(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
 }
 
-inline W32 scaled(__m512 lo, __m512 hi, float s0, float o0, float s1, float o1) {
-  return {_mm512_fmadd_ps(lo, _mm512_set1_ps(s0), _mm512_set1_ps(o0)),
-          _mm512_fmadd_ps(hi, _mm512_set1_ps(s1), _mm512_set1_ps(o1))};
+// levels * s + o, rounded after the product and after the sum, as numpy computes it.
+inline __m512 weights_of(__m512 levels, float s, float o) {
+  const __m512 prod = _mm512_mul_round_ps(levels, _mm512_set1_ps(s), kRn);
+  return o == 0.0f ? prod : _mm512_add_round_ps(prod, _mm512_set1_ps(o), kRn);
 }
+
+inline __m512 iota(float from) {
+  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(from));
+}
+
+// The dwords of 16 bytes (each byte in the low 8 bits of its lane).
+inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 template <int64_t QT>
 inline W32 decode_w32(const uint8_t* b, int j) {
-  if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
-    constexpr bool has_min = QT == kQ4_1 || QT == kQ5_1, five = QT == kQ5_0 || QT == kQ5_1;
-    const float d = fp16_at(b);
-    const float m = has_min ? fp16_at(b + 2) : -(five ? 16.0f : 8.0f) * d;
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {  // 16 levels: low nibbles are weights 0-15, high ones 16-31
+    const float d = fp16_fast(b);
+    const __m512 table = QT == kQ4_0 ? weights_of(iota(-8.0f), d, 0.0f) : weights_of(iota(0.0f), d, fp16_fast(b + 2));
+    const __m512i e = bytes16(b + (QT == kQ4_0 ? 2 : 4));
+    return {_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table)};
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {  // 32 levels: a nibble plus a fifth bit from qh
+    constexpr bool has_min = QT == kQ5_1;
+    const float d = fp16_fast(b), o = has_min ? fp16_fast(b + 2) : 0.0f;
+    const float first = has_min ? 0.0f : -16.0f;
+    const __m512 t0 = weights_of(iota(first), d, o), t1 = weights_of(iota(first + 16.0f), d, o);
     const uint8_t* p = b + (has_min ? 4 : 2);
-    const uint32_t qh = five ? u32_at(p) : 0;
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (five ? 4 : 0)));
-    return scaled(nibble_levels(v, 0, static_cast<__mmask16>(qh)), nibble_levels(v, 4, static_cast<__mmask16>(qh >> 16)),
-                  d, m, d, m);
+    const uint32_t qh = u32_at(p);
+    const __m512i e = bytes16(p + 4), sixteen = _mm512_set1_epi32(16);
+    const __m512i lo = _mm512_and_si512(e, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(e, 4);
+    return {_mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(lo, static_cast<__mmask16>(qh), lo, sixteen), t1),
+            _mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, sixteen), t1)};
   } else if constexpr (QT == kQ8_0) {
-    const __m512 d = _mm512_set1_ps(fp16_at(b));
+    const float d = fp16_fast(b);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
-    return {_mm512_mul_ps(lo, d), _mm512_mul_ps(hi, d)};
-  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    return {weights_of(lo, d, 0.0f), weights_of(hi, d, 0.0f)};
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {  // sub-block j: its scale and min; nibbles (j odd: high)
     int sc, mn;
     scale_min_k4(b + 4, j, sc, mn);
-    const float s = fp16_at(b) * static_cast<float>(sc), o = -(fp16_at(b + 2) * static_cast<float>(mn));
+    const float s = fp16_fast(b) * static_cast<float>(sc), o = -(fp16_fast(b + 2) * static_cast<float>(mn));
     const uint8_t* qs = b + (QT == kQ5_K ? 48 : 16) + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    __mmask32 fifth = 0;
-    if constexpr (QT == kQ5_K)
-      fifth = _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)),
-                                    _mm256_set1_epi8(static_cast<char>(1 << j)));
-    const __m512 lo = nibble_levels(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), shift,
-                                    static_cast<__mmask16>(fifth));
-    const __m512 hi = nibble_levels(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)), shift,
-                                    static_cast<__mmask16>(fifth >> 16));
-    return scaled(lo, hi, s, o, s, o);
+    __m512i e0 = bytes16(qs), e1 = bytes16(qs + 16);
+    if (j % 2) {
+      e0 = _mm512_srli_epi32(e0, 4);
+      e1 = _mm512_srli_epi32(e1, 4);
+    }
+    const __m512 t0 = weights_of(iota(0.0f), s, o);
+    if constexpr (QT == kQ4_K) {
+      return {_mm512_permutexvar_ps(e0, t0), _mm512_permutexvar_ps(e1, t0)};
+    } else {
+      const __m512 t1 = weights_of(iota(16.0f), s, o);
+      const __mmask32 fifth = _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)),
+                                                    _mm256_set1_epi8(static_cast<char>(1 << j)));
+      const __m512i mask = _mm512_set1_epi32(0xF), sixteen = _mm512_set1_epi32(16);
+      e0 = _mm512_and_si512(e0, mask);
+      e1 = _mm512_and_si512(e1, mask);
+      return {_mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(e0, static_cast<__mmask16>(fifth), e0, sixteen), t1),
+              _mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(e1, static_cast<__mmask16>(fifth >> 16), e1, sixteen), t1)};
+    }
   } else {
     static_assert(QT == kQ6_K, "a type without a decoder");
-    const float d = fp16_at(b + 208);
+    const float d = fp16_fast(b + 208);
     const int r = j % 4;
     const uint8_t* ql = b + (j / 4) * 64 + (r % 2) * 32;
     const uint8_t* qh = b + 128 + (j / 4) * 32;
     const int shift = 4 * (r / 2), hshift = 2 * r;
-    auto levels = [&](int half) {
-      const __m128i l = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16 * half)), shift),
-                                      _mm_set1_epi8(0x0F));
-      const __m128i h = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half)), hshift),
-                                      _mm_set1_epi8(0x03));
-      return u8_levels(_mm_or_si128(l, _mm_slli_epi16(h, 4)));  // (h <= 3: the shift stays in its byte)
-    };
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float s0 = d * static_cast<float>(sc[2 * j]), s1 = d * static_cast<float>(sc[2 * j + 1]);
-    return scaled(levels(0), levels(1), s0, -32.0f * s0, s1, -32.0f * s1);
+    auto half = [&](int i) {  // levels - 32 of weights 16i .. 16i + 15, as floats
+      const __m512i l = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql + 16 * i), shift), _mm512_set1_epi32(0xF));
+      const __m512i h = _mm512_and_si512(_mm512_srli_epi32(bytes16(qh + 16 * i), hshift), _mm512_set1_epi32(3));
+      const __m512i q = _mm512_or_si512(l, _mm512_slli_epi32(h, 4));
+      return weights_of(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))), d * static_cast<float>(sc[2 * j + i]),
+                        0.0f);
+    };
+    return {half(0), half(1)};
   }
 }
 
@@ -321,27 +347,37 @@ template <int64_t QT, int MB>
 void columns_gemv(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
   constexpr Format f = format_of(QT);
   constexpr int G = static_cast<int>(f.block / 32);
-  const int64_t nblocks = K / f.block;
+  // Accumulator sets: with one or two rows of x, successive groups alternate between two sets of
+  // two accumulators per row, so the FMA latency does not pace the loop (a group's work is short).
+  constexpr int U = MB <= 2 ? 2 : 1;
+  const int64_t groups = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = row_of(p, n);
-    __m512 a0[MB], a1[MB];  // two accumulators per row: the FMA latency does not pace the loop
+    __m512 a0[U][MB], a1[U][MB];
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* blk = row + b * f.bytes;
+    for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
-      for (int j = 0; j < G; ++j) {
-        const W32 w = decode_w32<QT>(blk, j);
-        const float* xk = x + b * f.block + 32 * j;
+      for (int m = 0; m < MB; ++m) a0[u][m] = a1[u][m] = _mm512_setzero_ps();
+    auto group = [&](int64_t g, int u) {
+      const W32 w = decode_w32<QT>(row + (g / G) * f.bytes, static_cast<int>(g % G));
+      const float* xk = x + 32 * g;
 #pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) {
-          a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + m * ldx), w.lo, a0[m]);
-          a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + m * ldx + 16), w.hi, a1[m]);
-        }
+      for (int m = 0; m < MB; ++m) {
+        a0[u][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + m * ldx), w.lo, a0[u][m]);
+        a1[u][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + m * ldx + 16), w.hi, a1[u][m]);
       }
-    }
+    };
+    int64_t g = 0;
+    for (; g + U <= groups; g += U)
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) group(g + u, u);
+    for (; g < groups; ++g) group(g, 0);
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+    for (int m = 0; m < MB; ++m) {
+      __m512 sum = _mm512_add_ps(a0[0][m], a1[0][m]);
+      if constexpr (U == 2) sum = _mm512_add_ps(sum, _mm512_add_ps(a0[1][m], a1[1][m]));
+      y[m * ldy + n] = _mm512_reduce_add_ps(sum);
+    }
   }
 }
 
@@ -558,6 +594,9 @@ torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, co
   return out;
 }
 
+}  // namespace
+
+// (also called by decode.cpp's decode_layers, for the layers whose weights are quantized)
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
                       const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -621,8 +660,6 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   if (bp) y.add_(b);
   return y;
 }
-
-}  // namespace
 
 TORCH_LIBRARY(radixserve_quant, m) {
   m.def("dequantize(Tensor data, int qtype, int k, Tensor rows) -> Tensor", &dequantize);
