@@ -10,7 +10,7 @@ from radixserve.config import MODEL_HELP  # the demo's --model help too
 
 # The flags of each command are generated from the config Structs (radixserve/flags.py): one field,
 # one flag, with the field's help, default, type and choices.
-ENGINE_FLAGS = ("model", "device", "dtype", "page_size", "kv_cache_tokens", "kv_dtype", "max_running",
+ENGINE_FLAGS = ("model", "device", "dtype", "weights", "page_size", "kv_cache_tokens", "kv_dtype", "max_running",
                 "max_batched_tokens", "enable_prefix_cache", "tensor_parallel")
 WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_parent", "heartbeat", "router_timeout")
 GENERATE_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -137,7 +137,7 @@ def cmd_plan(args) -> int:
     from radixserve.ops.model_shape import read_model_shape
     from radixserve.ops.plan import format_plan, plan
 
-    p = plan(read_model_shape(args.model), context=args.context, concurrency=args.concurrency,
+    p = plan(read_model_shape(args.model, dequantize=args.weights == "dequantize"), context=args.context, concurrency=args.concurrency,
              memory_gb=args.memory_gb, kv_dtype=args.kv_dtype, page_size=args.page_size, reserve_gb=args.reserve_gb)
     print(json.dumps(p, indent=2) if args.json else format_plan(p))
     return 0
@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="KV capacity plan for a model: what fits in a GPU's memory")
     pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the built-in stand-in model)")
+    pl.add_argument("--weights", default="auto", choices=["auto", "quantized", "dequantize"],
+                    help="a GGUF's weights as serve holds them: in their quantized blocks (auto, quantized; the CPU "
+                         "default) or dequantized to float32 (dequantize)")
     pl.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default: 1)")
     pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, the seed's class)")

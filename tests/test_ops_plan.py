@@ -101,9 +101,11 @@ def test_missing_model_is_a_clear_error(tmp_path):
         read_model_shape(str(tmp_path / "x"))
 
 
-def test_gguf_header(tmp_path):
+def test_gguf_header_counts_the_weights_as_serve_holds_them(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np
+
+    from radixserve.testing_gguf import quantize
 
     path = tmp_path / "t.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -112,15 +114,22 @@ def test_gguf_header(tmp_path):
     w.add_head_count_kv(2)
     w.add_embedding_length(32)
     w.add_context_length(256)
-    w.add_tensor("a", np.zeros((10, 10), np.float32))
-    w.add_tensor("b", np.zeros((6,), np.float16))
+    q8 = quantize(np.zeros((32, 32), np.float32), 8)  # 32 rows of one 34-byte block
+    for name in ("attn_q", "attn_k", "attn_v"):  # all Q8_0: the fused qkv projection stays quantized
+        w.add_tensor(f"blk.0.{name}.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_gate.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # its up is F16: dequantized
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((32, 32), np.float16))
+    w.add_tensor("blk.0.ffn_norm.weight", np.zeros((32,), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     s = read_model_shape(str(path))
-    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_context, s.weights_bytes) == (3, 2, 8, 256, 412)
-    assert plan(s)["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 2  # float16 KV by default
+    kept, dense = 3 * q8.nbytes, (2 * 32 * 32 + 32) * 4  # float32: what serve computes in on a CPU
+    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.max_context, s.weights_bytes) == (3, 2, 8, 256, kept + dense)
+    assert "3 tensors in their quantized blocks" in s.source
+    assert read_model_shape(str(path), dequantize=True).weights_bytes == (5 * 32 * 32 + 32) * 4
+    assert plan(s)["kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 4  # float32 KV, as serve keeps it
 
 
 def test_cli_plan_json_and_text(tiny_dir):

@@ -37,6 +37,21 @@ CONVERT_VERSION = "gguf-v2"  # v2: no weights written (they are read from the fi
 #: The file in a converted directory that names its GGUF file.
 SOURCE_FILE = "gguf.json"
 
+#: ggml type id -> name, for the types whose blocks stay quantized in memory (csrc/quant.cpp).
+QTYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+#: ggml type id -> (weights per block, bytes per block).
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+          14: (256, 210)}
+
+#: The fused projections and the checkpoint weights whose rows they stack, per decoder layer.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
 #: GGUF ``general.architecture`` -> Hugging Face ``architectures[0]``.
 ARCHS = {
     "llama": "LlamaForCausalLM",
@@ -81,6 +96,24 @@ _BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def kept_quantized(types: dict[str, int], num_layers: int, tied: bool) -> dict[str, list[str]]:
+    """Which weights stay quantized: {module path: the checkpoint names of its row blocks} for
+    every linear projection whose blocks are all of a type in :data:`QTYPES`, plus
+    ``model.embed_tokens`` for a quantized embedding table (and ``quant_head`` over it where the
+    output head is tied to it). ``types``: each tensor's ggml type id, by its Hugging Face name."""
+    def quantized(names: list[str]) -> bool:
+        return all(types.get(f"{n}.weight") in QTYPES for n in names)
+
+    layers = [(f"model.layers.{i}.{target}", [f"model.layers.{i}.{n}" for n in names])
+              for i in range(num_layers) for target, names in _FUSED.items()]
+    out = {target: names for target, names in layers + ([] if tied else [("lm_head", ["lm_head"])]) if quantized(names)}
+    if quantized(["model.embed_tokens"]):
+        out["model.embed_tokens"] = ["model.embed_tokens"]
+        if tied:
+            out["quant_head"] = ["model.embed_tokens"]
+    return out
 
 
 def is_gguf(path: str | os.PathLike) -> bool:

@@ -23,20 +23,11 @@ from torch import nn
 
 from radixserve.errors import ModelLoadError
 from radixserve.model import quant
-from radixserve.model.gguf import decoder_tensors, field_value, permuted_qk, unpermute_qk
+from radixserve.model.gguf import decoder_tensors, field_value, kept_quantized, permuted_qk, unpermute_qk
 from radixserve.model.llama import CausalLM
 from radixserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, QuantTensor
 
 log = logging.getLogger("radixserve")
-
-#: The fused projections and the checkpoint weights whose rows they stack, per decoder layer.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
 
 @dataclass
 class GGUFWeights:
@@ -103,25 +94,22 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
     consumed: set[str] = set()
     biases: dict[QuantLinear, list[str]] = {}
     if quantized:
-        for target, names in _projections(model):
-            ts = [tensors.get(f"{n}.weight") for n in names]
-            if not all(t is not None and int(t.tensor_type) in QTYPES for t in ts):
-                continue
-            layer = QuantLinear([_quant_tensor(t, arch, config) for t in ts])
-            _replace(model, target, layer)
+        types = {name: int(t.tensor_type) for name, t in tensors.items()}
+        for target, names in kept_quantized(types, len(model.model.layers), model.tie_word_embeddings).items():
+            if target == "quant_head":
+                continue  # (below, over the embedding table's blocks)
+            parts = [_quant_tensor(tensors[f"{n}.weight"], arch, config) for n in names]
             consumed.update(f"{n}.weight" for n in names)
+            summary.quantized.update(p.type_name for p in parts)
+            summary.quantized_bytes += sum(p.nbytes for p in parts)
+            if target == "model.embed_tokens":
+                model.model.embed_tokens = QuantEmbedding(parts[0])
+                if model.tie_word_embeddings:
+                    model.quant_head = QuantLinear(parts)  # the same mapped blocks
+                continue
+            layer = QuantLinear(parts)
+            _replace(model, target, layer)
             biases[layer] = [f"{n}.bias" for n in names if f"{n}.bias" in tensors]
-            summary.quantized.update(p.type_name for p in layer.parts)
-            summary.quantized_bytes += layer.nbytes
-        embed = tensors.get("model.embed_tokens.weight")
-        if embed is not None and int(embed.tensor_type) in QTYPES:
-            table = _quant_tensor(embed, arch, config)
-            model.model.embed_tokens = QuantEmbedding(table)
-            consumed.add("model.embed_tokens.weight")
-            summary.quantized[table.type_name] += 1
-            summary.quantized_bytes += table.nbytes
-            if model.tie_word_embeddings:
-                model.quant_head = QuantLinear([table])  # the same mapped blocks
     model.to_empty(device=device)
     params = model.checkpoint_tensors()
     loaded: set[str] = set()
@@ -151,15 +139,6 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
         log.info("GGUF: no native kernel for %s: dequantized (%s)",
                  ", ".join(sorted(summary.dequantized)), summary.describe())
     return summary
-
-
-def _projections(model: CausalLM):
-    """(module path, checkpoint names of its row blocks) of every linear projection of ``model``."""
-    for i, _ in enumerate(model.model.layers):
-        for target, names in _FUSED.items():
-            yield f"model.layers.{i}.{target}", [f"model.layers.{i}.{n}" for n in names]
-    if not model.tie_word_embeddings:
-        yield "lm_head", ["lm_head"]
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:

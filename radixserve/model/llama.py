@@ -231,6 +231,12 @@ class CausalLM(nn.Module):
             return head(x).float()
         return logits(x, cast(torch.Tensor, self.output_embedding), self.output_packed)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads: every dense parameter and every quantized
+        linear layer's blocks (the output head's too; a quantized embedding table is only looked up)."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        return dense + sum(m.nbytes for m in self.modules() if isinstance(m, QuantLinear))
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a Hugging Face checkpoint stores, by its name, as a view of our parameters.
 

