@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "soak", "structured",
-            "kv_quant", "peers", "tensor_parallel", "routing", "kernels", "roofline", "floor", "layers", "sampler"]
+            "kv_quant", "peers", "tensor_parallel", "routing", "kernels", "roofline", "floor", "layers", "sampler", "bigmodel"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -192,23 +192,24 @@ def run(args) -> int:
     bw = bandwidth(args.buffer_mib)
     engine = Engine(args.model, dtype=args.dtype, max_running=args.batch, seed=0)
     model = engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model.weight_bytes()  # (GGUF weights held quantized: their blocks' bytes)
     # A/B: the decode steps alternate between the fast path (the small-M kernel, or bf16 on AMX the
     # AMX GEMM) and the path without it (when it takes batches of this many rows of this dtype):
     # F.linear, or oneDNN's prepacked GEMM for fp32 on oneDNN
     param_dtype = next(model.parameters()).dtype
     # bf16 on AMX: the AMX GEMM over packed weights at every row count (where the model's sizes allow)
-    amx = lin._amx_first(model.model.layers[0].self_attn.qkv_proj.weight)
-    kernel = lin.kernel() if amx or 0 < args.batch <= lin.max_rows(param_dtype) else None
+    quantized = engine.loaded.quantized  # (its linear layers: csrc/quant.cpp, no A/B against F.linear)
+    amx = not quantized and lin._amx_first(model.model.layers[0].self_attn.qkv_proj.weight)
+    kernel = lin.kernel() if not quantized and (amx or 0 < args.batch <= lin.max_rows(param_dtype)) else None
     packed_ops = lin._state.get("packed")
-    lo, hi = lin.packed_row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
-    onednn = not amx and lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
+    lo, hi = (1, 0) if quantized else lin.packed_row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
+    onednn = not quantized and not amx and lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
     fallback = "oneDNN" if onednn else "F.linear"
     # ... and between the decoder layers in one native call (radixserve.model.fused_decode, the
     # default, which the steps without the kernel do not take) and layer by layer
     was_enabled = model.fused_decode.enabled
     fused = was_enabled and fused_decode.unsupported(model, param_dtype) is None
-    first = "amx" if amx else "kernel" if kernel is not None else fallback
+    first = "quantized" if quantized else "amx" if amx else "kernel" if kernel is not None else fallback
     modes = [first] + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
     if args.fragment:  # (the held half is never freed: this engine serves nothing else)
         pool = engine.runner.pool

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["K_QUANTS", "permute_qk", "quantize", "write_gguf"]
+__all__ = ["K_QUANTS", "permute_qk", "quantize", "write_gguf", "write_synthetic_gguf"]
 
 #: ggml type ids of the K-quants quantized here (gguf's quantize lacks them).
 K_QUANTS = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -120,6 +120,52 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_BLOCK[stem]}.{kind}"
 
 
+def _writer(path: Path, arch: str, cfg: dict, tok, tokenizer_json: dict):
+    """A GGUFWriter for ``path`` with the model's metadata and tokenizer already added."""
+    import gguf
+
+    vocab = sorted(tokenizer_json["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = tokenizer_json.get("added_tokens", [])
+    special = {t["content"] for t in added if t.get("special", True)}
+    tokens = [t for t, _ in vocab]
+    for token in added:
+        if token["id"] >= len(tokens):
+            tokens.append(token["content"])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic {arch}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_add_bos_token(True)
+    w.add_chat_template(tok.chat_template)
+    return w
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(path: str | Path, hf_dir: str | Path, arch: str = "llama",
                qtype_of: Callable[[str], int | None] = lambda name: None) -> Path:
     """Write the checkpoint in ``hf_dir`` as a GGUF at ``path``, the way llama.cpp's converter lays
@@ -131,42 +177,9 @@ def write_gguf(path: str | Path, hf_dir: str | Path, arch: str = "llama",
 
     hf_dir, path = Path(hf_dir), Path(path)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    state = load_file(str(hf_dir / "model.safetensors"))
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    tj = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tj.get("added_tokens", [])}
-    tokens = [t for t, _ in vocab]
-    for added in tj.get("added_tokens", []):
-        if added["id"] >= len(tokens):
-            tokens.append(added["content"])
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny {arch}")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_add_bos_token(True)
-    w.add_chat_template(tok.chat_template)
+    w = _writer(path, arch, cfg, AutoTokenizer.from_pretrained(hf_dir), json.loads((hf_dir / "tokenizer.json").read_text()))
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    for name, t in state.items():
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         gname = gguf_name(name)
         data = t.astype(np.float32)
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
@@ -176,8 +189,47 @@ def write_gguf(path: str | Path, hf_dir: str | Path, arch: str = "llama",
             w.add_tensor(gname, np.ascontiguousarray(data))
         else:
             w.add_tensor(gname, quantize(data, qtype), raw_dtype=gguf.GGMLQuantizationType(qtype))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
+    return path
+
+
+def write_synthetic_gguf(path: str | Path, cfg: dict, qtype_of: Callable[[str], int], arch: str = "llama",
+                         seed: int = 0, std: float = 0.02) -> Path:
+    """A GGUF of a model shaped by ``cfg`` (a Hugging Face config dict) with random weights, each
+    2-D tensor quantized in the type ``qtype_of(gguf_name)`` picks (norms: F32 ones). One layer's
+    tensors are drawn and quantized, and every layer repeats them, so writing a 7B-shaped file takes
+    a minute or two and the memory of one layer. The tokenizer is the built-in stand-in's."""
+    import gguf
+
+    from radixserve.model.builtin import build_tokenizer
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    tok = build_tokenizer(cfg["vocab_size"], model_max_length=cfg["max_position_embeddings"])
+    w = _writer(path, arch, cfg, tok, json.loads(tok.backend_tokenizer.to_str()))
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q), "ffn_gate": (inter, h),
+              "ffn_up": (inter, h), "ffn_down": (h, inter)}
+
+    def blocks(name: str, shape: tuple[int, int]):
+        qtype = qtype_of(name)
+        x = (rng.standard_normal(shape, dtype=np.float32) * std)
+        return quantize(x, qtype), gguf.GGMLQuantizationType(qtype)
+
+    layer = {stem: blocks(f"blk.0.{stem}.weight", shape) for stem, shape in shapes.items()}
+    ones = np.ones(h, dtype=np.float32)
+    data, qtype = blocks("token_embd.weight", (v, h))
+    w.add_tensor("token_embd.weight", data, raw_dtype=qtype)
+    for i in range(cfg["num_hidden_layers"]):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        for stem, (data, qtype) in layer.items():
+            w.add_tensor(f"blk.{i}.{stem}.weight", data, raw_dtype=qtype)
+    w.add_tensor("output_norm.weight", ones)
+    if not cfg.get("tie_word_embeddings"):
+        data, qtype = blocks("output.weight", (v, h))
+        w.add_tensor("output.weight", data, raw_dtype=qtype)
+    _finish(w)
     return path
