@@ -193,3 +193,17 @@ def test_texts_say_what_the_figures_are():
     assert "a 24 GB-class GPU typically rents for 0.50-2" in helps["report"]
     assert "a used 24 GB-class GPU costs a few hundred" in helps["report"]
     assert "at a 24 GB-class GPU's typical rents $2.00-0.50/h: 250 h to 1,000 h" in printed
+
+
+def test_flat_verdict_prints_the_measured_ttft_not_a_negative_fit_end():
+    """Issue 49 item 5: a flat log printed "rolling p50 TTFT -0.294 s -> 0.710 s", the ends of a
+    poor straight-line fit; it now prints the measured rolling medians, and the fit as a slope."""
+    spikes = {52, 53, 55, 56, 58, 59}  # a few slow windows at the end: a rising fit with a low R^2
+    v = verdict(windows_of(synthetic_log([([1.0 if i in spikes else 0.02] * 5, 0, 600) for i in range(60)])))
+    ev = v["evidence"]
+    assert v["verdict"] == "fine" and ev["ttft_fit_start_s"] < 0  # the fit's intercept is below 0 s
+    m = re.search(r"rolling p50 TTFT (\S+) s -> (\S+) s, fit ([-+]\S+) s/hour", v["reason"])
+    assert m, v["reason"]
+    assert float(m[1]) == pytest.approx(ev["ttft_p50_first_s"], abs=1e-3) and float(m[1]) > 0
+    assert float(m[2]) == pytest.approx(ev["ttft_p50_last_s"], abs=1e-3)
+    assert float(m[3]) == pytest.approx(ev["ttft_p50_slope_s_per_hour"], abs=1e-3)

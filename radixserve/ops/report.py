@@ -140,7 +140,9 @@ def verdict(windows: Sequence[Window], rules: VerdictRules = VerdictRules()) -> 
                            + (f"; but p50 TTFT peaks at {peak:.1f} s in them: if users cannot wait that long, "
                               "size for the peaks (bound context, add workers)" if peak >= 1.0 else ""))}
     return {"verdict": "fine", "evidence": ev,
-            "reason": (f"flat: rolling p50 TTFT {start:.3f} s -> {end:.3f} s (R^2 {r2:.2f}), queue drained "
+            # the measured medians, not the fit's ends: a poor fit's intercept can be below 0 s
+            "reason": (f"flat: rolling p50 TTFT {rolled[0]:.3f} s -> {rolled[-1]:.3f} s, fit {slope:+.3f} s/hour "
+                       f"(R^2 {r2:.2f}), queue drained "
                        f"{ev['drain_cycles']} times, peak {ev['max_queued']} queued")}
 
 
