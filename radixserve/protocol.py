@@ -368,8 +368,9 @@ def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:
     if msg.namespace is not None and len(msg.namespace) > limits.max_namespace_chars:
         bad("namespace", f"must be at most {limits.max_namespace_chars} characters")
     p = msg.params
-    if not isinstance(p.max_tokens, int) or not 1 <= p.max_tokens <= limits.max_tokens:
-        bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}], got {p.max_tokens!r}")
+    if p.max_tokens is not None and (not isinstance(p.max_tokens, int) or not 1 <= p.max_tokens <= limits.max_tokens):
+        bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}] (or unset: until the context is full), "
+                          f"got {p.max_tokens!r}")
     if p.stop is not None:
         if len(p.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in p.stop):
             bad("stop", f"at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters")

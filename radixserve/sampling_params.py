@@ -108,7 +108,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     the top ``n`` alternatives at every step (``0``: only the chosen token's).
     """
 
-    max_tokens: Annotated[int, Meta(ge=1, description="most tokens to generate")] = 16
+    max_tokens: Annotated[int, Meta(ge=1, description="most tokens to generate")] | None = 16
+    """None: until the context is full. Set, the prompt plus it must fit the model's context, or the
+    request is refused (``TooLongError``, HTTP 400 ``context_length_exceeded``), as vLLM does."""
     temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")] = 1.0
     top_k: Annotated[int, Meta(ge=-1, description="-1 (disabled) or >= 1")] = -1
     top_p: Annotated[float, Meta(gt=0.0, le=1.0, description="nucleus sampling mass, in (0, 1]")] = 1.0

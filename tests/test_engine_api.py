@@ -98,10 +98,21 @@ def test_stop_strings_cut_the_text(engine):
     assert kept.text == free.text[: free.text.index(stop) + len(stop)]
 
 
-def test_context_length_stops_generation(llama_dir):
+def test_max_tokens_past_the_context_is_refused_with_the_numbers(llama_dir):
+    """Issue 49 item 2: max_tokens past what the context leaves was clipped without a word. The
+    rule, as vLLM's: refused with the numbers; unset (None) generates until the context is full."""
     engine = Engine(llama_dir, max_model_len=64, kv_cache_tokens=1024)
-    out = engine.generate([random_prompts((60,))[0]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    prompt = random_prompts((60,))[0]
+    with pytest.raises(TooLongError) as info:
+        engine.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    assert info.value.field == "max_tokens" and info.value.code == "too_long"
+    assert "50 + 60 prompt tokens exceeds the model's context (64 tokens); at most 4 fit" in str(info.value)
+    for max_tokens in (4, None):
+        out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    small_pool = Engine(llama_dir, kv_cache_tokens=64)  # a pool smaller than the context bounds a request too
+    with pytest.raises(TooLongError, match=r"KV pool \(raise kv_cache_tokens\) \(64 tokens\)"):
+        small_pool.make_request(prompt, SamplingParams(max_tokens=5))
 
 
 @pytest.mark.parametrize(
@@ -135,7 +146,7 @@ def test_too_long_prompt(llama_dir):
     engine = Engine(llama_dir, max_model_len=32, kv_cache_tokens=1024)
     with pytest.raises(TooLongError, match="32"):
         engine.generate([list(range(10, 42))])
-    assert engine.generate([list(range(10, 41))], SamplingParams(max_tokens=3))[0].token_ids
+    assert engine.generate([list(range(10, 41))], SamplingParams(max_tokens=1))[0].token_ids  # the one token that fits
 
 
 def test_bad_model_directories(tmp_path, llama_dir):

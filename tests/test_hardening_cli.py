@@ -130,7 +130,7 @@ def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
 def _long_call(address: str) -> None:
     try:
         with Client(address, timeout=150) as c:
-            c.generate([9] * 8, max_tokens=30000, temperature=0.0, ignore_eos=True)
+            c.generate([9] * 8, max_tokens=1000, temperature=0.0, ignore_eos=True)
     except Exception:
         pass
 
@@ -155,3 +155,68 @@ def test_the_gc_freeze_is_undone_at_exit():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["frozen True", "at exit 0"], out.stdout
+
+
+# ---------------------------------------------------------------- issue 49 items 2 and 3: generate
+def test_generate_refuses_an_empty_prompt_before_the_model_loads(tmp_path):
+    out = _run(["generate", "--model", str(tmp_path / "nope"), ""])  # a missing model: it never loads
+    assert out.returncode == 2
+    assert _error_lines(out.stderr) == ["radixserve: error: prompt: is empty"], out.stderr
+
+
+def test_generate_refuses_max_tokens_past_the_context_with_the_numbers(llama_dir):
+    out = _run(["--log-level", "WARNING", "generate", "--model", llama_dir, "--raw", "--max-tokens", "100000", "hi"])
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and "max_tokens: 100000 + " in lines[0], out.stderr
+    assert "prompt tokens exceeds the model's context (1024 tokens)" in lines[0], lines
+
+
+class _Writes:
+    """A stdout that records each write."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def _generate(monkeypatch, capsys, llama_dir, *args) -> tuple[list[str], str]:
+    """``radixserve generate`` in this process: (stdout's writes, stderr)."""
+    from radixserve.cli import build_parser
+
+    argv = ["generate", "--model", llama_dir, "--kv-cache-tokens", "2048", *args]
+    args_ = build_parser().parse_args(argv)
+    out = _Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert args_.func(args_) == 0
+    return out.writes, capsys.readouterr().err
+
+
+def test_generate_streams_the_text_as_it_comes(monkeypatch, capsys, llama_dir):
+    """A long generation printed nothing until its end (234 s for 8,191 tokens); now its text is
+    written as the tokens come, prompts in order, each followed by its stats line."""
+    writes, err = _generate(monkeypatch, capsys, llama_dir, "--raw", "--max-tokens", "24", "hello", "world")
+    text = "".join(writes)
+    first, second = text.split("\n")[:2]
+    pieces = [w for w in writes[: writes.index("\n")] if w]
+    assert len(pieces) > 3 and "".join(pieces) == first  # the first answer came in pieces
+    assert second and text == f"{first}\n{second}\n"
+    assert err.count("generated, finish=") == 2
+
+
+def test_generate_uses_the_chat_template_unless_raw(monkeypatch, capsys, llama_dir):
+    """A plain prompt on an instruct model got no template and an empty answer; a model with a
+    chat template now gets each prompt as a user message (as `ollama run` does); --raw opts out."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    for flags, prompt in (([], chat), (["--chat"], chat), (["--raw"], "hi")):
+        _, err = _generate(monkeypatch, capsys, llama_dir, *flags, "--max-tokens", "2", "hi")
+        assert f"[{len(tok.encode(prompt))} prompt tokens," in err, (flags, err)

@@ -46,10 +46,10 @@ def test_abort_arriving_during_the_idle_take_is_applied_in_order(llama_dir):
                 box.append(chunk.output)
                 done.set()
 
-        req = engine.make_request([5, 6, 7, 8], SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True))
+        req = engine.make_request([5, 6, 7, 8], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
         engine.add_request(req, on_chunk)
         assert done.wait(60)
-        assert box[0].finish_reason == "abort", box[0].finish_reason  # not 'length' after 1500 tokens
-        assert len(box[0].token_ids) < 1500
+        assert box[0].finish_reason == "abort", box[0].finish_reason  # not 'length' after 1000 tokens
+        assert len(box[0].token_ids) < 1000
     finally:
         engine.shutdown()

@@ -19,7 +19,9 @@ openai = pytest.importorskip("openai")
 from conftest import random_prompts  # noqa: E402
 from serve_cluster import Cluster  # noqa: E402
 
+from radixserve import TooLongError  # noqa: E402
 from radixserve import protocol as P  # noqa: E402
+from radixserve.client import Client  # noqa: E402
 from radixserve.serve.openai import (DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants,  # noqa: E402
                                    load_keys_file)
 
@@ -242,6 +244,26 @@ def test_400_names_the_field(server):
     assert status == 400 and _error(data)["param"] == "prompt"
 
 
+def test_max_tokens_past_the_context_is_refused_at_once(server):
+    """Issue 49 item 2: max_tokens 8192 with the prompt "hi" was clipped to the context, ran for
+    minutes and returned 200. HTTP and the SDK now refuse it at once, with the numbers (the tiny
+    model's context is 1024 tokens)."""
+    c = _client(server)
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="llama", prompt=[9] * 10, max_tokens=1015, extra_body={"ignore_eos": True})
+    body = e.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
+    assert "1015 + 10 prompt tokens exceeds the model's context (1024 tokens); at most 1014 fit" in body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                  max_completion_tokens=1024, extra_body={"ignore_eos": True})
+    assert e.value.body["code"] == "context_length_exceeded"
+    with Client(server.address, timeout=30) as sdk, pytest.raises(TooLongError, match="exceeds the model's context"):
+        sdk.generate([9] * 10, max_tokens=1015, ignore_eos=True)
+    assert time.monotonic() - t0 < 10
+
+
 def test_401_without_or_with_a_wrong_key(server):
     for key in ("wrong-key", "Bearer"):
         with pytest.raises(openai.AuthenticationError) as e:
@@ -403,8 +425,6 @@ def test_client_disconnect_aborts_the_request(server):
     requests. The worker is paused while they leave: on the tiny model a request's ~1000 tokens
     take a fraction of a second, so an unpaused worker can finish one before its client is gone,
     and the test would not be testing an abort."""
-    from radixserve.client import Client
-
     def counters():
         with Client(server.address) as sdk:
             return sdk.stats()["router"]
@@ -418,7 +438,7 @@ def test_client_disconnect_aborts_the_request(server):
     before = counters()["counters"]["aborted"]
     worker = server.pids["w0"]
     c = _client(server)
-    stream = c.completions.create(model="llama", prompt=[9] * 10, max_tokens=2000, temperature=0, stream=True,
+    stream = c.completions.create(model="llama", prompt=[9] * 10, max_tokens=1000, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
     next(iter(stream))
     os.kill(worker, signal.SIGSTOP)  # under the 3 s heartbeat timeout: the router keeps it
@@ -427,7 +447,7 @@ def test_client_disconnect_aborts_the_request(server):
         # and a non-streaming request whose client goes away once the router has dispatched it
         u = urllib.parse.urlparse(server.url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [8] * 10, "max_tokens": 2000,
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [8] * 10, "max_tokens": 1000,
                                                                  "ignore_eos": True}).encode(),
                      headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"})
         wait(lambda: counters()["gauges"]["inflight"] == 2, "the router never dispatched the request", 1.0)

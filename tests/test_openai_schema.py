@@ -71,7 +71,7 @@ def test_good_bodies_become_sampling_params():
 
 def test_chat_defaults_logprobs_and_response_format():
     params, n = _params({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
-    assert n == 1 and params.max_tokens == LIMITS.max_tokens and params.logprobs is None
+    assert n == 1 and params.max_tokens is None and params.logprobs is None  # None: until the context is full
     params, _ = _params({"max_completion_tokens": 4, "max_tokens": 9, "logprobs": True, "top_logprobs": 3,
                          "response_format": {"type": "json_object"}}, chat=True)
     assert params.max_tokens == 4 and params.logprobs == 3 and params.structured.json_object

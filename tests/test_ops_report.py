@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from radixserve.errors import BadRequestError
-from radixserve.ops.report import drain_cycles, read_metrics_log, rent_vs_buy, report, verdict, windows_of
+from radixserve.ops.report import (drain_cycles, format_report, read_metrics_log, rent_vs_buy, report, verdict,
+                                   windows_of)
 from radixserve.serve.metrics import Histogram
 
 RECORDED = Path(__file__).parent / "data" / "metrics_bursts.jsonl"
@@ -121,14 +123,14 @@ def test_generation_hours_and_rent_vs_buy():
     assert rb["breakeven_generation_hours"] == pytest.approx(600 / 1.5)
     assert rb["generation_hours_per_week"] == pytest.approx(168 * 40 / 60)
     assert rb["weeks_to_breakeven"] == pytest.approx(400 / (168 * 40 / 60))
-    # at the seed's $2/h: 600 / (2 - 0.5) h; at $0.50/h renting never costs more than owning
-    assert rb["breakeven_range_hours_at_seed_rents"] == [pytest.approx(400.0), None]
+    # at the typical $2/h: 600 / (2 - 0.5) h; at $0.50/h renting never costs more than owning
+    assert rb["breakeven_range_hours_at_typical_rents"] == [pytest.approx(400.0), None]
 
 
-def test_seed_defaults_give_the_seeds_break_even_range():
+def test_defaults_give_the_typical_break_even_range():
     rb = rent_vs_buy(10, 168, 1.0, 500.0)
     assert rb["breakeven_generation_hours"] == 500
-    assert rb["breakeven_range_hours_at_seed_rents"] == [250, 1000]  # $2/h and $0.50/h vs $500
+    assert rb["breakeven_range_hours_at_typical_rents"] == [250, 1000]  # $2/h and $0.50/h vs $500
     assert rb["weeks_to_breakeven"] == pytest.approx(50)
     with pytest.raises(BadRequestError):
         rent_vs_buy(1, 1, 0.0, 500)
@@ -172,3 +174,36 @@ def test_cli_report_missing_or_empty_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(tmp_path / "e.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "need at least 2" in out.stderr
+
+
+def test_texts_say_what_the_figures_are():
+    """Issue 49 item 4: `report` printed "at the seed's rents", `plan --help` said "the seed's
+    class" and that --model defaults to "the built-in stand-in model", `report --help` said "the
+    seed: a few hundred used", and README copied them. They now say what the figures are."""
+    from radixserve.cli import build_parser
+
+    subs = next(a for a in build_parser()._actions if a.dest == "command").choices
+    helps = {name: " ".join(subs[name].format_help().split()) for name in ("plan", "report")}
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    printed = format_report(report(flat(12)))
+    for text in (*helps.values(), readme, printed):
+        assert not re.search(r"\bseed's\b|\bthe seed\b", text, re.I), re.search(r".{60}\bseed's?\b.{60}", text, re.I)
+    assert "default: 24, a 24 GB-class GPU" in helps["plan"]
+    assert "default: the default model" in helps["plan"] and "SmolLM2-135M-Instruct" in helps["plan"]
+    assert "a 24 GB-class GPU typically rents for 0.50-2" in helps["report"]
+    assert "a used 24 GB-class GPU costs a few hundred" in helps["report"]
+    assert "at a 24 GB-class GPU's typical rents $2.00-0.50/h: 250 h to 1,000 h" in printed
+
+
+def test_flat_verdict_prints_the_measured_ttft_not_a_negative_fit_end():
+    """Issue 49 item 5: a flat log printed "rolling p50 TTFT -0.294 s -> 0.710 s", the ends of a
+    poor straight-line fit; it now prints the measured rolling medians, and the fit as a slope."""
+    spikes = {52, 53, 55, 56, 58, 59}  # a few slow windows at the end: a rising fit with a low R^2
+    v = verdict(windows_of(synthetic_log([([1.0 if i in spikes else 0.02] * 5, 0, 600) for i in range(60)])))
+    ev = v["evidence"]
+    assert v["verdict"] == "fine" and ev["ttft_fit_start_s"] < 0  # the fit's intercept is below 0 s
+    m = re.search(r"rolling p50 TTFT (\S+) s -> (\S+) s, fit ([-+]\S+) s/hour", v["reason"])
+    assert m, v["reason"]
+    assert float(m[1]) == pytest.approx(ev["ttft_p50_first_s"], abs=1e-3) and float(m[1]) > 0
+    assert float(m[2]) == pytest.approx(ev["ttft_p50_last_s"], abs=1e-3)
+    assert float(m[3]) == pytest.approx(ev["ttft_p50_slope_s_per_hour"], abs=1e-3)

@@ -1,6 +1,9 @@
-"""The saturation signals and remedies (pure functions), and windows between stats documents."""
+"""The saturation signals and remedies (pure functions), windows between stats documents, and
+`radixserve top`'s frame from a stand-in client."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -126,3 +129,52 @@ def test_remedies_read_the_kv_state():
     # preemptions mean KV ran out whatever the gauge says now
     pre = saturation_signals([W(preemptions=1)] * 3)
     assert [r.rank for r in remedies(pre, below)] == [1, 2, 3]
+
+
+class _IdleRouter:
+    """A stand-in SDK client for ``radixserve top``: an idle server whose KV is all evictable
+    cache (23,300 of 23,300 tokens used)."""
+
+    def __init__(self, address, timeout=None):
+        self.polls = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def stats(self, timeout=None):
+        self.polls += 1
+        eng = {"generated_tokens": 0, "running": 0, "waiting": 0, "preemptions": 0, "prefix_query_tokens": 0,
+               "prefix_hit_tokens": 0, "kv_total_tokens": 23300, "kv_used_tokens": 23300,
+               "kv_evictable_tokens": 23300, "kv_locked_tokens": 0}
+        return {"router": {"uptime_s": 10.0 + self.polls, "gauges": {"queue_depth": 0, "inflight": 0}, "histograms": {}},
+                "workers": {"w0": {"alive": True, "inflight": 0, "engine": eng, "histograms": {}}}}
+
+
+def _top_once(monkeypatch, capsys) -> str:
+    import radixserve.client
+    from radixserve.ops.top import run_top
+
+    monkeypatch.setattr(radixserve.client, "Client", _IdleRouter)
+    for var in ("COLUMNS", "FORCE_COLOR"):
+        monkeypatch.delenv(var, raising=False)
+    assert run_top("tcp://127.0.0.1:1", interval=0.0, once=True) == 0
+    return capsys.readouterr().out
+
+
+def test_top_once_off_a_terminal_never_wraps_a_sentence(monkeypatch, capsys):
+    """Issue 49 item 5: off a TTY `top --once` wrapped at 80 columns in the middle of sentences."""
+    lines = [line.rstrip() for line in _top_once(monkeypatch, capsys).splitlines()]
+    assert "  - per-stream tok/s sagging as the batch fills: off (not enough windows with decoding to compare)" in lines
+    assert max(map(len, lines)) > 80
+
+
+def test_top_shows_idle_evictable_kv_apart_from_kv_in_use(monkeypatch, capsys):
+    """Issue 49 item 5: an idle server showed "KV used 23,300 (100%)", all of it evictable cache,
+    which reads as an alarm. In use (what saturates), evictable and free are now apart."""
+    out = _top_once(monkeypatch, capsys)
+    assert re.search(r"KV in use\s+evictable\s+free\s+KV total", out), out
+    assert re.search(r"fleet\s+0 \(0%\)\s+23,300\s+0\s+23,300", out), out
+    assert "100%" not in out

@@ -8,8 +8,9 @@ through another LLM agent, a random mover and a one-ply material-greedy player. 
 concurrently on one asyncio loop over one :class:`AsyncClient`.
 
 The report: games finished (by the rules; the rest stopped at the move cap) and results; moves/s;
-per-move latency and TTFT p50/p99; the prefix hit rate from the servers' usage, beside the ideal
-hit rate for the same request sequence; illegal-move attempts and fallbacks per 1000 LLM moves,
+per-move latency and TTFT p50/p99; the prefix hit rate from the servers' usage (the run's requests
+in a cache namespace of their own: an earlier run's prefixes do not count), beside the ideal hit rate
+for the same request sequence from an empty cache; illegal-move attempts and fallbacks per 1000 LLM moves,
 and the count of illegal moves applied (always 0: every move is checked before it is pushed).
 ``--out DIR``: one PGN per chess game, one JSON per janggi game (start FEN, variant, UCI moves).
 """
@@ -21,6 +22,7 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from examples.chess_janggi.agents import GreedyAgent, LLMAgent, RandomAgent, chat_renderer
@@ -81,7 +83,7 @@ class Match:
 
 
 def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, record: bool,
-                 temperature: float = 0.5, render=None) -> list[Match]:
+                 temperature: float = 0.5, render=None, namespace: str | None = None) -> list[Match]:
     matches = []
     k = 0
     for kind, n in (("chess", n_chess), ("janggi", n_janggi)):
@@ -91,10 +93,10 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
             llm_side = sides[(i // len(OPPONENTS)) % 2] if opponent != "llm" else sides[0]
             other = sides[1] if llm_side == sides[0] else sides[0]
             agents = {llm_side: LLMAgent(client, mode=mode, seed=seed + k, record=record, temperature=temperature,
-                                        render=render)}
+                                        render=render, namespace=namespace)}
             if opponent == "llm":
                 agents[other] = LLMAgent(client, mode=mode, seed=seed + k + 1, record=record, temperature=temperature,
-                                          render=render)
+                                          render=render, namespace=namespace)
             elif opponent == "random":
                 agents[other] = RandomAgent(seed + k)
             else:
@@ -107,16 +109,20 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
 async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *, mode: str = "choose",
                     seed: int = 0, out: str | None = None, show_progress: bool = True,
                     ideal_tokenizer=None, timeout: float = 600.0, temperature: float = 0.5,
-                    chat_tokenizer=None) -> dict:
+                    chat_tokenizer=None, namespace: str | None = None) -> dict:
     """Play the games; return the report (a dict, every number with its unit in its key).
 
-    ``chat_tokenizer``: prompts go through its chat template (the server's model's); None: plain text."""
+    ``chat_tokenizer``: prompts go through its chat template (the server's model's); None: plain text.
+    ``namespace``: the cache namespace of the run's requests; None: a fresh one, so that what the
+    server cached before the run (an earlier run with the same seed replays the same positions)
+    cannot count as hits, and the hit rate is this request sequence's, as its ideal is."""
     from radixserve.client import AsyncClient
 
+    namespace = namespace or f"fleet-{uuid.uuid4().hex[:12]}"
     async with AsyncClient(address, timeout=timeout) as client:
         await client.wait_ready(1, timeout=120)
         matches = make_matches(client, n_chess, n_janggi, mode=mode, seed=seed, record=ideal_tokenizer is not None,
-                               temperature=temperature, render=chat_renderer(chat_tokenizer))
+                               temperature=temperature, render=chat_renderer(chat_tokenizer), namespace=namespace)
         progress = {"plies": 0}
         total = max_plies * len(matches)
         start = time.monotonic()

@@ -14,7 +14,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices, validate_choose
 from radixserve.engine.commands import AbortRequest, AddRequest, OnChunk, Unpin
 from radixserve.engine.core import EngineCore
-from radixserve.engine.request import Request, RequestOutput, StreamChunk, check_prompt_ids
+from radixserve.engine.request import Request, RequestOutput, StreamChunk, check_prompt_ids, fit_max_tokens
 from radixserve.errors import BadRequestError
 from radixserve.sampling_params import SamplingParams
 
@@ -78,6 +78,7 @@ class Engine(EngineCore):
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = self.tokenize(prompt)
         check_prompt_ids(ids, bool(prompt), self.vocab_size, self.max_model_len, self.pool.capacity_tokens)
+        params = fit_max_tokens(params, len(ids), self.max_model_len, self.pool.capacity_tokens)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return Request(
             rid=rid, prompt_ids=ids, params=params, namespace=namespace,

@@ -59,7 +59,7 @@ class OutputProcessor:
             return "stop"
         if req.stream and self.update_text(req):
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and len(req.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -70,10 +70,28 @@ def check_prompt_ids(ids: list[int], given: bool, vocab_size: int, max_model_len
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise BadRequestError("prompt", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    limit = min(max_model_len, capacity_tokens)
+    limit, what = _room(max_model_len, capacity_tokens)
     if len(ids) >= limit:
-        what = "context" if limit == max_model_len else "KV pool (raise kv_cache_tokens)"
         raise TooLongError("prompt", f"has {len(ids)} tokens; the {what} holds {limit}, leaving no room to generate")
+
+
+def fit_max_tokens(params: SamplingParams, prompt_tokens: int, max_model_len: int, capacity_tokens: int) -> SamplingParams:
+    """The rule for ``max_tokens`` everywhere (CLI, SDK, HTTP all reach the engine here), as vLLM's:
+    unset (None) generates until the context is full; set, the prompt plus it must fit the context
+    (and the KV pool), else :class:`TooLongError` with the numbers. Never clipped silently."""
+    limit, what = _room(max_model_len, capacity_tokens)
+    if params.max_tokens is None:
+        return msgspec.structs.replace(params, max_tokens=limit - prompt_tokens)
+    if prompt_tokens + params.max_tokens > limit:
+        raise TooLongError("max_tokens", f"{params.max_tokens} + {prompt_tokens} prompt tokens exceeds the {what} "
+                                         f"({limit} tokens); at most {limit - prompt_tokens} fit after this prompt")
+    return params
+
+
+def _room(max_model_len: int, capacity_tokens: int) -> tuple[int, str]:
+    """The most tokens one request can hold (prompt and output), and what bounds it, in words."""
+    limit = min(max_model_len, capacity_tokens)
+    return limit, "model's context" if limit == max_model_len else "KV pool (raise kv_cache_tokens)"
 
 
 @dataclass(frozen=True, slots=True)

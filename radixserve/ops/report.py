@@ -29,11 +29,11 @@ from radixserve.errors import BadRequestError
 from radixserve.ops.signals import Window, window_of
 from radixserve.ops.stats import linear_fit
 
-# The seed's figures: a 24 GB-class GPU rents for about $0.50-2 an hour and costs a few hundred
-# dollars used; break-even is around 300-1,000 hours of real generation.
+# Typical figures: a 24 GB-class GPU rents for about $0.50-2 an hour and a used one costs a few
+# hundred dollars; break-even is then around 250-1,000 hours of real generation.
 DEFAULT_RENT_PER_HOUR = 1.0
 DEFAULT_BUY_PRICE = 500.0
-SEED_RENT_RANGE = (0.5, 2.0)
+TYPICAL_RENT_RANGE = (0.5, 2.0)  # $ per hour for a 24 GB-class GPU
 _MAX_LINE = 16 * 2**20
 
 
@@ -140,7 +140,9 @@ def verdict(windows: Sequence[Window], rules: VerdictRules = VerdictRules()) -> 
                            + (f"; but p50 TTFT peaks at {peak:.1f} s in them: if users cannot wait that long, "
                               "size for the peaks (bound context, add workers)" if peak >= 1.0 else ""))}
     return {"verdict": "fine", "evidence": ev,
-            "reason": (f"flat: rolling p50 TTFT {start:.3f} s -> {end:.3f} s (R^2 {r2:.2f}), queue drained "
+            # the measured medians, not the fit's ends: a poor fit's intercept can be below 0 s
+            "reason": (f"flat: rolling p50 TTFT {rolled[0]:.3f} s -> {rolled[-1]:.3f} s, fit {slope:+.3f} s/hour "
+                       f"(R^2 {r2:.2f}), queue drained "
                        f"{ev['drain_cycles']} times, peak {ev['max_queued']} queued")}
 
 
@@ -153,10 +155,10 @@ def rent_vs_buy(generation_hours: float, period_hours: float, rent_per_hour: flo
     saving = rent_per_hour - own_cost_per_hour
     breakeven = buy_price / saving if saving > 0 else None
     per_week = generation_hours / period_hours * 168 if period_hours > 0 else 0.0
-    lo, hi = (buy_price / (r - own_cost_per_hour) if r > own_cost_per_hour else None for r in SEED_RENT_RANGE[::-1])
+    lo, hi = (buy_price / (r - own_cost_per_hour) if r > own_cost_per_hour else None for r in TYPICAL_RENT_RANGE[::-1])
     return {"rent_per_hour": rent_per_hour, "buy_price": buy_price, "own_cost_per_hour": own_cost_per_hour,
             "breakeven_generation_hours": breakeven,
-            "breakeven_range_hours_at_seed_rents": [lo, hi], "seed_rent_range_per_hour": list(SEED_RENT_RANGE),
+            "breakeven_range_hours_at_typical_rents": [lo, hi], "typical_rent_range_per_hour": list(TYPICAL_RENT_RANGE),
             "generation_hours_per_week": per_week,
             "weeks_to_breakeven": (breakeven / per_week) if breakeven and per_week > 0 else None,
             "rent_cost_of_period": generation_hours * rent_per_hour}
@@ -221,7 +223,7 @@ def plot(rep: dict[str, Any], path: str | Path) -> Path:
 
 def format_report(rep: dict[str, Any]) -> str:
     p, g, v, rb = rep["period"], rep["generation"], rep["verdict"], rep["rent_vs_buy"]
-    lo, hi = rb["breakeven_range_hours_at_seed_rents"]
+    lo, hi = rb["breakeven_range_hours_at_typical_rents"]
     be = rb["breakeven_generation_hours"]
     wk = rb["weeks_to_breakeven"]
     lines = [
@@ -237,7 +239,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"${rb['own_cost_per_hour']:.2f}/h",
         (f"            at this log's rate ({rb['generation_hours_per_week']:.1f} h of generation a week): "
          + (f"{wk:,.1f} weeks" if wk else "never")),
-        (f"            at the seed's rents ${SEED_RENT_RANGE[1]:.2f}-{SEED_RENT_RANGE[0]:.2f}/h: "
+        (f"            at a 24 GB-class GPU's typical rents ${TYPICAL_RENT_RANGE[1]:.2f}-{TYPICAL_RENT_RANGE[0]:.2f}/h: "
          + " to ".join(f"{h:,.0f} h" if h else "never" for h in (lo, hi))),
     ]
     return "\n".join(lines)

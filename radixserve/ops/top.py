@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from radixserve.ops.signals import Signal, Thresholds, Window, remedies, saturation_signals, window_of
 
 HISTORY = 120  # windows kept for the signals (the rising / sagging comparisons look back this far)
+PIPE_WIDTH = 1000  # columns of the virtual console off a terminal: lines are never wrapped there
 
 
 def _ms(x: float | None) -> str:
@@ -57,20 +58,21 @@ def render(window: Window, signals: list[Signal], address: str):
     for col in ("", "TTFT p50", "TTFT p99", "done", "queued", "run", "tok/s", "per stream", "preempt"):
         load.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
     kv = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("", "KV used", "evictable", "locked", "KV total", "hit rate"):
+    for col in ("", "KV in use", "evictable", "free", "KV total", "hit rate"):
         kv.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
 
     def row(name: str, w: Window, queued: int) -> None:
         load.add_row(name, _ms(w.ttft_p50_s), _ms(w.ttft_p99_s), str(w.completed), str(queued), str(w.running),
                      _rate(w.tokens_per_s), _rate(w.per_stream_tok_s), str(w.preemptions))
-        used = f"{w.kv_used_tokens:,} ({w.kv_used_tokens / w.kv_total_tokens:.0%})" if w.kv_total_tokens else "-"
-        kv.add_row(name, used, f"{w.kv_evictable_tokens:,}", f"{w.kv_locked_tokens:,}", f"{w.kv_total_tokens:,}",
-                   _pct(w.hit_rate))
+        in_use = w.kv_used_tokens - w.kv_evictable_tokens
+        kv.add_row(name, f"{in_use:,} ({_pct(w.kv_pressure)})", f"{w.kv_evictable_tokens:,}",
+                   f"{w.kv_total_tokens - w.kv_used_tokens:,}", f"{w.kv_total_tokens:,}", _pct(w.hit_rate))
 
     row("fleet", window, window.queued)
     for name, w in window.workers.items():
         row(name, w, w.waiting)
-    parts: list[Any] = [load, kv]
+    parts: list[Any] = [load, kv, Text("KV in use = held by running requests and locked prefixes (what saturates); "
+                                       "evictable = cached prefixes, reclaimed on demand\n")]
     on = [s for s in signals if s.on]
     if on:
         parts.append(Text("saturation signals ON:", style="bold red"))
@@ -82,6 +84,16 @@ def render(window: Window, signals: list[Signal], address: str):
     off = [s for s in signals if not s.on]
     parts += [Text(f"  - {s.title}: off ({s.evidence})", style="dim") for s in off]
     return Group(*parts)
+
+
+def console():
+    """rich's console for stdout: the terminal's width on a terminal; off one (a pipe, a file, a
+    log) a virtual console wide enough that no line is wrapped in the middle of a sentence."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
 
 
 def windows(client, interval: float, timeout: float) -> Iterator[Window]:
@@ -111,16 +123,14 @@ def run_top(address: str, *, interval: float = 2.0, once: bool = False, as_json:
                 if as_json:
                     print(json.dumps(snapshot(w, list(history), address, th)), flush=True)
                 else:
-                    from rich.console import Console
-
-                    Console().print(render(w, saturation_signals(list(history), th), address))
+                    console().print(render(w, saturation_signals(list(history), th), address))
                 if count is not None and n >= count:
                     break
             return 0
         from rich.live import Live
 
         try:
-            with Live(refresh_per_second=4, screen=False) as live:
+            with Live(console=console(), refresh_per_second=4, screen=False) as live:
                 for n, w in enumerate(stream, 1):
                     history.append(w)
                     live.update(render(w, saturation_signals(list(history), th), address))

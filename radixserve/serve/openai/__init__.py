@@ -21,7 +21,8 @@ Decisions (see the README's "HTTP API" section):
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` (both endpoints) become
   ``SamplingParams.structured`` (xgrammar token masks in the worker's sampler).
 - Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad field
-  (the prompt longer than the context: 400 ``context_length_exceeded``, as OpenAI does), 401
+  (the prompt, or the prompt plus ``max_tokens``, longer than the context: 400
+  ``context_length_exceeded`` with the numbers, as OpenAI and vLLM do), 401
   missing/wrong key, 404 unknown model or route, 405, 413 body over ``max_body_bytes``, 503 with
   ``Retry-After`` when the fleet is overloaded, shutting down or has no live worker, 500 else.
 - Tenants (:mod:`.tenants`): each API key maps to a tenant whose requests carry a namespace derived

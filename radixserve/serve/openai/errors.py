@@ -40,8 +40,9 @@ def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError
     """Map an SDK / router error to the HTTP error a client of OpenAI expects."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, TooLongError):
-        return APIError(400, exc.message, param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, TooLongError):  # the prompt, or max_tokens on top of it, does not fit the context
+        too_long = "max_tokens" if exc.field == "max_tokens" else prompt_param
+        return APIError(400, exc.message, param=too_long, code="context_length_exceeded")
     if isinstance(exc, BadRequestError):
         param = getattr(exc, "field", None) or None
         if param in ("prompt", "token_ids"):

@@ -3,7 +3,8 @@
 Types and static ranges are constraints on the Structs (``Meta(ge=..., le=...)``, ``Literal``),
 checked by ``msgspec.convert``; a failure becomes a 400 whose ``param`` names the field (the first
 path component, or ``messages[i].role`` / ``messages[i].content`` inside ``messages``). What depends
-on the server's limits (``max_tokens`` against the context, the number of stop strings) and what
+on the server's limits (``max_tokens`` against its cap; against the context in the engine, 400
+``context_length_exceeded``; the number of stop strings) and what
 spans fields (``best_of`` against ``n``, ``top_logprobs`` needing ``logprobs``) is checked after, in
 :func:`sampling_params`; the result is validated once more by :meth:`SamplingParams.validate`.
 
@@ -186,7 +187,7 @@ def structured_output(req: Request):
     return found[0][1] if found else None
 
 
-def _max_tokens(req: Request, limits: P.Limits) -> int:
+def _max_tokens(req: Request, limits: P.Limits) -> int | None:
     chat = isinstance(req, ChatRequest)
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
         value = getattr(req, name)
@@ -194,8 +195,8 @@ def _max_tokens(req: Request, limits: P.Limits) -> int:
             if value > limits.max_tokens:
                 raise bad(name, f"must be in [1, {limits.max_tokens}], got {value}")
             return value
-    # OpenAI: completions default to 16 tokens; chat to "as many as fit" (the engine stops at the context).
-    return limits.max_tokens if chat else 16
+    # OpenAI: completions default to 16 tokens; chat to "as many as fit" (None: the engine fills the context).
+    return None if chat else 16
 
 
 def _stop(stop: str | list[str] | None, limits: P.Limits) -> list[str] | None:
