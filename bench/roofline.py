@@ -151,6 +151,55 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
     return out
 
 
+def quant_gemv_table(model, rows: list[int], mib: int, repeats: int = 7) -> list[dict]:
+    """ms and GB/s of the quantized linear layers of ``model`` (layer 0's and the output head) for
+    each row count: csrc/quant.cpp's register path (impl 2) and its tiles (impl 3), what
+    ``qlinear`` picks (impl 0), and oneDNN over the same weights dequantized to fp32 and prepacked
+    (what the dequantized model runs), each with weights rotated over ``mib`` MiB of copies."""
+    import torch
+
+    from radixserve.model import quant
+    from radixserve.model.quant import QuantLinear
+
+    layer = model.model.layers[0]
+    head = model.quant_head if model.tie_word_embeddings else model.lm_head
+    named = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj), ("lm_head", head)]
+    ops, out = quant.ops(), []
+    g = torch.Generator().manual_seed(0)
+    for name, m in named:
+        if not isinstance(m, QuantLinear):
+            continue
+        copies = max(2, (mib << 20) // m.nbytes)
+        args = [([p.data.clone() for p in m.parts], *m._args[1:]) for _ in range(copies)]
+        dense = torch.cat([p.dequantize() for p in m.parts])
+        packed = [torch.ops.mkldnn._reorder_linear_weight(dense.clone()) for _ in range(max(2, (mib << 20) // (dense.numel() * 4)))]
+        for rows_m in rows:
+            x = torch.randn(rows_m, m.in_features, generator=g)
+            row = {"shape": name, "types": "+".join(p.type_name for p in m.parts), "N": m.out_features,
+                   "K": m.in_features, "M": rows_m}
+            for key, impl in (("auto", 0), ("rows", 2), ("tiles", 3)):
+                ms = _rotating_ms(lambda a, w, impl=impl: ops.qlinear(a, *w, None, impl), x, args, max(repeats, copies))
+                row[f"{key}_ms"], row[f"{key}_gb_s"] = ms, m.nbytes / ms / 1e6
+            ms = _rotating_ms(lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), x, packed,
+                              max(repeats, len(packed)))
+            row["onednn_fp32_ms"], row["onednn_fp32_gb_s"] = ms, dense.numel() * 4 / ms / 1e6
+            out.append(row)
+    return out
+
+
+def print_quant_gemv(table: list[dict], threads: int) -> None:
+    print(f"\nquantized linear layers, {threads} thread(s): median ms (GB/s of weights read); rows/tiles = "
+          "csrc/quant.cpp's register path / decoded tiles, auto = what it picks; oneDNN fp32 = the same weights "
+          "dequantized and prepacked")
+    print(f"{'shape':13} {'types':14} {'N x K':>11} {'M':>4}  {'auto':>17} {'rows':>17} {'tiles':>17} {'oneDNN fp32':>17} "
+          f"{'oneDNN/auto':>11}")
+    for r in table:
+        cells = " ".join(f"{r[k + '_ms']:7.3f} ({r[k + '_gb_s']:5.1f})" for k in ("auto", "rows", "tiles", "onednn_fp32"))
+        print(f"{r['shape']:13} {r['types']:14} {r['N']:>5}x{r['K']:<5} {r['M']:>4}  {cells} "
+              f"{r['onednn_fp32_ms'] / r['auto_ms']:10.2f}x")
+
+
 def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
     print(f"\nlinear layers, {dtype} weights, {threads} thread(s): median ms (GB/s of weights read); "
           f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL), "
@@ -265,8 +314,9 @@ def run(args) -> int:
     result["fused_layers"] = model.fused_decode.batches > 0
     if "layers" in steps:
         result["decode_step_layers_ms"] = steps["layers"] * 1e3
-    table = gemv_table(model.config, param_dtype, [int(r) for r in args.gemv_rows.split(",")], args.gemv_mib) \
-        if args.gemv else None
+    gemv_rows = [int(r) for r in args.gemv_rows.split(",")]
+    gemv = quant_gemv_table if quantized else (lambda m, *a: gemv_table(m.config, param_dtype, *a))
+    table = gemv(model, gemv_rows, args.gemv_mib) if args.gemv else None
     if args.json:
         if table is not None:
             result["gemv"] = table
@@ -287,5 +337,8 @@ def run(args) -> int:
         print(f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
               f"{result['ratio_fallback']:.2f}x the floor ({first} step {steps[fallback] / step:.2f}x faster)")
     if table is not None:
-        print_gemv(table, args.dtype, args.threads)
+        if quantized:
+            print_quant_gemv(table, args.threads)
+        else:
+            print_gemv(table, args.dtype, args.threads)
     return 0

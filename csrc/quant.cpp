@@ -525,8 +525,10 @@ void tile_gemm(const Part& p, int64_t n0, int cols, const float* x, int64_t ldx,
 }
 #endif  // RADIXSERVE_QUANT_AVX512
 
-// Most rows of x the register path takes; larger batches go to the tiles.
-constexpr int64_t kGemvMaxRows = 4;
+// Most rows of x the register path takes; larger batches go to the tiles. One thread, Q4_1 weights
+// from memory, SmolLM2's shapes: the register path took 0.38-0.59x the tiles' time at 4-8 rows,
+// 0.78-0.97x at 12 and 0.84-1.18x at 16 (/tmp scratch timing, bench/RESULTS.md section 40).
+constexpr int64_t kGemvMaxRows = 12;
 
 bool has_avx512() {
 #if defined(RADIXSERVE_QUANT_AVX512)
