@@ -262,3 +262,13 @@ def test_peers_radixserve_alone(tiny_model):
             assert sum(c["gflop"] for c in calls.values()) == pytest.approx(prompt_gflop, rel=1e-9)
     fleet = res["workloads"]["fleet"]["engines"]["radixserve"]
     assert 0 < fleet["computed_prompt_tokens"] < fleet["prompt_tokens"]  # turn 2 reuses turn 1's KV
+
+
+def test_bigmodel_on_a_tiny_shape(tmp_path):
+    res = run_bench("bigmodel", "--shape", "tiny", "--mix", "q4_k_m", "--dir", str(tmp_path), "--tokens", "6",
+                    "--kv-cache-tokens", "256")
+    assert Path(res["file"]).is_file() and res["file_bytes"] > 0
+    assert res["plan_weight_bytes"] == res["held_weight_bytes"]  # plan counts what the engine holds
+    assert len(res["load_s"]) == 2 and all(s > 0 for s in res["load_s"])
+    assert 0 < res["rss_loaded"] <= res["rss_after"] and res["kv_bytes"] > 0
+    assert res["decode_ms"] > 0 and res["floor_ms"] > 0 and res["read_bytes"] < res["file_bytes"]
