@@ -66,6 +66,22 @@ def test_busy_port_is_one_line(llama_dir):
     assert len(lines) == 1 and "cannot bind" in lines[0] and "in use" in lines[0].lower(), out.stderr
 
 
+@pytest.mark.parametrize("flag", ["--http-port", "--worker-port"])
+def test_busy_http_or_worker_port_exits_at_once_with_one_line(llama_dir, flag):
+    """Issue 49 item 1: the client socket was bound when these failed; its open sockets and the
+    ZAP thread kept Context.term() (at exit) waiting forever, after two tracebacks."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        out = _run(["serve", "--model", llama_dir, "--port", "0", flag, str(busy.getsockname()[1])], timeout=60)
+    finally:
+        busy.close()
+    assert out.returncode == 2
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and "in use" in lines[0].lower(), out.stderr
+
+
 def test_every_worker_dying_at_start_up_exits_nonzero_with_its_error(llama_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(llama_dir, broken)

@@ -100,10 +100,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
             t.cancel()
         if self._tok_pool is not None:
             self._tok_pool.shutdown(wait=False, cancel_futures=True)
-        self._auth.stop()
-        self.sock.close(linger=500)
-        self.wsock.close(linger=500)
-        self.ctx.term()
+        self.close()
 
     async def _metrics_logger(self, path: str) -> None:
         out = MetricsLog(path)

@@ -36,19 +36,25 @@ class Sockets(RouterBase):
         """Bind the client and worker sockets; returns the client address (with the real port
         when port is 0); the worker socket's is :attr:`worker_address`. A busy address raises
         :class:`~radixserve.errors.RadixServeError` naming it."""
+        self.ctx = zmq.asyncio.Context()
+        try:
+            return self._bind_sockets()
+        except BaseException:
+            self.close(linger=0)  # an open socket or the ZAP thread would keep the process from exiting
+            raise
+
+    def _bind_sockets(self) -> str:
         from radixserve.serve import auth
 
-        self.ctx = zmq.asyncio.Context()
         cfg = self.config
-        sock = self.ctx.socket(zmq.ROUTER)
+        sock = self.sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
         # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
         # still gets an error reply naming the limit.
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
         self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
-        self.sock = sock
-        wsock = self.ctx.socket(zmq.ROUTER)
+        wsock = self.wsock = self.ctx.socket(zmq.ROUTER)
         wsock.setsockopt(zmq.LINGER, 500)
         wsock.setsockopt(zmq.SNDHWM, 0)
         wsock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)
@@ -71,8 +77,20 @@ class Sockets(RouterBase):
         if cfg.address and cfg.address.startswith("tcp://"):
             host = cfg.address[len("tcp://"):].rsplit(":", 1)[0]
         self.worker_address = _bind(wsock, worker_address, host, port, "worker")
-        self.wsock = wsock
         return self.address
+
+    def close(self, linger: int = 500) -> None:
+        """Stop the ZAP handler, close both sockets and end the context (after ``linger`` ms for
+        replies still queued). Idempotent, and safe after a :meth:`bind` that failed half-way:
+        ``Context.term()`` waits forever for a socket left open."""
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
+            self._auth = None
+        for sock in (getattr(self, "sock", None), getattr(self, "wsock", None)):
+            if sock is not None:
+                sock.close(linger=linger)
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.term()
 
     def _send(self, identity: bytes, msg) -> None:
         try:
