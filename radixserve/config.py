@@ -54,7 +54,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Token budget of one step, shared by decode tokens and prefill chunks."""
     max_prefill_chunk: Positive | None = None
     """Largest prefill chunk of one request in one step; None: max_batched_tokens."""
-    max_model_len: Positive | None = None
+    max_model_len: Annotated[Positive | None, _help("context length in tokens (default: the model's)")] = None
     """Context length; None: the model's (capped by a sliding window if it has one)."""
     enable_prefix_cache: Annotated[bool, _help("turn the radix prefix cache off", flag="--no-prefix-cache")] = True
     """Reuse KV of cached prompt prefixes through the radix tree (off: every prompt is prefilled)."""

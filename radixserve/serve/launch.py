@@ -133,6 +133,7 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
     import signal
 
     from radixserve.model.default import resolve_model
+    from radixserve.model.loader import check_model
     from radixserve.serve import auth
     from radixserve.serve.router import Router, load_tokenizer
 
@@ -145,6 +146,7 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
     try:
         # Build/convert the model once here, not racing in N workers; absolute, since workers may start elsewhere.
         cfg.engine.model = os.path.abspath(str(resolve_model(cfg.engine.model)))
+        check_model(cfg.engine.model, cfg.engine.max_model_len, cfg.workers)  # what every worker would fail on, once, here
         try:
             tokenizer = load_tokenizer(cfg.engine.model)
         except Exception as exc:
