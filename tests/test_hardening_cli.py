@@ -87,6 +87,24 @@ def test_busy_http_or_worker_port_exits_at_once_with_one_line(llama_dir, flag):
     assert len(lines) == 1 and "in use" in lines[0].lower(), out.stderr
 
 
+@pytest.mark.parametrize("secret, mode, expected", [
+    ("0" * 64, 0o600, "the worker secret is weak"),
+    (None, 0o644, "(mode 0644); whoever reads it can pose as a worker: run chmod 600"),
+])
+def test_weak_or_readable_secret_file_is_refused_in_one_line(llama_dir, tmp_path, secret, mode, expected):
+    """Issue 49 item 14: an all-zero secret was accepted and a 0644 secret file only warned."""
+    from radixserve.serve.auth import new_secret
+
+    path = tmp_path / "worker.secret"
+    path.write_text((secret or new_secret()) + "\n")
+    path.chmod(mode)
+    for cmd in (["serve", "--port", "0", "--worker-secret-file"], ["worker", "--router", "tcp://127.0.0.1:9", "--secret-file"]):
+        out = _run(cmd + [str(path), "--model", llama_dir], timeout=60)
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = _error_lines(out.stderr)
+        assert len(lines) == 1 and expected in lines[0], out.stderr[-3000:]
+
+
 def _llama_gguf(path, head_count: int = 4, truncate: int | None = None):
     """A llama GGUF whose metadata gets as far as the config (one tensor; no tokenizer)."""
     w = gguf.GGUFWriter(str(path), "llama")

@@ -31,6 +31,8 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85 as z85
 
+from radixserve.errors import RadixServeError
+
 log = logging.getLogger("radixserve.auth")
 
 ENV_SECRET = "RADIXSERVE_WORKER_SECRET"
@@ -38,23 +40,31 @@ SECRET_HEX_CHARS = 64
 ZAP_DOMAIN = "radixserve-workers"
 
 
-class AuthError(RuntimeError):
-    pass
+class AuthError(RadixServeError):
+    """A missing, weak or unprotected worker secret (``serve`` and ``worker`` exit 2 with it)."""
 
 
 def new_secret() -> str:
     return secrets.token_hex(SECRET_HEX_CHARS // 2)
 
 
+_GENERATE = ("serve writes one with --worker-secret-file, or generate one: "
+             "python -c 'import secrets; print(secrets.token_hex(32))'")
+
+
 def check_secret(secret: str) -> str:
+    """``secret`` stripped; raises :class:`AuthError` unless it is at least 32 hex characters and
+    not an obviously weak one: fewer than 8 distinct digits (all zeros), or a shorter string repeated."""
     secret = secret.strip()
     try:
         ok = len(secret) >= 32 and bytes.fromhex(secret)
     except ValueError:
         ok = False
     if not ok:
-        raise AuthError("the worker secret must be at least 32 hex characters (serve writes one with "
-                        "--worker-secret-file, or generate one: python -c 'import secrets; print(secrets.token_hex(32))')")
+        raise AuthError(f"the worker secret must be at least 32 hex characters ({_GENERATE})")
+    digits = secret.lower()
+    if len(set(digits)) < 8 or digits in (digits + digits)[1:-1]:
+        raise AuthError(f"the worker secret is weak: a few digits or a short pattern repeated; use a random one ({_GENERATE})")
     return secret
 
 
@@ -70,8 +80,10 @@ def read_secret_file(path: str, *, create: bool = False) -> str:
             f.write(secret + "\n")
         log.info("wrote a new worker secret to %s", p)
         return secret
-    if p.stat().st_mode & 0o077:
-        log.warning("secret file %s is readable by group/others; chmod 600 it", p)
+    mode = p.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise AuthError(f"secret file {p} is open to group or others (mode {mode:04o}); whoever reads it can pose as a "
+                        f"worker: run chmod 600 {p}")
     return check_secret(p.read_text())
 
 

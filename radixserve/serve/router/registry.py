@@ -19,7 +19,8 @@ class WorkerRegistry(RouterBase):
     """Worker registration, heartbeats and liveness."""
 
     def _refuse(self, identity: bytes, worker, msg: P.Register) -> bool:
-        """Refuse a worker of another model, or a connection renaming itself; True if refused."""
+        """Refuse a worker of another model, a connection renaming itself, or a newcomer under the
+        name of a live worker; True if refused."""
         want = self.config.model_fingerprint
         if want and msg.fingerprint != want:
             self.counters["refused_workers"] = self.counters.get("refused_workers", 0) + 1
@@ -30,6 +31,17 @@ class WorkerRegistry(RouterBase):
             return True
         if worker is not None and worker.name != msg.worker:
             self._wsend(identity, P.Refused(reason=f"this connection is worker {worker.name}; it cannot rename itself"))
+            return True
+        old = self.workers.get(msg.worker)
+        if old is not None and old.alive and old.identity != identity and (old.proc is None or old.proc.poll() is None):
+            # Another live process holds the name: handing it over would make the two take it from
+            # each other for good (each declared dead in turn).
+            self.counters["refused_workers"] = self.counters.get("refused_workers", 0) + 1
+            why = (f"the name {msg.worker} belongs to a live worker (pid {old.pid} on {old.host or '?'}); start this one "
+                   f"with another --worker-id (if that worker has just died, retry after --heartbeat-timeout, "
+                   f"{self.config.heartbeat_timeout_s:g} s)")
+            log.error("refused worker %s (pid %d on %s): %s", msg.worker, msg.pid, msg.host, why)
+            self._wsend(identity, P.Refused(reason=why))
             return True
         return False
 
@@ -61,16 +73,14 @@ class WorkerRegistry(RouterBase):
         if old is not None and old.alive and same and old.identity == identity:
             self._registered_again(old, identity, msg)
             return
-        if old is not None and old.alive:
-            self._declare_dead(old, "it registered again (restarted)")
+        if old is not None and old.alive:  # its process exited (_refuse let this one in)
+            self._declare_dead(old, f"its process exited, and pid {msg.pid} registered under its name")
         self._rejoin_asked.pop(identity, None)
         state = WorkerState(name=msg.worker, identity=identity, pid=msg.pid, host=msg.host, session=msg.session,
                             info=dict(max_model_len=msg.max_model_len, kv_total_tokens=msg.kv_total_tokens,
                                       page_size=msg.page_size))
-        if old is not None:
-            state.proc = old.proc
-        for proc in self.local_procs:
-            if getattr(proc, "worker_name", None) == msg.worker:
+        for proc in self.local_procs:  # only the process itself: not a remote worker that took a dead one's name
+            if getattr(proc, "worker_name", None) == msg.worker and proc.pid == msg.pid:
                 state.proc = proc
         if self.supervisor is not None:
             self.supervisor.on_registered(msg.worker, msg.pid)
