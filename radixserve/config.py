@@ -121,6 +121,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                                             "does not steer routing (default: 0.3)", ge=0)] = 0.3
     max_queue: Annotated[int, _help("requests the router may queue when every worker is full; beyond it: overloaded (default: 256)", ge=0)] = 256
     max_inflight: Annotated[int, _help("requests in flight per worker (default: 64)", ge=1)] = 64
+    max_clients: Annotated[Positive | None, _help("ZMQ client connections at most; more are refused (default: half "
+                                                  "the open-file limit, at most 16384)")] = None
     heartbeat_timeout: Annotated[float, _help(
         "seconds of silence before a worker is declared dead and its requests restarted elsewhere (default: 3 = 6 "
         "missed heartbeats; raise it on lossy or long-haul links, and keep workers' --router-timeout longer)", gt=0)] = 3.0

@@ -85,7 +85,7 @@ def router_config(cfg: ServeConfig):
     limits.validate()
     return RouterConfig(
         host=cfg.host, port=cfg.port, address=cfg.address, policy=cfg.policy, max_queue=cfg.max_queue,
-        max_inflight_per_worker=cfg.max_inflight, heartbeat_timeout_s=cfg.heartbeat_timeout,
+        max_inflight_per_worker=cfg.max_inflight, max_clients=cfg.max_clients, heartbeat_timeout_s=cfg.heartbeat_timeout,
         drain_s=cfg.drain_timeout, metrics_log=cfg.metrics_log, metrics_interval_s=cfg.metrics_interval,
         limits=limits, balance_abs=cfg.balance_abs,
         balance_rel=cfg.balance_rel, cache_threshold=cfg.cache_threshold, max_prompt_chars=cfg.max_prompt_chars,
@@ -134,11 +134,13 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
 
     from radixserve.model.default import resolve_model
     from radixserve.model.loader import check_model
+    from radixserve.runtime import raise_open_files_limit
     from radixserve.serve import auth
     from radixserve.serve.router import Router, load_tokenizer
 
     check_model_dir(cfg.engine.model)
     check_device(cfg.engine.device)
+    raise_open_files_limit()  # a file descriptor per client connection, and some left for worker restarts
     config = router_config(cfg)
     router = Router(config)
     address = router.bind()  # before the slow model conversion and tokenizer load: a busy port fails at once

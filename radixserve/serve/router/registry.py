@@ -142,40 +142,48 @@ class WorkerRegistry(RouterBase):
         self._declare_dead(worker, "it left", left=True)
 
     async def _ticker(self) -> None:
-        cfg = self.config
         self._last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(cfg.heartbeat_s)
-            now = time.monotonic()
-            late = now - self._last_tick - cfg.heartbeat_s
-            self._last_tick = now
-            if late > cfg.heartbeat_s:
-                # Our own loop was stalled: the silence is ours, not the workers'. Give every
-                # worker a fresh window; what they sent meanwhile is still queued for us.
-                log.warning("router loop stalled for %.1f s; not counting it against workers", late)
-                for w in self.workers.values():
-                    w.last_seen = max(w.last_seen, now)
-            if self.supervisor is not None:
-                self.supervisor.tick(now, shutting_down=self.shutting_down)
-                if self.supervisor.fatal and not any(w.alive for w in self.workers.values()):
-                    self.fatal = self.supervisor.fatal
-                    log.error("%s", self.fatal)
-                    self.request_shutdown()
-            for w in list(self.workers.values()):
-                if not w.alive:
-                    continue
-                if w.proc is not None and w.proc.poll() is not None:
-                    self._declare_dead(w, f"its process exited with status {w.proc.returncode}")
-                elif now - w.last_seen > cfg.heartbeat_timeout_s:
-                    self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f} s")
-                else:
-                    self._wsend(w.identity, P.Ping())
-            for w in [w for w in self.workers.values() if not w.alive and w.proc is None]:
-                if now - w.last_seen > cfg.forget_dead_s:  # remote and gone: forget it
-                    del self.workers[w.name]
-            if self.queue and not any(w.alive for w in self.workers.values()):
-                while self.queue and now - self.queue[0].queued_at > cfg.no_worker_wait_s:
-                    job = self.queue.popleft()
-                    self.jobs.pop((job.client, job.cid), None)
-                    self._reply_error(job.client, job.cid, P.WORKER_LOST,
-                                      f"no worker joined within {cfg.no_worker_wait_s:.0f} s")
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                self._tick(time.monotonic())
+            except Exception:  # one error must not end the liveness checks and restarts for good
+                self._task_failed("ticker")
+
+    def _tick(self, now: float) -> None:
+        """Every ``heartbeat_s``: restart local workers that are due, declare silent or exited
+        workers dead, ping the others, forget long-dead remote ones, fail what waited too long
+        for any worker."""
+        cfg = self.config
+        late = now - self._last_tick - cfg.heartbeat_s
+        self._last_tick = now
+        if late > cfg.heartbeat_s:
+            # Our own loop was stalled: the silence is ours, not the workers'. Give every
+            # worker a fresh window; what they sent meanwhile is still queued for us.
+            log.warning("router loop stalled for %.1f s; not counting it against workers", late)
+            for w in self.workers.values():
+                w.last_seen = max(w.last_seen, now)
+        if self.supervisor is not None:
+            self.supervisor.tick(now, shutting_down=self.shutting_down)
+            if self.supervisor.fatal and not any(w.alive for w in self.workers.values()):
+                self.fatal = self.supervisor.fatal
+                log.error("%s", self.fatal)
+                self.request_shutdown()
+        for w in list(self.workers.values()):
+            if not w.alive:
+                continue
+            if w.proc is not None and w.proc.poll() is not None:
+                self._declare_dead(w, f"its process exited with status {w.proc.returncode}")
+            elif now - w.last_seen > cfg.heartbeat_timeout_s:
+                self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f} s")
+            else:
+                self._wsend(w.identity, P.Ping())
+        for w in [w for w in self.workers.values() if not w.alive and w.proc is None]:
+            if now - w.last_seen > cfg.forget_dead_s:  # remote and gone: forget it
+                del self.workers[w.name]
+        if self.queue and not any(w.alive for w in self.workers.values()):
+            while self.queue and now - self.queue[0].queued_at > cfg.no_worker_wait_s:
+                job = self.queue.popleft()
+                self.jobs.pop((job.client, job.cid), None)
+                self._reply_error(job.client, job.cid, P.WORKER_LOST,
+                                  f"no worker joined within {cfg.no_worker_wait_s:.0f} s")

@@ -11,9 +11,12 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
+from radixserve.runtime import open_files_limit
 from radixserve.serve.router.base import RouterBase
 
 log = logging.getLogger("radixserve.router")
+
+MAX_CLIENTS = 16384  # client connections at most by default (also at most half the open-file limit)
 
 
 # Message type -> the name of its handler method, ``handler(identity, worker, msg)``.
@@ -47,12 +50,18 @@ class Sockets(RouterBase):
         from radixserve.serve import auth
 
         cfg = self.config
+        self.max_clients = cfg.max_clients or min(MAX_CLIENTS, open_files_limit() // 2)
+        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters, self._admit_client)
         sock = self.sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
         # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
         # still gets an error reply naming the limit.
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
+        # Client connections are bounded (see _admit_client), counted from the socket's events.
+        sock.zap_domain = auth.CLIENT_ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        self._client_monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
         wsock = self.wsock = self.ctx.socket(zmq.ROUTER)
         wsock.setsockopt(zmq.LINGER, 500)
@@ -68,7 +77,6 @@ class Sockets(RouterBase):
         wsock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_s * 1000))
         wsock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((cfg.heartbeat_timeout_s + 2.0) * 1000))
         auth.make_server(wsock, self.secret)
-        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters)
         worker_address = cfg.worker_address
         if worker_address is None and cfg.address and cfg.address.startswith("ipc://"):
             worker_address = cfg.address + "-workers"
@@ -86,11 +94,39 @@ class Sockets(RouterBase):
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
             self._auth = None
-        for sock in (getattr(self, "sock", None), getattr(self, "wsock", None)):
+        for sock in (getattr(self, "_client_monitor", None), getattr(self, "sock", None), getattr(self, "wsock", None)):
             if sock is not None:
                 sock.close(linger=linger)
         if getattr(self, "ctx", None) is not None:
             self.ctx.term()
+
+    def _admit_client(self) -> bool:
+        """(On the ZAP thread, at each client handshake.) Whether a new client connection may
+        stay: while at most :attr:`max_clients` are open. Every connection holds a file
+        descriptor; past the process's limit libzmq spins on accept() and a worker restart
+        fails (EMFILE), so the bound sits well below it. A refused libzmq peer does not retry."""
+        if self.clients <= self.max_clients:
+            return True
+        self.counters["refused_clients"] += 1
+        now = time.monotonic()
+        if now - self._clients_full_logged >= 60.0:
+            self._clients_full_logged = now
+            log.warning("%d client connections are open (at most %d): refusing new ones (refused_clients counts them)",
+                        self.clients, self.max_clients)
+        return False
+
+    async def _count_clients(self) -> None:
+        """Keep :attr:`clients`, the open client connections, from the client socket's monitor."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            frames = await self._client_monitor.recv_multipart()
+            try:
+                accepted = parse_monitor_message(frames)["event"] == zmq.EVENT_ACCEPTED
+            except Exception:
+                self._task_failed("client count")
+                continue
+            self.clients = max(0, self.clients + (1 if accepted else -1))
 
     def _send(self, identity: bytes, msg) -> None:
         try:
