@@ -24,6 +24,7 @@ from radixserve import protocol as P  # noqa: E402
 from radixserve.client import Client  # noqa: E402
 from radixserve.serve.openai import (DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants,  # noqa: E402
                                    load_keys_file)
+from radixserve.serve.openai.errors import APIError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -410,6 +411,15 @@ def test_tenants_and_keys_file(tmp_path):
     keys = load_keys_file(f)
     assert keys["sk-one"] == keys["sk-three"] == "acme" and keys["sk-two"].startswith("key-")
     assert "sk-two" not in keys["sk-two"]
+    # issue 49 item 14: a '#' inside a key is part of it (it was cut there: 'sk-live' got in)
+    f.write_text("sk-live#9f2Qx7 tenantC\n#sk-commented tenantD\nsk-x#y\t# a comment\n")
+    keys = load_keys_file(f)
+    assert keys["sk-live#9f2Qx7"] == "tenantC" and keys["sk-x#y"].startswith("key-") and len(keys) == 2
+    t = Tenants(keys)
+    assert t.authenticate("Bearer sk-live#9f2Qx7") == "tenantC"
+    with pytest.raises(APIError) as err:
+        t.authenticate("Bearer sk-live")
+    assert err.value.status == 401
 
 
 def _gateway_inflight(server) -> float:
