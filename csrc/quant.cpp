@@ -594,9 +594,6 @@ torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, co
   return out;
 }
 
-}  // namespace
-
-// (also called by decode.cpp's decode_layers, for the layers whose weights are quantized)
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
                       const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -660,6 +657,8 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   if (bp) y.add_(b);
   return y;
 }
+
+}  // namespace
 
 TORCH_LIBRARY(radixserve_quant, m) {
   m.def("dequantize(Tensor data, int qtype, int k, Tensor rows) -> Tensor", &dequantize);

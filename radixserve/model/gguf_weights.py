@@ -16,6 +16,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -99,7 +100,7 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
             if target == "quant_head":
                 continue  # (below, over the embedding table's blocks)
             parts = [_quant_tensor(tensors[f"{n}.weight"], arch, config) for n in names]
-            dense = model.get_submodule(target).weight  # (on the meta device: its shape only)
+            dense = cast(torch.Tensor, model.get_submodule(target).weight)  # (on the meta device: its shape only)
             shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
             if shape != tuple(dense.shape) or any(p.shape[1] != shape[1] for p in parts):
                 raise ModelLoadError(f"{path.name}: {', '.join(names)} hold {[p.shape for p in parts]}; the config "
