@@ -103,6 +103,24 @@ def test_completion_text_ids_and_batch(server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_return_token_ids(server):
+    # vLLM's return_token_ids: the choice carries the generated ids, and each streamed chunk its
+    # new ones (even a chunk whose text is empty: a token that ends inside a UTF-8 character)
+    c = _client(server)
+    ids = random_prompts([24], seed=4)[0]
+    kw = dict(model="llama", prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = c.completions.create(**kw)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    out = c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
+    got = out.choices[0].model_extra["token_ids"]
+    assert len(got) == 6 and all(isinstance(t, int) for t in got)
+    chunks = list(c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}},
+                                       stream=True))
+    streamed = [t for ch in chunks if ch.choices for t in (ch.choices[0].model_extra or {}).get("token_ids") or []]
+    assert streamed == got
+    assert sum(1 for ch in chunks if ch.choices and (ch.choices[0].model_extra or {}).get("token_ids")) >= 1
+
+
 def test_chat_and_streaming_chat_agree(server):
     c = _client(server)
     messages = [{"role": "system", "content": "You are a chess agent."},

@@ -56,6 +56,7 @@ class Prepared:
     include_usage: bool
     namespace: str | None
     headers: dict[str, str]
+    return_token_ids: bool = False
 
     @property
     def route(self) -> str:
@@ -192,7 +193,8 @@ class Gateway:
         headers = {"X-Radixserve-Ignored-Fields": ",".join(ignored)[:1000]} if ignored else {}
         return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        namespace=self.tenants.namespace(tenant), headers=headers)
+                        namespace=self.tenants.namespace(tenant), headers=headers,
+                        return_token_ids=req.return_token_ids)
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
@@ -219,7 +221,8 @@ class Gateway:
                 outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
             except Exception as exc:
                 return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
-            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), chat), chat)
+            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), chat), chat,
+                                      out.token_ids if prep.return_token_ids else None)
                        for (index, _, _), out in zip(prep.jobs, outs)]
             data = prep.response(choices, R.usage(outs, prep.n))
             return self._json(data, headers=prep.headers, route=route)
