@@ -53,6 +53,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gemv", action="store_true", help="also print the per-shape linear kernel table")
     parser.add_argument("--gemv-rows", default="1,8,16,32,64", help="row counts M of the --gemv table")
     parser.add_argument("--gemv-mib", type=int, default=256, help="MiB of weight copies each --gemv shape rotates over")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="also time the prefill of N fresh tokens (one request, nothing cached; median of 3), in tok/s")
     parser.add_argument("--json", action="store_true")
 
 
@@ -200,6 +202,20 @@ def print_quant_gemv(table: list[dict], threads: int) -> None:
               f"{r['onednn_fp32_ms'] / r['auto_ms']:10.2f}x")
 
 
+def prefill_rate(engine, tokens: int, span: int) -> float:
+    """tok/s of the prefill of ``tokens`` fresh tokens (one request, a prompt the cache has never
+    seen; chunked as the engine's step budget cuts it), the median of 3."""
+    from radixserve import SamplingParams
+
+    rates = []
+    for r in range(3):
+        ids = [7 + (r * 1_000_003 + j * 7919 + 101) % span for j in range(tokens)]
+        start = time.perf_counter()
+        engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
     print(f"\nlinear layers, {dtype} weights, {threads} thread(s): median ms (GB/s of weights read); "
           f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL), "
@@ -317,6 +333,9 @@ def run(args) -> int:
     gemv_rows = [int(r) for r in args.gemv_rows.split(",")]
     gemv = quant_gemv_table if quantized else (lambda m, *a: gemv_table(m.config, param_dtype, *a))
     table = gemv(model, gemv_rows, args.gemv_mib) if args.gemv else None
+    if args.prefill:
+        result["prefill_tokens"] = args.prefill
+        result["prefill_tok_s"] = prefill_rate(engine, args.prefill, span)
     if args.json:
         if table is not None:
             result["gemv"] = table
@@ -336,6 +355,9 @@ def run(args) -> int:
     if kernel is not None:
         print(f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
               f"{result['ratio_fallback']:.2f}x the floor ({first} step {steps[fallback] / step:.2f}x faster)")
+    if args.prefill:
+        print(f"  prefill of {args.prefill} fresh tokens (one request, nothing cached): {result['prefill_tok_s']:.0f} tok/s "
+              f"(median of 3)")
     if table is not None:
         if quantized:
             print_quant_gemv(table, args.threads)
