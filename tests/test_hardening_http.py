@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
+import threading
 import time
 
 import msgspec
@@ -119,3 +121,78 @@ def test_client_leaving_a_non_streaming_request_is_not_a_500(gateway):
         assert time.monotonic() < deadline, counters
         time.sleep(0.1)
     assert counters.get(("completions", 500), 0) == 0
+
+
+# ---------------------------------------------------------------------------------------- issue 49 item 12
+async def _max_lag(seconds: float, since: float | None = None, step: float = 0.01) -> float:
+    """How long the loop's other tasks waited at worst during ``seconds``: the most a ``step``
+    sleep overslept (and, with ``since``, how late this probe started)."""
+    start = time.monotonic()
+    worst = start - since if since is not None else 0.0
+    while time.monotonic() - start < seconds:
+        t0 = time.monotonic()
+        await asyncio.sleep(step)
+        worst = max(worst, time.monotonic() - t0 - step)
+    return worst
+
+
+def _block(loop, seconds: float) -> float:
+    """Stall ``loop`` (of another thread) for ``seconds`` from now, so that frames queue up; returns
+    when the stall ends (time.monotonic)."""
+    started = threading.Event()
+    loop.call_soon_threadsafe(lambda: (started.set(), time.sleep(seconds)))
+    assert started.wait(10)
+    return time.monotonic() + seconds
+
+
+def test_a_health_flood_does_not_stall_the_router_loop(router):
+    """Two sockets flooding health requests stalled the router's loop for as long as frames were
+    queued (a victim's stream took 16.7 s, not 0.78 s): its receive loop never yielded. A backlog
+    of 40,000 health frames now leaves the loop's other tasks waiting milliseconds, not seconds."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(router.address)
+    frame = P.encode(P.Health(id="flood"))
+    unblocked = _block(router.loop, 0.5)
+    for _ in range(20_000):
+        for s in socks:
+            s.send(frame)
+    since = max(unblocked, time.monotonic())  # the probe is due now, or when the stall ends
+    lag = asyncio.run_coroutine_threadsafe(_max_lag(0.5, since=since), router.loop).result(60)
+    ctx.destroy(linger=0)
+    assert lag < 0.2, f"the router's loop stalled {lag:.2f} s behind a health flood"
+
+
+def test_a_reply_flood_does_not_stall_the_client_loop():
+    """The SDK's (and so the gateway's) receive loop yields to its event loop while frames are queued."""
+    from radixserve.client import AsyncClient
+
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.setsockopt(zmq.SNDHWM, 0)
+    address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+
+    async def main():
+        async with AsyncClient(address, timeout=10) as client:
+            call = asyncio.ensure_future(client.health(timeout=60))
+            assert await asyncio.to_thread(fake.poll, 10_000)
+            identity, req = fake.recv_multipart()
+            frame = P.encode(P.HealthReply(id="unknown", status="ok", workers=0, workers_alive=0))
+            time.sleep(0.3)  # the loop stalls; meanwhile 50,000 stray replies queue up
+            for _ in range(50_000):
+                fake.send_multipart([identity, frame])
+            fake.send_multipart([identity, P.encode(P.HealthReply(id=P.decode(req).id, status="ok", workers=0,
+                                                                  workers_alive=0))])
+            lag = await _max_lag(0.5)
+            assert (await call)["status"] == "ok"
+            return lag
+
+    try:
+        lag = asyncio.run(main())
+    finally:
+        ctx.destroy(linger=0)
+    assert lag < 0.2, f"the client's loop stalled {lag:.2f} s behind a reply flood"
