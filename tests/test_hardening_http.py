@@ -196,3 +196,80 @@ def test_a_reply_flood_does_not_stall_the_client_loop():
     finally:
         ctx.destroy(linger=0)
     assert lag < 0.2, f"the client's loop stalled {lag:.2f} s behind a reply flood"
+
+
+class _SlowTokenizer:
+    """A real tokenizer that takes 1 s per call on a long text, and records every text's length."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, text, **kw):
+        self.calls.append(len(text))
+        if len(text) > 1000:
+            time.sleep(1.0)
+        return self.tok(text, **kw)
+
+
+def _chat(port: int, content: str, timeout: float = 30.0) -> tuple[int, dict, float]:
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": [{"role": "user", "content": content}],
+                                                                  "max_tokens": 2}).encode())
+    r = conn.getresponse()
+    data = json.loads(r.read() or b"{}")
+    conn.close()
+    return r.status, data, time.monotonic() - t0
+
+
+def test_long_chats_are_refused_untokenized_and_do_not_hold_up_short_ones(llama_dir):
+    """Six 1.9M-character chats were each tokenized (under one global lock) before being refused,
+    and another tenant's "hi" took 10 s. A chat longer than any prompt that fits the context is
+    now refused untokenized; long ones are tokenized in a pool, short ones at once. (No worker,
+    no queue: every chat that is tokenized ends in a 503 from the router, at once.)"""
+    from radixserve.serve.router import load_tokenizer
+
+    tok = _SlowTokenizer(load_tokenizer(llama_dir))
+    with running_router(RouterConfig(port=0, max_model_len=32, max_queue=0)) as r:
+        limit = r.prompt_char_limit()
+        config = GatewayConfig(router=r.address, model_names=["m"], inline_tokenize_chars=256)
+        gw = GatewayServer(Gateway(config, tok), "127.0.0.1", 0).start()
+        try:
+            status, data, _ = _chat(gw.port, "x" * (limit + 1))
+            assert status == 400 and data["error"]["code"] == "context_length_exceeded", data
+            assert data["error"]["param"] == "messages" and f"{limit + 1} characters" in data["error"]["message"]
+            assert max(tok.calls) < limit  # refused before the tokenizer saw it
+            long = [threading.Thread(target=_chat, args=(gw.port, "y" * 1500)) for _ in range(4)]
+            for t in long:
+                t.start()
+            time.sleep(0.3)  # two of them are being tokenized (1 s each), two wait for the pool
+            status, data, took = _chat(gw.port, "hi")
+            assert status == 503 and data["error"]["code"] == "overloaded", data  # tokenized, then refused
+            assert took < 0.5, f"a short chat waited {took:.2f} s behind long ones"
+            for t in long:
+                t.join(30)
+        finally:
+            gw.stop()
+
+
+def test_the_gateway_tokenizer_is_safe_to_share_between_threads(llama_dir):
+    """What the global lock was for: a fast tokenizer's backend settings (truncation, padding) are
+    reset by the first call that differs, a mutable borrow that fails ("Already borrowed") while
+    another thread encodes. The gateway sets them once, before any thread uses it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixserve.serve.openai.prompts import chat_ids
+    from radixserve.serve.router import load_tokenizer
+
+    tok = load_tokenizer(llama_dir)
+    tok.backend_tokenizer.enable_truncation(8)
+    tok.backend_tokenizer.enable_padding(length=16)
+    Gateway(GatewayConfig(router="tcp://127.0.0.1:1"), tok)
+    assert tok.backend_tokenizer.truncation is None and tok.backend_tokenizer.padding is None
+    messages = [{"role": "user", "content": "e2e4 " * 2000}]
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(lambda _: chat_ids(messages, tok, P.Limits()), range(32)))
+    assert all(x == ids[0] for x in ids) and len(ids[0]) > 2000

@@ -8,8 +8,8 @@ Every request goes to the router over the same ZMQ protocol as the SDK (one shar
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -19,13 +19,14 @@ from typing import Any
 import msgspec
 
 from radixserve import protocol as P
-from radixserve.errors import RadixServeError
+from radixserve.errors import OverloadedError, RadixServeError
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
-from radixserve.serve.openai.prompts import chat_prompt, completion_prompts
+from radixserve.serve.openai.prompts import chat_ids, chat_messages, completion_prompts
 from radixserve.serve.openai.schema import ChatRequest, known_fields, parse_request, refuse_unsupported, sampling_params
+from radixserve.serve.router.core import shareable
 from radixserve.serve.openai.tenants import Tenants
 
 log = logging.getLogger("radixserve.http")
@@ -42,6 +43,11 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 2**20
     max_n: int = 16
     limits: P.Limits = field(default_factory=P.Limits)
+    # Chats are tokenized here (the router gets token ids): short ones on the loop (microseconds),
+    # longer ones in a pool of tokenize_threads, at most max_tokenizing at once (beyond: 503).
+    inline_tokenize_chars: int = 8192
+    tokenize_threads: int = 2
+    max_tokenizing: int = 32
 
 
 @dataclass
@@ -89,15 +95,16 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None):
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = shareable(tokenizer)  # the loop and the pool's threads call it at once
         self.tenants = tenants or Tenants()
         self.client = client  # AsyncClient, created on the serving loop when None
         self.created = int(time.time())
         self.meters = GatewayMetrics(lambda: self.inflight)
         self.inflight = 0
         self._warned: set[str] = set()
-        self._max_model_len: int | None = None
-        self._tok_lock = threading.Lock()
+        self._context: tuple[int, int] | None = None  # see _router_limits
+        self._tok_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tokenizing = 0
         self.app = self._build_app()
 
     @property
@@ -184,7 +191,7 @@ class Gateway:
             raise bad("n", f"must be at most {self.config.max_n}, got {n}")
         prompts: list[str | list[int]]
         if isinstance(req, ChatRequest):  # parse_request gave a ChatRequest: chat
-            prompts = [await asyncio.to_thread(chat_prompt, req, self.tokenizer, self._tok_lock, self.config.limits)]
+            prompts = [await self._chat_prompt(req)]
         else:
             prompts = completion_prompts(req)
         if len(prompts) * n > MAX_CHOICES:
@@ -193,6 +200,30 @@ class Gateway:
         return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
                         namespace=self.tenants.namespace(tenant), headers=headers)
+
+    async def _chat_prompt(self, req: ChatRequest) -> list[int]:
+        """The chat's token ids. A chat longer (in characters) than any prompt that fits the context
+        is refused untokenized; a short one is tokenized on the loop, a longer one in the pool, so
+        that one tenant's long chats never hold up another's short one."""
+        messages = chat_messages(req, self.tokenizer)
+        chars = sum(len(m["content"]) for m in messages)
+        limit = (await self._router_limits())[1]
+        if chars > limit:
+            raise APIError(400, f"messages: have {chars} characters; no prompt longer than {limit} characters can fit "
+                                f"the model's context", param="messages", code="context_length_exceeded")
+        if chars <= self.config.inline_tokenize_chars:
+            return chat_ids(messages, self.tokenizer, self.config.limits)
+        if self._tokenizing >= self.config.max_tokenizing:
+            raise OverloadedError(f"{self._tokenizing} long chats are being tokenized; retry later")
+        if self._tok_pool is None:
+            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
+                                                                   thread_name_prefix="http-tokenize")
+        self._tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tok_pool, chat_ids, messages,
+                                                                    self.tokenizer, self.config.limits)
+        finally:
+            self._tokenizing -= 1
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
@@ -263,17 +294,32 @@ class Gateway:
     async def chat_completions(self, request):
         return await self._handle(request, chat=True)
 
-    async def _model_len(self) -> int | None:
-        if self._max_model_len is None:
+    async def _router_limits(self) -> tuple[int | None, int]:
+        """(The model's context in tokens, None while no worker is up; the longest prompt in
+        characters worth tokenizing), from the router's stats, kept once a worker is up."""
+        if self._context is None:
+            chars = self.config.limits.max_prompt_chars
             try:
-                client = await self._ensure_client()
-                stats = await client.stats(timeout=2.0)
-                lens = [w.get("max_model_len", 0) for w in stats.get("workers", {}).values() if w.get("alive")]
-                lens = [x for x in lens if x]
-                self._max_model_len = min(lens) if lens else None
+                stats = await (await self._ensure_client()).stats(timeout=2.0)
             except RadixServeError:
-                return None
-        return self._max_model_len
+                return None, chars
+            chars = stats["router"].get("max_prompt_chars", chars)
+            lens = [w.get("max_model_len", 0) for w in stats.get("workers", {}).values() if w.get("alive")]
+            lens = [x for x in lens if x]
+            if not lens:
+                return None, chars
+            self._context = (min(lens), chars)
+        return self._context
+
+    async def _model_len(self) -> int | None:
+        return (await self._router_limits())[0]
+
+    async def close(self) -> None:
+        """Close the router client and the tokenizing pool."""
+        if self.client is not None:
+            await self.client.close()
+        if self._tok_pool is not None:
+            self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     def _model_card(self, name: str, max_len: int | None) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "radixserve",

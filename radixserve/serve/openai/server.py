@@ -98,8 +98,7 @@ class GatewayServer:
             try:
                 await self.server.serve(sockets=[self.sock])
             finally:
-                if self.gateway.client is not None:
-                    await self.gateway.client.close()
+                await self.gateway.close()
 
         try:
             import uvloop

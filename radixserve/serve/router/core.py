@@ -188,6 +188,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
                     "shutting_down": int(self.shutting_down),
                 },
                 "histograms": {k: h.to_dict() for k, h in self.hist.items()},
+                "max_prompt_chars": self.prompt_char_limit(),  # longer prompts are refused untokenized
             },
             "workers": workers,
         }
@@ -203,4 +204,16 @@ def load_tokenizer(model: str | None):
     from radixserve.model.default import resolve_model
 
     model = str(resolve_model(model))
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return shareable(AutoTokenizer.from_pretrained(model, local_files_only=True))
+
+
+def shareable(tokenizer):
+    """``tokenizer``, ready to be called from several threads at once. A HF fast tokenizer is
+    thread-safe to encode and decode with, but its Rust backend also holds truncation, padding and
+    special-token settings, which each call first sets to its own when they differ: a mutable
+    borrow, and one while another thread encodes raises ``RuntimeError: Already borrowed``
+    (huggingface/tokenizers#537; what a global lock guarded against). radixserve calls tokenizers
+    only with the defaults: one call here sets them, and later calls only read them."""
+    if getattr(tokenizer, "is_fast", False):
+        tokenizer("x")
+    return tokenizer
