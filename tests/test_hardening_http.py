@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import socket
@@ -273,3 +274,69 @@ def test_the_gateway_tokenizer_is_safe_to_share_between_threads(llama_dir):
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(lambda _: chat_ids(messages, tok, P.Limits()), range(32)))
     assert all(x == ids[0] for x in ids) and len(ids[0]) > 2000
+
+
+class _LogprobsClient:
+    """Stands for the router client: every generate ends at once with ``tokens`` tokens, each with
+    20 alternatives; health and stats answer at once."""
+
+    def __init__(self, tokens: int):
+        self.lps = [P.TokenLogprob(token_id=i % 500, logprob=-1.0, top=[((i + k) % 500, -2.0) for k in range(20)])
+                    for i in range(tokens)]
+
+    async def generate(self, prompt, **_):
+        from radixserve.client import Completion
+
+        return Completion(request_id="x", text="", token_ids=[lp.token_id for lp in self.lps], finish_reason="length",
+                          usage=P.Usage(prompt_tokens=len(prompt), cached_tokens=0, completion_tokens=len(self.lps)),
+                          timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0), logprobs=self.lps)
+
+    async def health(self, timeout=None):
+        return {"status": "ok", "workers": 1, "workers_alive": 1}
+
+    async def stats(self, timeout=None):
+        return {"router": {"max_prompt_chars": 65536}, "workers": {"w0": {"alive": True, "max_model_len": 4096}}}
+
+    async def close(self):
+        pass
+
+
+def test_logprobs_do_not_stall_other_requests(llama_dir):
+    """n 8 x 1,500 tokens x top_logprobs 20 raised others' /health to 2.56 s (and a spurious 503):
+    every token and alternative was detokenized on the loop. Now each id is decoded once, and a
+    large response is built off the loop."""
+    from radixserve.serve.router import load_tokenizer
+
+    gw = GatewayServer(Gateway(GatewayConfig(router="tcp://127.0.0.1:1", model_names=["m"]), load_tokenizer(llama_dir),
+                               client=_LogprobsClient(1500)), "127.0.0.1", 0).start()
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 8, "logprobs": True, "top_logprobs": 20,
+                       "max_tokens": 1500}).encode()
+    result = {}
+
+    def heavy():
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=body)
+        r = conn.getresponse()
+        result["status"], result["body"] = r.status, r.read()  # decoded later: json.loads holds the GIL
+        conn.close()
+
+    gc.collect()  # the test's own garbage (a tokenizer loaded) must not make the collection measured here
+    try:
+        t = threading.Thread(target=heavy)
+        t.start()
+        worst = 0.0
+        while t.is_alive():
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            conn.close()
+            worst = max(worst, time.monotonic() - t0)
+        t.join()
+    finally:
+        gw.stop()
+    choices = json.loads(result["body"])["choices"]
+    assert result["status"] == 200 and len(choices) == 8
+    assert all(len(c["logprobs"]["content"]) == 1500 and len(c["logprobs"]["content"][0]["top_logprobs"]) == 20
+               for c in choices)
+    assert worst < 0.3, f"/health took {worst:.2f} s while a logprobs response was built"

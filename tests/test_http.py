@@ -462,9 +462,11 @@ def test_client_disconnect_aborts_the_request(server):
 
 def test_logprobs_formatting():
     """The gateway's OpenAI logprobs objects, for when the router protocol carries them."""
+    import msgspec
+
     gw = Gateway(GatewayConfig(router="tcp://127.0.0.1:1"))
     lps = [(5, -0.5, [(5, -0.5), (6, -1.5)]), (7, -0.1, [(7, -0.1)])]
-    chat = gw._logprobs(lps, chat=True)
+    chat = msgspec.to_builtins(gw._logprobs(lps, chat=True))  # as the JSON body has it
     assert [c["logprob"] for c in chat["content"]] == [-0.5, -0.1]
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.5, -1.5]
     comp = gw._logprobs(lps, chat=False)

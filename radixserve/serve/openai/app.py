@@ -96,6 +96,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None):
         self.config = config
         self.tokenizer = shareable(tokenizer)  # the loop and the pool's threads call it at once
+        self._token_texts = R.TokenTexts(self.tokenizer)
         self.tenants = tenants or Tenants()
         self.client = client  # AsyncClient, created on the serving loop when None
         self.created = int(time.time())
@@ -176,7 +177,7 @@ class Gateway:
         return self.client
 
     def _logprobs(self, lps, chat: bool):
-        return R.logprobs(self.tokenizer, lps, chat)
+        return R.logprobs(self._token_texts, lps, chat)
 
     # -- completions -------------------------------------------------------------------------------
     async def _prepare(self, request, chat: bool) -> Prepared:
@@ -250,13 +251,22 @@ class Gateway:
                 outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
             except Exception as exc:
                 return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
-            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), chat), chat)
-                       for (index, _, _), out in zip(prep.jobs, outs)]
-            data = prep.response(choices, R.usage(outs, prep.n))
-            return self._json(data, headers=prep.headers, route=route)
+            return self._json(await self._final_body(prep, outs), headers=prep.headers, route=route)
         finally:
             if not streaming:
                 self.inflight -= 1
+
+    async def _final_body(self, prep: Prepared, outs: list) -> msgspec.Raw:
+        """The JSON of a finished completion; built off the loop when it carries logprobs (up to 64
+        choices x their tokens x 21 alternatives: too long to keep other requests waiting)."""
+        def build() -> msgspec.Raw:
+            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), prep.chat), prep.chat)
+                       for (index, _, _), out in zip(prep.jobs, outs)]
+            return msgspec.Raw(msgspec.json.encode(prep.response(choices, R.usage(outs, prep.n))))
+
+        if any(getattr(out, "logprobs", None) for out in outs):
+            return await asyncio.to_thread(build)
+        return build()
 
     async def _stream(self, request, prep: Prepared):
         from starlette.responses import StreamingResponse
