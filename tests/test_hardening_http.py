@@ -83,6 +83,19 @@ def test_deep_json_and_huge_seed_are_400(gateway):
     assert gateway.gateway.counters.get(("other", 500), 0) + gateway.gateway.counters.get(("completions", 500), 0) == 0
 
 
+def test_unlistable_unknown_field_names_are_400_before_anything_runs(gateway, router):
+    """Issue 49 item 13: an unknown field named "ж" (with n 16, streamed) got a 500 while its 16
+    generations stayed in flight; a CR/LF in a field name dropped the connection. Unknown fields
+    are listed in a response header, so their names must be printable ASCII: else 400, at once."""
+    before = router.counters["requests"]
+    for name in ("ж", "a\r\nb", "é", "tab\there"):
+        body = {"prompt": [1, 2], "max_tokens": 2, "n": 16, "stream": True, name: 1}
+        status, data = _post(gateway, json.dumps(body).encode(), timeout=5.0)
+        assert status == 400 and data["error"]["param"] == name, (name, data)
+        assert "printable ASCII" in data["error"]["message"] and repr(name) in data["error"]["message"]
+    assert router.counters["requests"] == before and gateway.gateway.inflight == 0
+
+
 def _closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
     sock.settimeout(wait_s)
     try:

@@ -14,7 +14,8 @@ Decisions (see the README's "HTTP API" section):
 
 - Unknown top-level fields are ignored, like vLLM (the OpenAI API itself rejects them; tools that
   speak to many providers send extras) — each ignored name is logged once and listed in the
-  ``X-Radixserve-Ignored-Fields`` response header. Known OpenAI fields this server cannot honour
+  ``X-Radixserve-Ignored-Fields`` response header (so their names must be printable ASCII: else
+  400). Known OpenAI fields this server cannot honour
   (``logit_bias``, ``tools``, ``suffix``, ``echo``, ``best_of > n``, ...) are refused with 400
   naming the field rather than silently dropped.
 - Structured output: chat's ``response_format`` (``json_object``, ``json_schema``) and vLLM's

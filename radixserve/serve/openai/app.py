@@ -78,14 +78,16 @@ class Prepared:
 
 
 def _jobs(prompts: list, params, n: int) -> list[tuple[int, Any, dict]]:
-    """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``."""
+    """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``, wrapped
+    to 0 past the top of a seed's range (2**64 - 1)."""
     base = msgspec.structs.asdict(params)
     jobs = []
     for pi, prompt in enumerate(prompts):
         for i in range(n):
             sp = dict(base)
             if n > 1 and sp["seed"] is not None:
-                sp["seed"] += i
+                seed = sp["seed"] + i
+                sp["seed"] = seed - 2**64 if seed >= 2**64 else seed
             jobs.append((pi * n + i, prompt, sp))
     return jobs
 
@@ -160,9 +162,14 @@ class Gateway:
         return model
 
     def _ignored(self, body: dict, chat: bool) -> list[str]:
+        """The unknown fields of a request, which are ignored and listed in a response header: so
+        their names must be printable ASCII (400 otherwise, before anything runs)."""
         known = known_fields(chat)
         extra = sorted(k for k in body if k not in known)
         for k in extra:
+            if not (k.isascii() and k.isprintable()):
+                raise APIError(400, f"unknown field {k!r}: an unknown field's name must be printable ASCII (unknown "
+                                    f"fields are ignored and listed in the X-Radixserve-Ignored-Fields header)", param=k)
             if k not in self._warned and len(self._warned) < 1000:
                 self._warned.add(k)
                 log.warning("ignoring unknown request field %r", k)
@@ -273,17 +280,7 @@ class Gateway:
 
         from radixserve.serve.openai.streaming import open_streams, sse_events
 
-        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
-        try:  # an error before the first token gets a real HTTP status
-            first = await with_disconnect(request, queue.get())
-            if first[2] is not None:
-                raise first[2]
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
-
-        async def gen():
+        async def gen(first):
             try:
                 async for event in sse_events(prep, first, queue, self._logprobs):
                     yield event
@@ -293,9 +290,19 @@ class Gateway:
                     if not t.done():
                         t.cancel()
 
+        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
+        try:  # an error before the first token gets a real HTTP status, and ends every choice
+            first = await with_disconnect(request, queue.get())
+            if first[2] is not None:
+                raise first[2]
+            response = StreamingResponse(gen(first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers})
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
         self.meters.count(prep.route, 200)
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers})
+        return response
 
     # -- endpoints ---------------------------------------------------------------------------------
     async def completions(self, request):
