@@ -274,6 +274,12 @@ def test_401_without_or_with_a_wrong_key(server):
     assert headers["www-authenticate"] == "Bearer"
     status, _, _ = _raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer nope"})
     assert status == 401
+    # issue 49 item 13: /metrics (the fleet's counters, cached tokens included) needs a key too
+    for auth in ("", "Bearer nope"):
+        status, _, data = _raw(server, "GET", "/metrics", headers={"Authorization": auth})
+        assert status == 401 and _error(data)["code"] in ("missing_api_key", "invalid_api_key")
+    status, _, _ = _raw(server, "GET", "/health", headers={"Authorization": ""})
+    assert status == 200  # health stays open
 
 
 def test_404_unknown_model_and_route(server):

@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true``:
 server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``GET /health`` and ``GET /metrics`` (Prometheus text of the router's stats plus the gateway's
-own request counters).
+own request counters; with API keys configured it needs a key, as ``/v1/*`` does).
 
 Modules: :mod:`.schema` (request bodies as msgspec Structs -> SamplingParams), :mod:`.responses`
 (response bodies), :mod:`.prompts` (prompts, chat templates), :mod:`.tenants` (API keys ->

@@ -371,13 +371,15 @@ class Gateway:
         return self._json(h, 200 if ok else 503, None if ok else {"Retry-After": "5"}, "health")
 
     async def metrics(self, request):
-        """Prometheus text of the router's stats, then the gateway's own request metrics."""
+        """Prometheus text of the router's stats, then the gateway's own request metrics. With API
+        keys configured it needs one too: the counters (cached tokens ...) are the fleet's."""
         from starlette.responses import Response
 
         try:
+            self.tenants.authenticate(request.headers.get("authorization"))
             client = await self._ensure_client()
             stats = await client.stats(timeout=5.0)
-        except RadixServeError as exc:
+        except (APIError, RadixServeError) as exc:
             return self._error(api_error_from(exc), "metrics")
         text = prometheus_text(stats) + self.meters.text()
         self.meters.count("metrics", 200)
