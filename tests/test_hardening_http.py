@@ -61,7 +61,7 @@ def test_deep_msgpack_gets_an_error_reply_and_the_router_stays_up(router):
 @pytest.fixture(scope="module")
 def gateway(router):
     gw = GatewayServer(Gateway(GatewayConfig(router=router.address, model_names=["m"])), "127.0.0.1", 0,
-                       header_timeout_s=1.0, max_connections=40).start()
+                       header_timeout_s=1.0, body_timeout_s=1.0, max_connections=40).start()
     yield gw
     gw.stop()
 
@@ -120,6 +120,74 @@ def test_partial_headers_time_out_and_connections_are_capped(gateway):
         s.close()
     status, _ = _post(gateway, json.dumps({"prompt": [1], "seed": -1, "temperature": -1}).encode())
     assert status == 400  # and the gateway still answers
+
+
+def _read_response(sock: socket.socket, wait_s: float) -> bytes:
+    """What the server sends until it closes the connection (or ``wait_s`` passes)."""
+    sock.settimeout(wait_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, OSError):
+        pass
+    return data
+
+
+def test_request_bodies_must_arrive_in_time(gateway):
+    """Issue 49 item 13: 50 connections trickling a body, 1 byte every 3 s, stayed open. A body
+    must now arrive within the body timeout (1 s here) of its head: else 408, and the connection
+    is closed; also when the answer (a 401, a 404) came before the body."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    socks = [socket.create_connection(("127.0.0.1", gateway.port), timeout=10) for _ in range(6)]
+    for s in socks[:3]:
+        s.sendall(head + b'{"prompt": ')  # and nothing more
+    for s in socks[3:]:
+        s.sendall(head.replace(b"/v1/completions", b"/nowhere"))
+    t0 = time.monotonic()
+    for _ in range(4):  # trickling, until the server closes the connection
+        time.sleep(0.4)
+        for s in socks:
+            try:
+                s.sendall(b" ")
+            except OSError:
+                pass
+    replies = [_read_response(s, 5.0) for s in socks]
+    assert time.monotonic() - t0 < 6
+    for reply in replies[:3]:
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert err["code"] == "request_timeout" and "1 s" in err["message"]
+    for reply in replies[3:]:
+        assert reply.startswith(b"HTTP/1.1 404 ")  # answered at once, then closed when the body stayed late
+    for s in socks:
+        s.close()
+    assert gateway.gateway.counters.get(("completions", 500), 0) == 0
+
+
+def _health_keep_alive(port: int) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    return conn  # kept open, idle
+
+
+def test_idle_connections_do_not_hold_the_connection_cap(gateway):
+    """Issue 49 item 13: 205 idle keep-alive /health connections locked every tenant out (a
+    global cap, new connections closed). Past the cap (40 here), a new connection now closes the
+    one idle the longest; a connection busy with a request is never closed for it."""
+    busy = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
+    busy.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode())
+    time.sleep(0.2)  # no worker here: it waits in the router's queue, busy, until it leaves
+    idle = [_health_keep_alive(gateway.port) for _ in range(45)]
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=10)
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().status == 200  # not locked out
+    conn.close()
+    for c in idle:
+        c.close()
+    assert busy.sock is not None and not _closed_by_peer(busy.sock, 0.5)  # still waiting for its answer
+    busy.close()
 
 
 def test_client_leaving_a_non_streaming_request_is_not_a_500(gateway):
