@@ -27,6 +27,8 @@ from pathlib import Path
 HELP = "7B-shaped random GGUF (Q4_0 or Q4_K_M) served quantized: load time, RSS, plan, batch-1 decode"
 
 SHAPES = {
+    "tiny": dict(arch="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),  # (for the smoke test)
     "llama2-7b": dict(arch="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0),
     "qwen2-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

@@ -18,15 +18,14 @@ from __future__ import annotations
 import functools
 import json
 import time
-from pathlib import Path
 
-from bench.peers import OBSERVATION_TOKENS, WALL_TARGET
+from bench.peers import OBSERVATION_TOKENS, WALL_TARGET, model_config
 
 HELP = "FLOPs of the peers workloads at the measured GEMM rate: the floor any engine's wall time has"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, metavar="PATH", help="model directory (default: the bench model)")
+    p.add_argument("--model", default=None, metavar="PATH", help="model directory or .gguf file (default: the bench model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for the GEMM rate")
     p.add_argument("--rows", type=int, default=2048, help="GEMM rows (the step's token budget)")
@@ -147,7 +146,7 @@ def run(args) -> int:
         from bench.models import bench_model_path
 
         args.model = str(bench_model_path())
-    shape = Shape(json.loads((Path(args.model) / "config.json").read_text()))
+    shape = Shape(model_config(args.model))
     rate = gemm_rate(shape, args.rows, args.dtype, args.threads)
     rows = []
     for i, (name, c) in enumerate(workload_counts(args).items()):

@@ -1,4 +1,5 @@
-"""radixserve next to vLLM-CPU: the same token-id workloads through both engines, in one run.
+"""radixserve next to vLLM-CPU (or, with --peer llamacpp, llama.cpp's llama-server: see
+bench/llamacpp.py): the same token-id workloads through both engines, in one run.
 
 Workloads (greedy, ignore_eos, token ids only, the bench model unless --model):
 
@@ -43,22 +44,32 @@ import sys
 import time
 from pathlib import Path
 
-HELP = "radixserve vs vLLM-CPU side by side on the fleet and GSP token workloads (needs a vLLM install)"
+HELP = "radixserve vs vLLM-CPU or llama.cpp side by side on the fleet and GSP token workloads (needs a vLLM install or a llama-server)"
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATION_TOKENS = 16
 SEED = 7
 RESULT = "PEERS-RESULT "
 WALL_TARGET = 0.67  # issue 11's target: radixserve's wall at most this times vLLM's
+PEERS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}  # --peer: the name printed
+
+
+class UsageError(Exception):
+    """A bad command line or a peer that cannot run: one line on stderr, exit status 2."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peer", default="vllm", choices=sorted(PEERS),
+                   help="the engine next to radixserve: vLLM in-process (in --vllm-python), or llama.cpp's llama-server "
+                        "(--llama-server) with radixserve behind its HTTP gateway, both on the same GGUF")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python of an environment where vllm imports (default: this one)")
-    p.add_argument("--engines", default="radixserve,vllm", help="comma list from radixserve,vllm")
+    p.add_argument("--llama-server", default=None, metavar="PATH", help="--peer llamacpp: the llama-server binary")
+    p.add_argument("--engines", default=None, help="comma list from radixserve and the peer (default: both)")
     p.add_argument("--workloads", default="fleet,gsp", help="comma list from fleet,gsp")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
-    p.add_argument("--model", default=None, metavar="PATH", help="model directory (default: the bench model)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="model directory (default: the bench model); --peer llamacpp: a .gguf file (default: SmolLM2's)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of each engine")
     p.add_argument("--agents", type=int, default=64)
     p.add_argument("--system-tokens", type=int, default=2048)
@@ -101,8 +112,15 @@ def _ids(rng, n: int, vocab: int) -> list[int]:
     return rng.integers(7, vocab, size=n).tolist()  # ids < 7 are the bench tokenizer's special tokens
 
 
+def _own_usage() -> tuple[int, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_stime
+
+
 def drive(adapter, spec: dict) -> dict:
-    """Run one workload through an adapter (submit / step); returns per-request records."""
+    """Run one workload through an adapter (submit / step); returns per-request records, and the
+    minor page faults and system CPU seconds of the timed part (of this process, or of the
+    server behind an adapter that has ``usage()``)."""
     vocab, w = spec["vocab"], spec["workload"]
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -125,7 +143,8 @@ def drive(adapter, spec: dict) -> dict:
         order = _rng(SEED, 12).permutation(len(prompts)).tolist()
         pending = [(prompts[i][0], prompts[i][1], spec["output_tokens"]) for i in order]
         total = len(pending)
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    usage = getattr(adapter, "usage", _own_usage)
+    faults0, system0 = usage()
     t0 = time.perf_counter()
     last_log = t0
     while len(done) < total:
@@ -139,7 +158,7 @@ def drive(adapter, spec: dict) -> dict:
                 first[rid] = now
             if final is None:
                 continue
-            done[rid] = {**final, "ttft_s": first.get(rid, now) - submitted[rid]}
+            done[rid] = {"ttft_s": first.get(rid, now) - submitted[rid], **final}  # (or the adapter's own, from server timings)
             if w == "fleet":
                 a, t = (int(x[1:]) for x in rid.split("-"))
                 if t + 1 < spec["turns"]:
@@ -149,9 +168,8 @@ def drive(adapter, spec: dict) -> dict:
             last_log = time.perf_counter()
             print(f"  {spec['engine']} {w}: {len(done)}/{total} requests, {last_log - t0:.0f} s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"wall_s": wall, "requests": done, "page_faults": usage.ru_minflt - usage0.ru_minflt,
-            "system_s": usage.ru_stime - usage0.ru_stime}
+    faults, system = usage()
+    return {"wall_s": wall, "requests": done, "page_faults": faults - faults0, "system_s": system - system0}
 
 
 class RadixAdapter:
@@ -338,24 +356,46 @@ def child(engine: str, spec: dict) -> None:
         from radixserve.runtime import default_malloc
 
         default_malloc()
+    print(RESULT + json.dumps(measure(lambda: (VllmAdapter if engine == "vllm" else RadixAdapter)(spec), engine, spec)),
+          flush=True)
+
+
+def measure(start, engine: str, spec: dict) -> dict:
+    """Start an engine (``start()``: an adapter; load not timed), warm it up with one small
+    untimed burst, run the workload; the adapter is closed at the end when it has ``close()``."""
     t = time.perf_counter()
-    adapter = (VllmAdapter if engine == "vllm" else RadixAdapter)(spec)
+    adapter = start()
     load_s = time.perf_counter() - t
-    warm = {**spec, "workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 64, "question_tokens": 8,
-            "output_tokens": 4}
-    drive(adapter, {**warm, "vocab": spec["vocab"], "system_tokens": 0})  # untimed warm-up; other ids than the workload's
-    if spec.get("breakdown") and engine == "radixserve":
-        adapter.record_steps()
-    result = drive(adapter, spec)
+    try:
+        warm = {**spec, "workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 64, "question_tokens": 8,
+                "output_tokens": 4}
+        drive(adapter, {**warm, "vocab": spec["vocab"], "system_tokens": 0})  # untimed warm-up; other ids than the workload's
+        if spec.get("breakdown") and engine == "radixserve":
+            adapter.record_steps()
+        result = drive(adapter, spec)
+    finally:
+        if hasattr(adapter, "close"):
+            adapter.close()
     result.update(engine=engine, backend=adapter.backend, load_s=load_s)
+    if getattr(adapter, "command", None):
+        result["command"] = " ".join(adapter.command)
     if getattr(adapter, "steps", None) is not None:
         result["steps"] = adapter.steps
-    print(RESULT + json.dumps(result), flush=True)
+    return result
 
 
 # -- parent ----------------------------------------------------------------------------------
+def model_config(model: str) -> dict:
+    """The Hugging Face config of a model directory, or of a GGUF file (from its metadata)."""
+    from radixserve.model.gguf import _reader, gguf_config, is_gguf
+
+    if is_gguf(model):
+        return gguf_config(_reader(Path(model).expanduser()))
+    return json.loads((Path(model) / "config.json").read_text())
+
+
 def _vocab(model: str) -> tuple[int, int]:
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    cfg = model_config(model)
     return int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 8192))
 
 
@@ -363,6 +403,8 @@ def specs(args, model: str) -> dict[str, dict]:
     vocab, max_pos = _vocab(model)
     common = dict(model=model, vocab=vocab, dtype=args.dtype, threads=args.threads, breakdown=args.breakdown,
                   max_batched_tokens=args.max_batched_tokens, vllm_eager=args.vllm_eager, attention=args.attention)
+    if args.peer == "llamacpp":  # both engines behind HTTP servers on the GGUF
+        common.update(gguf=model, llama_server=args.llama_server)
     fleet_longest = args.system_tokens + args.private_tokens + args.turns * (args.output_tokens + OBSERVATION_TOKENS)
     fleet_tokens = args.system_tokens + args.agents * (fleet_longest - args.system_tokens)
     gsp_tokens = args.gsp_groups * (args.gsp_prefix + args.gsp_prompts * (args.gsp_question + args.gsp_output))
@@ -376,7 +418,7 @@ def specs(args, model: str) -> dict[str, dict]:
                     max_running=args.gsp_max_running, tokens=gsp_tokens,
                     max_model_len=min(max_pos, max(2048, args.gsp_prefix + args.gsp_question + args.gsp_output + 64))),
     }
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    cfg = model_config(model)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (4 if args.dtype == "float32" else 2)
     for s in out.values():
@@ -424,12 +466,12 @@ def measure_floor(args: argparse.Namespace, model: str, workload: str, timeout: 
 
 
 def floor_ratios(entry: dict, floor: dict) -> dict:
-    """Each engine's wall over the floor, and the floor over vLLM's wall (where the 0.67x target
-    sits against what no engine can beat)."""
+    """Each engine's wall over the floor, and the floor over the peer's wall (where the 0.67x
+    target sits against what no engine can beat)."""
     walls = {e: s["wall_s"] for e, s in entry["engines"].items()}
     out = {**floor, **{f"{e}_over_floor": w / floor["floor_s"] for e, w in walls.items()}}
-    if "vllm" in walls:
-        out["floor_over_vllm"] = floor["floor_s"] / walls["vllm"]
+    for peer in set(walls) & set(PEERS):
+        out[f"floor_over_{peer}"] = floor["floor_s"] / walls[peer]
     return out
 
 
@@ -442,7 +484,7 @@ def summary(res: dict) -> dict:
     return {"backend": res["backend"], "wall_s": res["wall_s"], "out_tok_per_s": out_tokens / res["wall_s"],
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "prompt_tokens": sum(r["prompt"] for r in reqs),
             "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"]),
-            "page_faults": res.get("page_faults"), "system_s": res.get("system_s")}
+            "page_faults": res.get("page_faults"), "system_s": res.get("system_s"), "command": res.get("command")}
 
 
 def breakdown(steps: list[dict], model: str) -> dict:
@@ -454,7 +496,7 @@ def breakdown(steps: list[dict], model: str) -> dict:
     from bench.floor import Shape
     from radixserve.ops.stats import percentile
 
-    shape = Shape(json.loads((Path(model) / "config.json").read_text()))
+    shape = Shape(model_config(model))
     out = {}
     for kind, chosen in (("prompt", [s for s in steps if not s["decode"]]), ("decode", [s for s in steps if s["decode"]])):
         if not chosen:
@@ -484,14 +526,15 @@ def breakdown(steps: list[dict], model: str) -> dict:
 
 def compare(runs: dict[str, dict], model: str) -> dict:
     """One round's entry: each engine's summary, radixserve's breakdown when recorded, and with
-    both engines the radixserve/vLLM ratios and how many requests' tokens are equal."""
+    both engines the radixserve/peer ratios and how many requests' tokens are equal."""
     entry: dict = {"engines": {e: summary(r) for e, r in runs.items()}}
     if "steps" in runs.get("radixserve", {}):
         entry["breakdown"] = breakdown(runs["radixserve"]["steps"], model)
     if len(runs) == 2:
-        a, b = runs["radixserve"], runs["vllm"]
+        peer = next(e for e in runs if e != "radixserve")
+        a, b = runs["radixserve"], runs[peer]
         same = sum(a["requests"][rid]["tokens"] == b["requests"].get(rid, {}).get("tokens") for rid in a["requests"])
-        sa, sb = entry["engines"]["radixserve"], entry["engines"]["vllm"]
+        sa, sb = entry["engines"]["radixserve"], entry["engines"][peer]
         entry["ratios"] = {"wall": sa["wall_s"] / sb["wall_s"], "ttft_p50": sa["ttft_p50_ms"] / sb["ttft_p50_ms"],
                            "ttft_p99": sa["ttft_p99_ms"] / sb["ttft_p99_ms"],
                            "computed_prompt_tokens": sa["computed_prompt_tokens"] / max(1, sb["computed_prompt_tokens"])}
@@ -518,41 +561,92 @@ def median_of(rounds: list[dict]) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.child:
-        child(args.child, json.loads(args.spec))
-        return 0
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def _setup(args: argparse.Namespace) -> tuple[str, list[str], dict]:
+    """The model, the engines to run and what the result says about the peer; UsageError when
+    the command line asks for what cannot run."""
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, not {args.rounds}")
+    engines = [e.strip() for e in (args.engines or f"radixserve,{args.peer}").split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ("radixserve", args.peer)]
+    if unknown or not engines:
+        raise UsageError(f"--engines {args.engines}: give radixserve and/or {args.peer} (the --peer)")
+    if args.peer == "llamacpp":
+        return _setup_llamacpp(args, engines)
     if args.model:
         model = str(Path(args.model).expanduser())
     else:
         from bench.models import bench_model_path
 
         model = str(bench_model_path())
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if "vllm" not in engines:
+        return model, engines, {}
     vllm_python = args.vllm_python or sys.executable
-    if args.rounds < 1:
-        print(f"--rounds must be at least 1, not {args.rounds}", file=sys.stderr)
+    probe = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise UsageError(f"vllm does not import in {vllm_python}; give --vllm-python /path/to/venv/bin/python "
+                         "(bench/README.md says how to make one) or --engines radixserve")
+    return model, engines, {"vllm_version": probe.stdout.strip()}
+
+
+def _setup_llamacpp(args: argparse.Namespace, engines: list[str]) -> tuple[str, list[str], dict]:
+    from bench.llamacpp import check_binary, version
+    from radixserve.model.default import INSTALL_HINT, smollm2_gguf
+    from radixserve.model.gguf import is_gguf
+
+    if args.breakdown:
+        raise UsageError("--breakdown times radixserve in-process: not with --peer llamacpp (both engines serve over HTTP)")
+    model = args.model or smollm2_gguf()
+    if model is None:
+        raise UsageError(f"--peer llamacpp needs a GGUF file: --model FILE.gguf, or SmolLM2's ({INSTALL_HINT})")
+    model = str(Path(model).expanduser())
+    if not Path(model).is_file() or not is_gguf(model):
+        raise UsageError(f"--model {model}: not a GGUF file (--peer llamacpp runs both engines on one GGUF)")
+    if "llamacpp" not in engines:
+        return model, engines, {}
+    problem = check_binary(args.llama_server)
+    if problem:
+        raise UsageError(problem)
+    return model, engines, {"llama_server": args.llama_server, "llama_server_version": version(args.llama_server)}
+
+
+def run_engine(args: argparse.Namespace, engine: str, spec: dict) -> dict:
+    """One engine's run of one workload: in a child process of its own, or (--peer llamacpp)
+    behind the HTTP server this process starts and stops for it."""
+    if args.peer == "llamacpp":
+        from bench.llamacpp import start
+
+        print(f"{engine} {spec['workload']} ({spec['threads']} threads): starting", file=sys.stderr, flush=True)
+        return measure(lambda: start(engine, spec, args.timeout), engine, spec)
+    python = (args.vllm_python or sys.executable) if engine == "vllm" else sys.executable
+    return run_child(python, engine, spec, args.timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.child:
+        child(args.child, json.loads(args.spec))
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bench.llamacpp import ServerStartError
+
+    try:
+        model, engines, about = _setup(args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    if "vllm" in engines:
-        probe = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            print(f"vllm does not import in {vllm_python}; give --vllm-python /path/to/venv/bin/python "
-                  "(bench/README.md says how to make one) or --engines radixserve", file=sys.stderr)
-            return 2
-        vllm_version = probe.stdout.strip()
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     all_specs = specs(args, model)
-    result = {"command": "peers", "model": model, "dtype": args.dtype, "threads": args.threads, "workloads": {}}
-    if "vllm" in engines:
-        result["vllm_version"] = vllm_version
+    result = {"command": "peers", "peer": args.peer, "model": model, "dtype": args.dtype, "threads": args.threads,
+              **about, "workloads": {}}
     for w in workloads:
         spec = all_specs[w]
         rounds = []
         for k in range(args.rounds):  # each round: both engines, one after the other, alternating which goes first
             order = engines if k % 2 == 0 else engines[::-1]
-            runs = {e: run_child(vllm_python if e == "vllm" else sys.executable, e, {**spec, "engine": e}, args.timeout)
-                    for e in order}
+            try:
+                runs = {e: run_engine(args, e, {**spec, "engine": e}) for e in order}
+            except ServerStartError as exc:
+                print(exc, file=sys.stderr)
+                return 2
             rounds.append(compare({e: runs[e] for e in engines}, model))
             if args.floor:
                 rounds[-1]["floor"] = floor_ratios(rounds[-1], measure_floor(args, model, w))
@@ -568,12 +662,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _floor_words(r: dict) -> str:
+def _floor_words(r: dict, peer: str) -> str:
     if "floor" not in r:
         return ""
     f = r["floor"]
     words = f"; floor {f['floor_s']:.2f} s"
-    return words + (f", floor / vLLM {f['floor_over_vllm']:.2f}x" if "floor_over_vllm" in f else "")
+    over = f"floor_over_{peer}"
+    return words + (f", floor / {PEERS[peer]} {f[over]:.2f}x" if over in f else "")
 
 
 def _count(n: int | None) -> str:
@@ -585,8 +680,11 @@ def _secs(s: float | None) -> str:
 
 
 def render(res: dict) -> str:
+    peer = res.get("peer", "vllm")
+    name = PEERS[peer]
     lines = [f"model {res['model']}, {res['dtype']}, {res['threads']} threads per engine"
-             + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")]
+             + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")
+             + (f", llama-server {res['llama_server']} ({res['llama_server_version']})" if "llama_server" in res else "")]
     head = (f"{'engine':<12}{'backend':<22}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}"
             f"{'computed prompt tok':>21}{'page faults':>13}{'sys (s)':>9}")
     for w, entry in res["workloads"].items():
@@ -596,11 +694,12 @@ def render(res: dict) -> str:
                 f"gsp: {c['groups']} groups x {c['prompts']} prompts, {c['prefix_tokens']} shared + {c['question_tokens']}"
                 f" question, {c['output_tokens']} out, max_running {c['max_running']}")
         lines += ["", desc]
+        lines += [f"  {e}: {s['command']}" for e, s in entry["engines"].items() if s.get("command")]
         for k, r in enumerate(entry.get("rounds", [])):
             walls = ", ".join(f"{e} {s['wall_s']:.2f} s" for e, s in r["engines"].items())
             ratio = (f"; wall {r['ratios']['wall']:.2f}x, TTFT p50 {r['ratios']['ttft_p50']:.2f}x"
                      f", equal tokens {r['equal_requests']}" if "ratios" in r else "")
-            lines.append(f"round {k + 1}: {walls}{ratio}{_floor_words(r)}")
+            lines.append(f"round {k + 1}: {walls}{ratio}{_floor_words(r, peer)}")
         if "rounds" in entry:
             lines.append(f"medians over {len(entry['rounds'])} rounds (ratios: the median of each round's ratio):")
         lines.append(head)
@@ -610,16 +709,17 @@ def render(res: dict) -> str:
                          f"{_secs(s.get('system_s')):>9}")
         if "ratios" in entry:
             r = entry["ratios"]
-            lines.append(f"radixserve / vLLM: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
+            lines.append(f"radixserve / {name}: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
                          f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests")
         if "floor" in entry:
             f = entry["floor"]
             median = "medians: " if "rounds" in entry else ""
             line = (f"compute floor (bench floor, {median}{f['gemm_gflop_per_s']:.0f} GFLOP/s GEMM rate): {f['floor_s']:.2f} s; "
                     + ", ".join(f"{e} / floor {f[e + '_over_floor']:.2f}x" for e in entry["engines"]))
-            if "floor_over_vllm" in f:
-                line += (f"; floor / vLLM {f['floor_over_vllm']:.2f}x (the {WALL_TARGET}x target is "
-                         f"{WALL_TARGET / f['floor_over_vllm']:.2f}x the floor)")
+            if f"floor_over_{peer}" in f:
+                over = f[f"floor_over_{peer}"]
+                line += f"; floor / {name} {over:.2f}x" + (
+                    f" (the {WALL_TARGET}x target is {WALL_TARGET / over:.2f}x the floor)" if peer == "vllm" else "")
             lines.append(line)
         for kind, b in entry.get("breakdown", {}).items():
             what = ("steps with prompt tokens" if kind == "prompt" else "decode-only steps") + \

@@ -36,9 +36,6 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            double scale, bool causal);
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b);
-// quant.cpp
-torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
-                      const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl);
 // prefill.cpp
 std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                              torch::Tensor qo_indptr, torch::Tensor kv_indptr,
@@ -78,6 +75,14 @@ const c10::TypedOperatorHandle<OnednnFn>& onednn_op() {
 using AmxFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool);
 const c10::TypedOperatorHandle<AmxFn>& amx_op() {
   static const c10::TypedOperatorHandle<AmxFn> op = find_op<AmxFn>("radixserve_linear::amx_linear");
+  return op;
+}
+
+// quant.cpp's product over GGUF blocks, likewise (only a model with quantized weights needs it).
+using QLinearFn = at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
+                             const std::vector<at::Tensor>&, const std::optional<at::Tensor>&, int64_t);
+const c10::TypedOperatorHandle<QLinearFn>& qlinear_op() {
+  static const c10::TypedOperatorHandle<QLinearFn> op = find_op<QLinearFn>("radixserve_quant::qlinear");
   return op;
 }
 
@@ -136,8 +141,8 @@ std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, 
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                    const at::Tensor& packed, const QuantWeight& qw) {
   if (!qw.parts.empty()) {  // fp32 arithmetic, as radixserve.model.quant.QuantLinear
-    const at::Tensor y = qlinear(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), qw.parts, qw.qtypes, qw.maps,
-                                 bias_of(b), 0);
+    const at::Tensor y = qlinear_op().call(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), qw.parts, qw.qtypes,
+                                           qw.maps, bias_of(b), 0);
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);

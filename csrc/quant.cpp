@@ -525,9 +525,10 @@ void tile_gemm(const Part& p, int64_t n0, int cols, const float* x, int64_t ldx,
 }
 #endif  // RADIXSERVE_QUANT_AVX512
 
-// Most rows of x the register path takes; larger batches go to the tiles. One thread, Q4_1 weights
-// from memory, SmolLM2's shapes: the register path took 0.38-0.59x the tiles' time at 4-8 rows,
-// 0.78-0.97x at 12 and 0.84-1.18x at 16 (/tmp scratch timing, bench/RESULTS.md section 40).
+// Most rows of x the register path takes; larger batches go to the tiles: on SmolLM2 Q4_1's shapes,
+// weights from memory, the register path is ahead up to about 12 rows (the tiles' decoding and
+// transposes cost most at few rows). `python -m bench roofline --model FILE.gguf --gemv`
+// (bench/RESULTS.md section 40).
 constexpr int64_t kGemvMaxRows = 12;
 
 bool has_avx512() {
@@ -555,13 +556,10 @@ std::vector<Part> check_parts(const std::vector<torch::Tensor>& weights, const s
                 "] (rows of blocks, last dimension contiguous), got ", w.sizes());
     const auto& map = row_maps[i];
     const int64_t rows = map.numel() ? map.numel() : w.size(0);
-    if (map.numel()) {
-      TORCH_CHECK(map.scalar_type() == at::kInt && map.dim() == 1 && map.is_contiguous(),
-                  "qlinear: row_maps must be contiguous int32 vectors (or empty)");
-      const auto mm = map.aminmax();
-      TORCH_CHECK(std::get<0>(mm).item<int32_t>() >= 0 && std::get<1>(mm).item<int32_t>() < w.size(0),
-                  "qlinear: a row map names a row outside its weight");
-    }
+    // (a row map's entries are not range-checked here, on every call of a decode step: the
+    // caller's, radixserve.model.quant.QuantTensor checks them once)
+    TORCH_CHECK(!map.numel() || (map.scalar_type() == at::kInt && map.dim() == 1 && map.is_contiguous()),
+                "qlinear: row_maps must be contiguous int32 vectors (or empty)");
     parts.push_back({w.data_ptr<uint8_t>(), map.numel() ? map.data_ptr<int32_t>() : nullptr, qtypes[i], rows,
                      w.stride(0), first});
     first += rows;
@@ -596,9 +594,6 @@ torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, co
   return out;
 }
 
-}  // namespace
-
-// (also called by decode.cpp's decode_layers, for the layers whose weights are quantized)
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
                       const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -662,6 +657,8 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   if (bp) y.add_(b);
   return y;
 }
+
+}  // namespace
 
 TORCH_LIBRARY(radixserve_quant, m) {
   m.def("dequantize(Tensor data, int qtype, int k, Tensor rows) -> Tensor", &dequantize);

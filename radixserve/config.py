@@ -62,7 +62,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Token budget of one step, shared by decode tokens and prefill chunks."""
     max_prefill_chunk: Positive | None = None
     """Largest prefill chunk of one request in one step; None: max_batched_tokens."""
-    max_model_len: Positive | None = None
+    max_model_len: Annotated[Positive | None, _help("context length in tokens (default: the model's)")] = None
     """Context length; None: the model's (capped by a sliding window if it has one)."""
     enable_prefix_cache: Annotated[bool, _help("turn the radix prefix cache off", flag="--no-prefix-cache")] = True
     """Reuse KV of cached prompt prefixes through the radix tree (off: every prompt is prefilled)."""
@@ -129,6 +129,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                                             "does not steer routing (default: 0.3)", ge=0)] = 0.3
     max_queue: Annotated[int, _help("requests the router may queue when every worker is full; beyond it: overloaded (default: 256)", ge=0)] = 256
     max_inflight: Annotated[int, _help("requests in flight per worker (default: 64)", ge=1)] = 64
+    max_clients: Annotated[Positive | None, _help("ZMQ client connections at most; more are refused (default: half "
+                                                  "the open-file limit, at most 16384)")] = None
     heartbeat_timeout: Annotated[float, _help(
         "seconds of silence before a worker is declared dead and its requests restarted elsewhere (default: 3 = 6 "
         "missed heartbeats; raise it on lossy or long-haul links, and keep workers' --router-timeout longer)", gt=0)] = 3.0

@@ -81,3 +81,32 @@ def default_malloc() -> bool:
     settings = ((_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD),
                 (_M_TOP_PAD, MALLOC_TOP_PAD))
     return all([mallopt(param, value) == 1 for param, value in settings])
+
+
+def open_files_limit() -> int:
+    """This process's soft limit on open files (2**20 where unlimited, 2**16 off POSIX)."""
+    try:
+        import resource
+    except ImportError:
+        return 1 << 16
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (at most 2**20), and
+    return the soft limit. A router holds one file descriptor per client connection and needs a
+    few more to restart a worker: the common soft limit of 1,024 is soon spent, while the hard
+    limit is often far higher."""
+    try:
+        import resource
+    except ImportError:
+        return open_files_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+    return open_files_limit()

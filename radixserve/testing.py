@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +162,8 @@ def _loopback(address: str) -> str:
 
 def spawn_server(model: str | os.PathLike | None = None, *args: str, workers: int = 1, port: int = 0,
                  http: bool = False, env: Mapping[str, str] | None = None, log_level: str = "WARNING",
-                 ready_timeout: float = 120.0, wait_workers: bool = True) -> ServerProcess:
+                 ready_timeout: float = 120.0, wait_workers: bool = True,
+                 preexec_fn: Callable[[], None] | None = None) -> ServerProcess:
     """Start ``radixserve serve [--model MODEL] --workers N --port PORT [--http-port 0] ARGS...``.
 
     It runs as ``python -P -m radixserve.cli`` (the working directory cannot shadow the package)
@@ -171,14 +172,16 @@ def spawn_server(model: str | os.PathLike | None = None, *args: str, workers: in
     printed its address (and, with ``http=True``, the HTTP gateway its URL) and, with
     ``wait_workers``, once ``workers`` workers are live (asked over the SDK); the whole start
     is bounded by ``ready_timeout`` seconds. A server that exits or stays silent meanwhile is
-    stopped and :class:`RuntimeError` says what it printed.
+    stopped and :class:`RuntimeError` says what it printed. ``preexec_fn`` runs in the child
+    before serve starts (e.g. to set a resource limit, as ``prlimit`` does).
     """
     cmd = [sys.executable, "-P", "-m", "radixserve.cli", "--log-level", log_level, "serve",
            *(["--model", str(model)] if model is not None else []), "--workers", str(workers),
            "--port", str(port), *(["--http-port", "0"] if http else []), *args]
     full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env, start_new_session=True,
+                            preexec_fn=preexec_fn)
     lines: list[str] = []
     done = threading.Event()
 

@@ -38,11 +38,11 @@ class Cluster:
             self.pids = {name: w["pid"] for name, w in c.stats()["workers"].items()}
             self.worker_pids = [self.pids[name] for name in sorted(self.pids)]
 
-    def start_worker(self, model_dir: str, name: str, *extra: str) -> subprocess.Popen:
+    def start_worker(self, model_dir: str, name: str, *extra: str, **popen) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "worker", "--router", self.worker_address,
              "--secret-file", self.secret_file, "--model", model_dir, "--worker-id", name, "--kv-cache-tokens", "8192", "--threads", "1", *extra],
-            env=ENV,
+            env=ENV, **popen,
         )
         self.extra_procs.append(proc)
         return proc

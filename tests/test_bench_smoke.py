@@ -262,3 +262,150 @@ def test_peers_radixserve_alone(tiny_model):
             assert sum(c["gflop"] for c in calls.values()) == pytest.approx(prompt_gflop, rel=1e-9)
     fleet = res["workloads"]["fleet"]["engines"]["radixserve"]
     assert 0 < fleet["computed_prompt_tokens"] < fleet["prompt_tokens"]  # turn 2 reuses turn 1's KV
+
+
+def test_bigmodel_on_a_tiny_shape(tmp_path):
+    res = run_bench("bigmodel", "--shape", "tiny", "--mix", "q4_k_m", "--dir", str(tmp_path), "--tokens", "6",
+                    "--kv-cache-tokens", "256")
+    assert Path(res["file"]).is_file() and res["file_bytes"] > 0
+    assert res["plan_weight_bytes"] == res["held_weight_bytes"]  # plan counts what the engine holds
+    assert len(res["load_s"]) == 2 and all(s > 0 for s in res["load_s"])
+    assert 0 < res["rss_loaded"] <= res["rss_after"] and res["kv_bytes"] > 0
+    assert res["decode_ms"] > 0 and res["floor_ms"] > 0 and res["read_bytes"] < res["file_bytes"]
+
+
+# -- bench peers --peer llamacpp, against fake servers (CI has no llama-server) ----------------------
+FAKE_SERVER = ROOT / "tests" / "fake_llama_server.py"
+SMALL = ["--threads", "1", "--agents", "2", "--turns", "2", "--system-tokens", "24", "--private-tokens", "4",
+         "--output-tokens", "3", "--max-running", "2", "--gsp-groups", "2", "--gsp-prompts", "2", "--gsp-prefix", "20",
+         "--gsp-question", "5", "--gsp-output", "2", "--gsp-max-running", "3", "--json"]
+
+
+@pytest.fixture(scope="module")
+def header_gguf(tmp_path_factory) -> str:
+    """A GGUF with a llama config and no weights: all that `bench peers` reads of the file itself."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in (("add_context_length", 512), ("add_embedding_length", 64), ("add_block_count", 2),
+                       ("add_feed_forward_length", 128), ("add_head_count", 4), ("add_head_count_kv", 2),
+                       ("add_vocab_size", 120)):
+        getattr(w, add)(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _script(path: Path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _peers(args: list[str], capsys) -> tuple[int, str, str]:
+    from bench import peers
+
+    parser = peers.argparse.ArgumentParser()
+    peers.add_arguments(parser)
+    code = peers.run(parser.parse_args(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_peers_llamacpp_needs_a_runnable_llama_server(tmp_path, header_gguf, capsys):
+    base = ["--peer", "llamacpp", "--model", header_gguf]
+    plain = tmp_path / "llama-server"
+    plain.write_text("#!/bin/sh\n")
+    for extra, words in (([], "needs --llama-server PATH"),
+                         (["--llama-server", str(tmp_path / "nope")], f"--llama-server {tmp_path / 'nope'}: no such file"),
+                         (["--llama-server", str(plain)], "not executable"),
+                         (["--llama-server", str(plain), "--model", str(plain)], "not a GGUF file"),
+                         (["--llama-server", str(plain), "--breakdown"], "--breakdown times radixserve in-process"),
+                         (["--llama-server", str(plain), "--engines", "radixserve,vllm"], "give radixserve and/or llamacpp")):
+        code, out, err = _peers(base + extra, capsys)
+        assert code == 2 and out == "", extra
+        assert words in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+def test_peers_llamacpp_server_that_does_not_start(tmp_path, header_gguf, capsys):
+    binary = _script(tmp_path / "llama-server", "#!/bin/sh\necho \"llama_model_load: error loading model: bad magic\"\nexit 1\n")
+    code, out, err = _peers(["--peer", "llamacpp", "--llama-server", binary, "--model", header_gguf, "--engines", "llamacpp",
+                             *SMALL], capsys)
+    assert code == 2 and out == ""
+    assert "llama-server did not start: it exited with status 1" in err
+    assert "error loading model: bad magic" in err  # the tail of its log
+
+
+def test_peers_llamacpp_against_fake_servers(tmp_path, header_gguf, capsys, monkeypatch):
+    """Both engines behind (fake) HTTP servers: llama-server's command line, the requests each gets
+    (token ids, each fleet turn's prompt extended by the ids the server streamed for the previous
+    one), and the summary built from what they streamed back (computed prompt tokens, ratios)."""
+    import subprocess as sp
+
+    from bench import llamacpp
+
+    log = tmp_path / "llama.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    binary = _script(tmp_path / "llama-server", f"#!/bin/sh\nexec {sys.executable} {FAKE_SERVER} \"$@\"\n")
+    gateway_flags = []
+
+    class FakeGateway:  # what radixserve.testing.spawn_server returns, for the fake in gateway mode
+        def __init__(self, model, *flags, **kw):
+            gateway_flags.append((model, flags, kw["http"]))
+            self.port = llamacpp.free_port()
+            self.proc = sp.Popen([sys.executable, str(FAKE_SERVER), "--port", str(self.port)],
+                                 env={**os.environ, "FAKE_LLAMA_LOG": str(tmp_path / "gateway.jsonl")})
+            self.pid, self.http_url = self.proc.pid, f"http://127.0.0.1:{self.port}/v1"
+            assert llamacpp.wait_healthy("127.0.0.1", self.port, self.proc, 30) is None
+
+        def stop(self):
+            self.proc.kill()
+            self.proc.wait()
+
+    monkeypatch.setattr(llamacpp, "spawn_server", FakeGateway)
+    code, out, err = _peers(["--peer", "llamacpp", "--llama-server", binary, "--model", header_gguf, *SMALL], capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["peer"] == "llamacpp" and res["llama_server_version"] == "version: 0 (fake)"
+
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    starts = [k for k, r in enumerate(runs) if "argv" in r]
+    assert len(starts) == 2  # one llama-server per workload
+    for w, start, end in (("fleet", starts[0], starts[1]), ("gsp", starts[1], len(runs))):
+        entry, cfg = res["workloads"][w], res["workloads"][w]["config"]
+        argv = runs[start]["argv"]
+        flag = {argv[i]: argv[i + 1] for i in range(0, len(argv) - 1) if argv[i].startswith("-")}
+        assert flag["-m"] == header_gguf and flag["-t"] == "1" and flag["-np"] == str(cfg["max_running"])
+        assert int(flag["-c"]) == cfg["max_running"] * cfg["max_model_len"]
+        llama, radix = entry["engines"]["llamacpp"], entry["engines"]["radixserve"]
+        assert llama["command"].endswith(" ".join(argv)) and "--max-running" in radix["command"]
+        timed = runs[start + 3:end]  # (after the two warm-up requests)
+        for r in timed:
+            body = r["body"]
+            assert body["cache_prompt"] and body["ignore_eos"] and body["return_tokens"] and not body["stream"]
+            assert body["n_predict"] == cfg["output_tokens"]
+        assert llama["requests"] == radix["requests"] == len(timed)
+        assert llama["computed_prompt_tokens"] == sum(len(r["body"]["prompt"]) - r["cached"] for r in timed)
+        assert radix["computed_prompt_tokens"] == llama["computed_prompt_tokens"]  # (the same fake cache)
+        assert 0 < llama["ttft_p50_ms"] <= llama["ttft_p99_ms"] and llama["page_faults"] >= 0
+        assert entry["equal_requests"] == f"{len(timed)}/{len(timed)}"
+        assert entry["ratios"]["wall"] > 0 and entry["ratios"]["computed_prompt_tokens"] == 1.0
+    fleet = runs[starts[0] + 3:starts[1]]
+    for first in fleet[:2]:  # each agent's second turn extends its first prompt by what was streamed
+        later = [r for r in fleet if r is not first and r["body"]["prompt"][:len(first["body"]["prompt"])] == first["body"]["prompt"]]
+        assert len(later) == 1 and later[0]["body"]["prompt"][len(first["body"]["prompt"]):][:3] == first["out"]
+    (model, flags, http), = gateway_flags[:1]
+    assert model == header_gguf and http and flags[flags.index("--max-running") + 1] == "2"
+    table = peers_render(res)
+    print(table)
+    assert "radixserve / llama.cpp: wall" in table and f"llama-server {binary} (version: 0 (fake))" in table
+    assert f"  llamacpp: {binary} -m {header_gguf}" in table
+
+
+def peers_render(res: dict) -> str:
+    from bench import peers
+
+    return peers.render(res)

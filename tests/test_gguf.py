@@ -5,6 +5,7 @@ names and config on small synthetic files written with gguf's own writer; and on
 from __future__ import annotations
 
 import json
+import shutil
 
 import gguf
 import numpy as np
@@ -185,6 +186,20 @@ def test_bad_gguf_gives_a_clear_error(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
         gguf_config(gguf.GGUFReader(str(path)))
+
+
+def test_odd_gguf_names_and_a_gguf_named_folder(tiny_ggufs, tmp_path):
+    """Issue 49 item 15: ``...gguf`` (stem ``..``) was converted into the cache's parent folder and
+    failed with an EBUSY traceback; a model folder named ``x.gguf`` was taken for a GGUF file."""
+    hf_dir, path, _ = tiny_ggufs["llama"]
+    dots = tmp_path / "...gguf"
+    shutil.copy(path, dots)
+    out = convert_gguf(dots, tmp_path / "cache")
+    assert out.name == "model" and out.parent.parent == tmp_path / "cache" / "gguf"
+    assert (out / "config.json").is_file()
+    folder = tmp_path / "x.gguf"
+    shutil.copytree(hf_dir, folder)
+    assert resolve_model(folder, tmp_path / "cache") == folder
 
 
 # ------------------------------------------------------------------------- SmolLM2-135M-Instruct

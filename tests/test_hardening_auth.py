@@ -135,3 +135,10 @@ def test_secret_checks(tmp_path):
     first = auth.read_secret_file(str(path), create=True)
     assert auth.read_secret_file(str(path)) == first and (path.stat().st_mode & 0o777) == 0o600
     assert auth.router_keys(first) != auth.worker_keys(first)
+    # issue 49 item 14: weak secrets and a secret file others can read are refused
+    for weak in ("0" * 64, "ab" * 32, "0123456789abcdef" * 4, "00000000000000000000000000000001"):
+        with pytest.raises(auth.AuthError, match="weak"):
+            auth.check_secret(weak)
+    path.chmod(0o644)
+    with pytest.raises(auth.AuthError, match=f"mode 0644.*chmod 600 {path}$"):
+        auth.read_secret_file(str(path))

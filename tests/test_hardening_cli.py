@@ -3,6 +3,7 @@ a ready line, a second Ctrl-C exits, workers immune to a shadowing working direc
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -11,12 +12,16 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
-from radixserve import __version__
+from radixserve import Engine, __version__
 from radixserve.client import Client
+from radixserve.errors import ModelLoadError
 
 from serve_cluster import ENV
 
@@ -64,6 +69,108 @@ def test_busy_port_is_one_line(llama_dir):
     assert out.returncode == 2
     lines = _error_lines(out.stderr)
     assert len(lines) == 1 and "cannot bind" in lines[0] and "in use" in lines[0].lower(), out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--worker-port"])
+def test_busy_http_or_worker_port_exits_at_once_with_one_line(llama_dir, flag):
+    """Issue 49 item 1: the client socket was bound when these failed; its open sockets and the
+    ZAP thread kept Context.term() (at exit) waiting forever, after two tracebacks."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        out = _run(["serve", "--model", llama_dir, "--port", "0", flag, str(busy.getsockname()[1])], timeout=60)
+    finally:
+        busy.close()
+    assert out.returncode == 2
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and "in use" in lines[0].lower(), out.stderr
+
+
+@pytest.mark.parametrize("secret, mode, expected", [
+    ("0" * 64, 0o600, "the worker secret is weak"),
+    (None, 0o644, "(mode 0644); whoever reads it can pose as a worker: run chmod 600"),
+])
+def test_weak_or_readable_secret_file_is_refused_in_one_line(llama_dir, tmp_path, secret, mode, expected):
+    """Issue 49 item 14: an all-zero secret was accepted and a 0644 secret file only warned."""
+    from radixserve.serve.auth import new_secret
+
+    path = tmp_path / "worker.secret"
+    path.write_text((secret or new_secret()) + "\n")
+    path.chmod(mode)
+    for cmd in (["serve", "--port", "0", "--worker-secret-file"], ["worker", "--router", "tcp://127.0.0.1:9", "--secret-file"]):
+        out = _run(cmd + [str(path), "--model", llama_dir], timeout=60)
+        assert out.returncode == 2, out.stderr[-3000:]
+        lines = _error_lines(out.stderr)
+        assert len(lines) == 1 and expected in lines[0], out.stderr[-3000:]
+
+
+def _llama_gguf(path, head_count: int = 4, truncate: int | None = None):
+    """A llama GGUF whose metadata gets as far as the config (one tensor; no tokenizer)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(head_count)
+    w.add_vocab_size(512)
+    w.add_tensor("token_embd.weight", np.zeros((512, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if truncate is not None:
+        os.truncate(path, truncate)  # head -c N
+    return path
+
+
+def _model_dir_with(llama_dir, tmp_path, config):
+    path = tmp_path / "model"
+    shutil.copytree(llama_dir, path)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("truncated.gguf", "not a readable GGUF file"),
+    ("head_count_0.gguf", "llama.attention.head_count is 0"),
+    ("empty_config", "unsupported architecture"),
+    ("huge_context", "RoPE tables of a 1099511627776-token context"),
+])
+def test_bad_model_files_fail_serve_at_once_with_one_line(llama_dir, tmp_path, case, expected):
+    """Issue 49 item 15: each of these hung serve in Context.term() after its error, or died in
+    every worker with a traceback (a ZeroDivisionError, a 4 TiB RoPE table)."""
+    config = json.loads((Path(llama_dir) / "config.json").read_text())
+    model = {"truncated.gguf": lambda: _llama_gguf(tmp_path / case, truncate=2048),
+             "head_count_0.gguf": lambda: _llama_gguf(tmp_path / case, head_count=0),
+             "empty_config": lambda: _model_dir_with(llama_dir, tmp_path, {}),
+             "huge_context": lambda: _model_dir_with(llama_dir, tmp_path, {**config, "max_position_embeddings": 2**40}),
+             }[case]()
+    env = dict(ENV, RADIXSERVE_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run(CLI + ["serve", "--model", str(model), "--port", "0"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = _error_lines(out.stderr)
+    assert len(lines) == 1 and expected in lines[0], out.stderr[-3000:]
+
+
+def test_rope_tables_are_checked_against_the_memory_available(llama_dir, tmp_path, monkeypatch):
+    from radixserve.model import checks
+    from radixserve.model.loader import check_model
+
+    model = _model_dir_with(llama_dir, tmp_path, {**json.loads((Path(llama_dir) / "config.json").read_text()),
+                                                  "max_position_embeddings": 2**20})
+    monkeypatch.setattr(checks, "available_memory", lambda: 2**30)
+    assert check_model(model)[1] == 2**20  # 16 dims x 2**20 positions: 256 MiB to build
+    with pytest.raises(ModelLoadError, match=r"in each of 8 workers\) need 2\.0 GiB, more than the 1\.0 GiB .*"
+                                             r"--max-model-len N"):
+        check_model(model, processes=8)
+    monkeypatch.setattr(checks, "available_memory", lambda: 2**27)
+    with pytest.raises(ModelLoadError, match=r"RoPE tables of a 1048576-token context need 0\.\d GiB"):
+        check_model(model)
+    assert check_model(model, max_model_len=2**16)[1] == 2**16  # what the error tells to do
+    with pytest.raises(ModelLoadError, match="KV pages of 4194304 tokens need"):
+        Engine(llama_dir, kv_cache_tokens=2**22)
 
 
 def test_every_worker_dying_at_start_up_exits_nonzero_with_its_error(llama_dir, tmp_path):

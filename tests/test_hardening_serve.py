@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
 import time
 import string
 
@@ -90,6 +91,25 @@ def test_insane_sampling_request_fails_alone(cluster):
     assert all(isinstance(o, Completion) and len(o.token_ids) == 8 for o in outs[:8]), outs
     assert [type(e) for e in outs[8:]] == [BadRequestError, BadRequestError], outs[8:]
     assert outs[8].field == "repetition_penalty" and outs[9].field == "temperature"
+
+
+def test_a_remote_worker_cannot_take_a_live_workers_name(cluster, llama_dir):
+    """Issue 49 item 14: a remote worker started with --worker-id w0 took the local w0's ZMQ
+    identity and name in turn with it (18 worker deaths in 60 s). It is refused and exits 3."""
+    rogue = cluster.start_worker(llama_dir, "w0", stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = rogue.communicate(timeout=90)
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()
+            rogue.wait()
+    assert rogue.returncode == 3, err[-2000:]
+    assert "belongs to a live worker" in err and "--worker-id" in err, err[-2000:]
+    with Client(cluster.address, timeout=60) as c:
+        stats = c.stats()
+        assert stats["workers"]["w0"]["alive"] and stats["workers"]["w0"]["pid"] == cluster.pids["w0"]
+        assert stats["router"]["counters"]["worker_deaths"] == 0
+        assert len(c.generate([5, 6, 7], max_tokens=2, temperature=0.0).token_ids) == 2
 
 
 def test_supervisor_restarts_a_dead_worker(cluster):

@@ -49,6 +49,29 @@ def test_registered_worker_that_dies_is_restarted_with_backoff():
     sup.stop()
 
 
+def test_a_restart_that_cannot_start_a_process_is_tried_again(monkeypatch):
+    """Issue 49 item 8: Popen failing with EMFILE escaped tick() (and ended the router's ticker)."""
+    sup = S.Supervisor(stderr=io.StringIO())
+    w = sup.add("w0", ["-c", "pass"], dict(os.environ))
+    first = w.proc.pid
+    sup.on_registered("w0", first)
+    _wait_exit(w)
+    real = S.subprocess.Popen
+
+    def out_of_fds(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(S.subprocess, "Popen", out_of_fds)
+    now = time.monotonic()
+    sup.tick(now)
+    sup.tick(now + S.BACKOFF_FIRST_S)  # the restart is due: it fails, and is put off
+    assert w.restarts == 0 and w.restart_at == now + 3 * S.BACKOFF_FIRST_S
+    monkeypatch.setattr(S.subprocess, "Popen", real)
+    sup.tick(now + 3 * S.BACKOFF_FIRST_S)
+    assert w.restarts == 1 and w.restart_at is None and w.proc.pid != first
+    sup.stop()
+
+
 def test_default_threads_divide_the_cores():
     cores = len(os.sched_getaffinity(0))
     assert S.default_threads(1) == cores and S.default_threads(cores * 4) == 1

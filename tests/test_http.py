@@ -24,6 +24,7 @@ from radixserve import protocol as P  # noqa: E402
 from radixserve.client import Client  # noqa: E402
 from radixserve.serve.openai import (DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants,  # noqa: E402
                                    load_keys_file)
+from radixserve.serve.openai.errors import APIError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,6 +101,24 @@ def test_completion_text_ids_and_batch(server):
     chunks = list(c.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True}))
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_return_token_ids(server):
+    # vLLM's return_token_ids: the choice carries the generated ids, and each streamed chunk its
+    # new ones (even a chunk whose text is empty: a token that ends inside a UTF-8 character)
+    c = _client(server)
+    ids = random_prompts([24], seed=4)[0]
+    kw = dict(model="llama", prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = c.completions.create(**kw)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    out = c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
+    got = out.choices[0].model_extra["token_ids"]
+    assert len(got) == 6 and all(isinstance(t, int) for t in got)
+    chunks = list(c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}},
+                                       stream=True))
+    streamed = [t for ch in chunks if ch.choices for t in (ch.choices[0].model_extra or {}).get("token_ids") or []]
+    assert streamed == got
+    assert sum(1 for ch in chunks if ch.choices and (ch.choices[0].model_extra or {}).get("token_ids")) >= 1
 
 
 def test_chat_and_streaming_chat_agree(server):
@@ -416,6 +435,15 @@ def test_tenants_and_keys_file(tmp_path):
     keys = load_keys_file(f)
     assert keys["sk-one"] == keys["sk-three"] == "acme" and keys["sk-two"].startswith("key-")
     assert "sk-two" not in keys["sk-two"]
+    # issue 49 item 14: a '#' inside a key is part of it (it was cut there: 'sk-live' got in)
+    f.write_text("sk-live#9f2Qx7 tenantC\n#sk-commented tenantD\nsk-x#y\t# a comment\n")
+    keys = load_keys_file(f)
+    assert keys["sk-live#9f2Qx7"] == "tenantC" and keys["sk-x#y"].startswith("key-") and len(keys) == 2
+    t = Tenants(keys)
+    assert t.authenticate("Bearer sk-live#9f2Qx7") == "tenantC"
+    with pytest.raises(APIError) as err:
+        t.authenticate("Bearer sk-live")
+    assert err.value.status == 401
 
 
 def _gateway_inflight(server) -> float:

@@ -174,7 +174,7 @@ def test_fused_decode_over_quantized_weights_equals_layer_by_layer(quant_ggufs, 
             monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
             engine = Engine(str(quant_ggufs[arch]), dtype=dtype, weights="quantized", kv_cache_tokens=2048)
             logits: list = []
-            engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+            engine.runner.model.register_forward_hook(lambda module, args, out, logits=logits: logits.append(out.clone()))
             tokens = [o.token_ids for o in _run(engine, prompts)]
             runs.append((tokens, logits, engine.runner.model.fused_decode.batches))
         (tokens, logits, batches), (want_tokens, want_logits, ref_batches) = runs

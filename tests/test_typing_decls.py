@@ -39,7 +39,8 @@ def test_router_base_declares_what_the_router_sets():
     set_in_init = {node.attr for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(Router.__init__))))
                    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                    and isinstance(node.value, ast.Name) and node.value.id == "self"}
-    set_in_bind = {node.attr for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(Sockets.bind))))
+    set_in_bind = {node.attr for method in (Sockets.bind, Sockets._bind_sockets)
+                   for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(method))))
                    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                    and isinstance(node.value, ast.Name) and node.value.id == "self"}
     assert set_in_init | set_in_bind == declared

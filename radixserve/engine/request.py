@@ -129,6 +129,8 @@ class OutputState:
     emitted_tokens: int = 0  # how many output tokens were streamed out
     emitted_chars: int = 0
     finish_reason: str | None = None
+    decoded_tokens: int = 0  # output_ids[:decoded_tokens] detokenize to decoded_text, whole characters
+    decoded_text: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -210,6 +212,8 @@ class Request:
         emitted_tokens: _Flat[int]
         emitted_chars: _Flat[int]
         finish_reason: _Flat[str | None]
+        decoded_tokens: _Flat[int]
+        decoded_text: _Flat[str]
         pages: _Flat[list[int]]
         computed: _Flat[int]
         cached_len: _Flat[int]

@@ -11,6 +11,7 @@ from radixserve.engine.model_runner import ModelRunner
 from radixserve.errors import BadRequestError
 from radixserve.engine.tensor_parallel import TensorParallelRunner
 from radixserve.kv.pool import KVPool
+from radixserve.model.checks import check_memory
 from radixserve.model.llama import head_dim_of
 from radixserve.model.parallel import check_divisible
 
@@ -42,6 +43,8 @@ def make_pool(loaded, config: EngineConfig, device: torch.device) -> KVPool:
             free, _ = torch.cuda.mem_get_info(device)
             budget = 0.85 * free / 2**30
         tokens = int((budget or 1.0) * 2**30 // per_token)
+    if device.type == "cpu":
+        check_memory(f"the KV pages of {tokens} tokens", tokens * per_token, "lower --kv-cache-tokens")
     return KVPool(
         num_layers=cfg.num_hidden_layers,
         num_pages=-(-tokens // config.page_size),

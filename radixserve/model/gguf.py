@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from radixserve.errors import ModelLoadError
+from radixserve.model.checks import check_config_values
 
 log = logging.getLogger("radixserve")
 
@@ -119,6 +120,8 @@ def kept_quantized(types: dict[str, int], num_layers: int, tied: bool) -> dict[s
 def is_gguf(path: str | os.PathLike) -> bool:
     """A ``.gguf`` name, or a file that starts with GGUF's magic."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        return False
     if p.suffix.lower() == ".gguf":
         return True
     if not p.is_file():
@@ -135,7 +138,8 @@ def _reader(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:
-        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {exc}") from None
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file ({exc}); is it truncated or damaged? "
+                             "download it again") from None
 
 
 def field_value(reader, key: str, default=None):
@@ -177,9 +181,9 @@ def gguf_config(reader) -> dict:
         value = field_value(reader, f"{arch}.{key}")
         if value is not None:
             cfg[field] = value
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size") if k not in cfg]
-    if missing:
-        raise ModelLoadError(f"GGUF metadata lacks {arch}.* fields for {missing}")
+    if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in reader.fields:
+        cfg["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    check_config_values(cfg, "GGUF metadata", {field: f"{arch}.{key}" for key, field in _CONFIG_KEYS.items()})
     cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     rope_dims = field_value(reader, f"{arch}.rope.dimension_count")
@@ -193,8 +197,6 @@ def gguf_config(reader) -> dict:
         if orig is not None:
             rope["original_max_position_embeddings"] = int(orig)
         cfg["rope_scaling"] = rope
-    if "vocab_size" not in cfg:
-        cfg["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):
         value = field_value(reader, f"tokenizer.ggml.{key}")
@@ -248,10 +250,11 @@ def gguf_tensors(reader, config: dict):
 
 
 def cache_dir_for(path: Path, cache_dir: Path) -> Path:
-    """``<cache>/gguf/<key>/<file stem>``: key from the file's real path, size and mtime."""
+    """``<cache>/gguf/<key>/<file stem>``: key from the file's real path, size and mtime (a stem
+    that is no plain folder name, as ``..`` of ``...gguf``, becomes ``model``)."""
     st = path.stat()
     key = hashlib.sha256(f"{CONVERT_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir / "gguf" / key / path.stem
+    return cache_dir / "gguf" / key / (path.stem.strip(".") or "model")
 
 
 def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:

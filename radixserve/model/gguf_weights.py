@@ -16,6 +16,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -99,6 +100,11 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
             if target == "quant_head":
                 continue  # (below, over the embedding table's blocks)
             parts = [_quant_tensor(tensors[f"{n}.weight"], arch, config) for n in names]
+            dense = cast(torch.Tensor, model.get_submodule(target).weight)  # (on the meta device: its shape only)
+            shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+            if shape != tuple(dense.shape) or any(p.shape[1] != shape[1] for p in parts):
+                raise ModelLoadError(f"{path.name}: {', '.join(names)} hold {[p.shape for p in parts]}; the config "
+                                     f"needs {tuple(dense.shape)} in all")
             consumed.update(f"{n}.weight" for n in names)
             summary.quantized.update(p.type_name for p in parts)
             summary.quantized_bytes += sum(p.nbytes for p in parts)
@@ -110,11 +116,12 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
             layer = QuantLinear(parts)
             _replace(model, target, layer)
             biases[layer] = [f"{n}.bias" for n in names if f"{n}.bias" in tensors]
+            consumed.update(biases[layer])  # (they become the layer's bias below)
     model.to_empty(device=device)
     params = model.checkpoint_tensors()
     loaded: set[str] = set()
     for name, t in tensors.items():
-        if name in consumed or any(name in names for names in biases.values()):
+        if name in consumed:
             continue
         if name not in params:
             if name == "lm_head.weight" and model.tie_word_embeddings:

@@ -88,6 +88,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model import fused
+from radixserve.model.checks import available_memory
 
 log = logging.getLogger("radixserve")
 
@@ -265,17 +266,6 @@ def _bit_identical(weight: torch.Tensor, packed: torch.Tensor, ops) -> bool:
     return True
 
 
-def _available_memory() -> int:
-    """Bytes of memory available now (MemAvailable; MemFree where /proc/meminfo is missing)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def _reserve(nbytes: int) -> bool:
     """Take ``nbytes`` from the budget of packed copies: half the memory that was available when
     the first copy was made, so packing never takes the memory a large model needs (the copies
@@ -283,7 +273,7 @@ def _reserve(nbytes: int) -> bool:
     F.linear, logged once."""
     budget = _state.get("pack_budget")
     if budget is None:
-        budget = _available_memory() // 2
+        budget = available_memory() // 2
     if nbytes > budget:  # type: ignore[operator]
         if not _state.get("budget_logged"):
             _state["budget_logged"] = True

@@ -18,10 +18,11 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixserve.errors import ModelLoadError
 from radixserve.model import quant
+from radixserve.model.checks import check_config_values, check_memory, rope_table_bytes
 from radixserve.model.default import resolve_model
 from radixserve.model.gguf import gguf_source
 from radixserve.model.gguf_weights import GGUFWeights, load_gguf_weights
-from radixserve.model.llama import ARCHITECTURES, CausalLM
+from radixserve.model.llama import ARCHITECTURES, CausalLM, head_dim_of
 
 log = logging.getLogger("radixserve")
 WEIGHTS = ("auto", "quantized", "dequantize")
@@ -51,20 +52,29 @@ class LoadedModel:
 
 
 def load_config(path: str | Path):
+    """The transformers config of a model directory, after :func:`~radixserve.model.checks.check_config_values`."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory "
                              "or .gguf file, or no model for the default one")
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    archs = getattr(config, "architectures", None) or []
-    if not archs or archs[0] not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {archs[0] if archs else getattr(config, 'model_type', '?')!r} in {str(path)!r}; "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    return config
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"{file}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object, found a {type(raw).__name__}")
+    archs = raw.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else raw.get("model_type", "(none given)")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {file}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    check_config_values(raw, str(file))
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{file}: transformers cannot read it ({type(exc).__name__}: {exc})") from None
 
 
 def context_length(config) -> int:
@@ -78,6 +88,23 @@ def context_length(config) -> int:
     return length
 
 
+def check_model(path: str | Path, max_model_len: int | None = None, processes: int = 1) -> tuple[Any, int]:
+    """The config and context (tokens) of a model directory, checked before anything is built:
+    its config's numbers, ``max_model_len`` against the model's context, and the memory that the
+    context's RoPE tables take in each of ``processes`` (``serve`` checks for its workers once,
+    before it starts them)."""
+    config = load_config(path)
+    limit = context_length(config)
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
+        limit = max_model_len
+    each = f" (in each of {processes} workers)" if processes > 1 else ""
+    check_memory(f"the RoPE tables of a {limit}-token context{each}", processes * rope_table_bytes(limit, head_dim_of(config)),
+                 "give a shorter context with --max-model-len N (Engine(max_model_len=N))")
+    return config, limit
+
+
 def load_model(
     path: str | Path | None,
     *,
@@ -89,13 +116,8 @@ def load_model(
     """Load a model (see the module docstring). ``weights`` (``auto``, ``quantized`` or
     ``dequantize``; :class:`radixserve.config.EngineConfig`) says how a GGUF's weights are held."""
     path = resolve_model(path)  # a .gguf file -> its converted directory
-    config = load_config(path)
+    config, limit = check_model(path, max_model_len)
     torch_dtype = _pick_dtype(config, dtype, torch.device(device))
-    limit = context_length(config)
-    if max_model_len is not None:
-        if max_model_len > limit:
-            raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
-        limit = max_model_len
     source = gguf_source(path)
     quantized = _quantize(weights, source, torch.device(device))
 

@@ -56,6 +56,11 @@ class QuantTensor:
                              f"a [{n}, {k}] weight")
         if (self.data.shape[0] if self.row_map is None else self.row_map.numel()) != n:
             raise ValueError(f"a [{n}, {k}] weight needs {n} rows")
+        if self.row_map is not None:  # (checked here once: the kernels read it unchecked at every call)
+            m = self.row_map
+            if m.dtype != torch.int32 or m.dim() != 1 or not m.is_contiguous() or \
+                    (n and not 0 <= int(m.min()) <= int(m.max()) < self.data.shape[0]):
+                raise ValueError(f"row_map must be a contiguous int32 vector of rows in [0, {self.data.shape[0]})")
 
     @property
     def type_name(self) -> str:

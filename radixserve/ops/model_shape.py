@@ -134,7 +134,7 @@ def _gguf_weight_bytes(reader, num_layers: int, dequantize: bool) -> tuple[int, 
     :func:`radixserve.model.gguf.kept_quantized`), every other tensor as float32."""
     from radixserve.model.gguf import hf_name, kept_quantized
 
-    names = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
+    names = {name: t for t in reader.tensors if (name := hf_name(t.name)) is not None}
     types = {} if dequantize else {name: int(t.tensor_type) for name, t in names.items()}
     kept = {f"{n}.weight" for part in kept_quantized(types, num_layers, "lm_head.weight" not in names).values()
             for n in part}

@@ -26,35 +26,48 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 import zmq.utils.z85 as z85
+
+from radixserve.errors import RadixServeError
 
 log = logging.getLogger("radixserve.auth")
 
 ENV_SECRET = "RADIXSERVE_WORKER_SECRET"
 SECRET_HEX_CHARS = 64
 ZAP_DOMAIN = "radixserve-workers"
+CLIENT_ZAP_DOMAIN = "radixserve-clients"  # the client socket's: no credentials, a bound on connections
 
 
-class AuthError(RuntimeError):
-    pass
+class AuthError(RadixServeError):
+    """A missing, weak or unprotected worker secret (``serve`` and ``worker`` exit 2 with it)."""
 
 
 def new_secret() -> str:
     return secrets.token_hex(SECRET_HEX_CHARS // 2)
 
 
+_GENERATE = ("serve writes one with --worker-secret-file, or generate one: "
+             "python -c 'import secrets; print(secrets.token_hex(32))'")
+
+
 def check_secret(secret: str) -> str:
+    """``secret`` stripped; raises :class:`AuthError` unless it is at least 32 hex characters and
+    not an obviously weak one: fewer than 8 distinct digits (all zeros), or a shorter string repeated."""
     secret = secret.strip()
     try:
         ok = len(secret) >= 32 and bytes.fromhex(secret)
     except ValueError:
         ok = False
     if not ok:
-        raise AuthError("the worker secret must be at least 32 hex characters (serve writes one with "
-                        "--worker-secret-file, or generate one: python -c 'import secrets; print(secrets.token_hex(32))')")
+        raise AuthError(f"the worker secret must be at least 32 hex characters ({_GENERATE})")
+    digits = secret.lower()
+    if len(set(digits)) < 8 or digits in (digits + digits)[1:-1]:
+        raise AuthError(f"the worker secret is weak: a few digits or a short pattern repeated; use a random one ({_GENERATE})")
     return secret
 
 
@@ -70,8 +83,10 @@ def read_secret_file(path: str, *, create: bool = False) -> str:
             f.write(secret + "\n")
         log.info("wrote a new worker secret to %s", p)
         return secret
-    if p.stat().st_mode & 0o077:
-        log.warning("secret file %s is readable by group/others; chmod 600 it", p)
+    mode = p.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise AuthError(f"secret file {p} is open to group or others (mode {mode:04o}); whoever reads it can pose as a "
+                        f"worker: run chmod 600 {p}")
     return check_secret(p.read_text())
 
 
@@ -139,13 +154,28 @@ class _OnlyWorkers:
         return ok
 
 
-def start_authenticator(ctx, secret: str, counters: dict | None = None):
-    """A ZAP handler on ``ctx`` that lets only holders of the secret in. It runs in its own
-    thread (on a sync shadow of the same libzmq context), so it is up before the first
-    connection, whether or not an event loop runs yet."""
-    from zmq.auth.thread import ThreadAuthenticator
+class _RouterAuthenticator(ThreadAuthenticator):
+    """The router's one ZAP handler: CURVE keys on the worker domain (:class:`_OnlyWorkers`), and
+    on the client domain (NULL mechanism) a new connection is let in while ``admit_client()``."""
 
-    auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=logging.getLogger("radixserve.zap"))
+    admit_client: Callable[[], bool] = staticmethod(lambda: True)
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) >= 6 and msg[0] == b"1.0" and msg[2] == CLIENT_ZAP_DOMAIN.encode():
+            ok = self.admit_client()
+            self._send_zap_reply(msg[1], b"200" if ok else b"400", b"OK" if ok else b"too many client connections")
+            return
+        await super().handle_zap_message(msg)
+
+
+def start_authenticator(ctx, secret: str, counters: dict | None = None, admit_client: Callable[[], bool] | None = None):
+    """A ZAP handler on ``ctx`` that lets only holders of the secret in on the worker socket,
+    and clients in while ``admit_client()`` (a socket in :data:`CLIENT_ZAP_DOMAIN`). It runs in
+    its own thread (on a sync shadow of the same libzmq context), so it is up before the first
+    connection, whether or not an event loop runs yet."""
+    auth = _RouterAuthenticator(zmq.Context.shadow(ctx.underlying), log=logging.getLogger("radixserve.zap"))
+    if admit_client is not None:
+        auth.admit_client = admit_client
     auth.start()
     auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_OnlyWorkers(secret, counters))
     return auth

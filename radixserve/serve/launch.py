@@ -85,7 +85,7 @@ def router_config(cfg: ServeConfig):
     limits.validate()
     return RouterConfig(
         host=cfg.host, port=cfg.port, address=cfg.address, policy=cfg.policy, max_queue=cfg.max_queue,
-        max_inflight_per_worker=cfg.max_inflight, heartbeat_timeout_s=cfg.heartbeat_timeout,
+        max_inflight_per_worker=cfg.max_inflight, max_clients=cfg.max_clients, heartbeat_timeout_s=cfg.heartbeat_timeout,
         drain_s=cfg.drain_timeout, metrics_log=cfg.metrics_log, metrics_interval_s=cfg.metrics_interval,
         limits=limits, balance_abs=cfg.balance_abs,
         balance_rel=cfg.balance_rel, cache_threshold=cfg.cache_threshold, max_prompt_chars=cfg.max_prompt_chars,
@@ -133,37 +133,40 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
     import signal
 
     from radixserve.model.default import resolve_model
+    from radixserve.model.loader import check_model
+    from radixserve.runtime import raise_open_files_limit
     from radixserve.serve import auth
     from radixserve.serve.router import Router, load_tokenizer
 
     check_model_dir(cfg.engine.model)
     check_device(cfg.engine.device)
+    raise_open_files_limit()  # a file descriptor per client connection, and some left for worker restarts
     config = router_config(cfg)
     router = Router(config)
     address = router.bind()  # before the slow model conversion and tokenizer load: a busy port fails at once
-    # Build/convert the model once here, not racing in N workers; absolute, since workers may start elsewhere.
-    cfg.engine.model = os.path.abspath(str(resolve_model(cfg.engine.model)))
+    gateway = supervisor = None
     try:
-        tokenizer = load_tokenizer(cfg.engine.model)
-    except Exception as exc:
-        raise ModelLoadError(f"--model {cfg.engine.model}: cannot load its tokenizer ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    router.set_tokenizer(tokenizer)
-    config.model_fingerprint = auth.model_fingerprint(cfg.engine.model, len(tokenizer))
-    print(f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy {cfg.policy}, "
-          f"{cfg.workers} workers on {', '.join(cfg.devices)}; max queue {cfg.max_queue}, {cfg.max_inflight} in flight "
-          f"per worker)", flush=True)
-    gateway = None
-    if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
-        from radixserve.serve.openai import start_gateway
+        # Build/convert the model once here, not racing in N workers; absolute, since workers may start elsewhere.
+        cfg.engine.model = os.path.abspath(str(resolve_model(cfg.engine.model)))
+        check_model(cfg.engine.model, cfg.engine.max_model_len, cfg.workers)  # what every worker would fail on, once, here
+        try:
+            tokenizer = load_tokenizer(cfg.engine.model)
+        except Exception as exc:
+            raise ModelLoadError(f"--model {cfg.engine.model}: cannot load its tokenizer ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        router.set_tokenizer(tokenizer)
+        config.model_fingerprint = auth.model_fingerprint(cfg.engine.model, len(tokenizer))
+        print(f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy "
+              f"{cfg.policy}, {cfg.workers} workers on {', '.join(cfg.devices)}; max queue {cfg.max_queue}, "
+              f"{cfg.max_inflight} in flight per worker)", flush=True)
+        if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
+            from radixserve.serve.openai import start_gateway
 
-        gateway = start_gateway(cfg, _loopback(address), config.limits)
-    supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)
-    router.supervisor = supervisor
-    http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
-    router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}",
-                                      flush=True)
-    try:
+            gateway = start_gateway(cfg, _loopback(address), config.limits)
+        supervisor = router.supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)
+        http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
+        router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}",
+                                          flush=True)
         run_async(router.serve())
     finally:
         # The loop's handlers are gone: a Ctrl-C while the gateway and workers stop only marks the
@@ -171,7 +174,9 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
         signal.signal(signal.SIGINT, lambda *_: setattr(router, "forced", True))
         if gateway is not None:
             gateway.stop(timeout=1.0 if router.forced else 10.0)
-        supervisor.stop(timeout=1.0 if router.forced else 5.0)
+        if supervisor is not None:
+            supervisor.stop(timeout=1.0 if router.forced else 5.0)
+        router.close()  # also when start-up failed: an open socket would block the exit in Context.term()
     if router.fatal:
         print(f"radixserve: error: {router.fatal}", file=sys.stderr, flush=True)
         return 1

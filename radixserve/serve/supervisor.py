@@ -119,18 +119,28 @@ class Supervisor:
                     continue
                 if now - w.started_at >= STABLE_S:
                     w.failures_in_row = 0
-                delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** w.failures_in_row)
-                w.failures_in_row += 1
-                w.restart_at = now + delay
+                delay = self._backoff(w, now)
                 log.warning("worker %s exited with status %s; restarting it in %.1f s", w.name,
                             w.proc.returncode, delay)
             if w.restart_at is not None and now >= w.restart_at and not shutting_down and self.restart:
-                w.restarts += 1
-                self._spawn(w)
+                try:
+                    self._spawn(w)
+                except OSError as exc:  # e.g. EMFILE (out of file descriptors): try again later
+                    log.error("cannot restart worker %s: %s; trying again in %.1f s", w.name, exc, self._backoff(w, now))
+                else:
+                    w.restarts += 1
         if self.workers and all(w.failed_at_startup for w in self.workers.values()):
             last = max(self.workers.values(), key=lambda w: w.started_at)
             self.fatal = f"every local worker failed at start-up; {last.name}: {last.last_error}"
         return exited
+
+    @staticmethod
+    def _backoff(w: LocalWorker, now: float) -> float:
+        """Schedule ``w``'s next start after the next backoff delay; returns the delay."""
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** w.failures_in_row)
+        w.failures_in_row += 1
+        w.restart_at = now + delay
+        return delay
 
     @staticmethod
     def error_of(w: LocalWorker) -> str:

@@ -341,7 +341,9 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        # One identity per process: a reconnect of this process takes its connection over
+        # (ROUTER_HANDOVER), another process under the same name cannot (the router refuses it).
+        self.sock.setsockopt(zmq.IDENTITY, self.name.encode()[:200] + b"/" + self.session.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
         # Real networks: ZMTP heartbeats drop a connection that has been silent for the router
         # timeout (a cut link), and reconnects are retried every 0.1-1 s with a 2 s connect

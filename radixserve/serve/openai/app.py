@@ -62,6 +62,7 @@ class Prepared:
     include_usage: bool
     namespace: str | None
     headers: dict[str, str]
+    return_token_ids: bool = False
 
     @property
     def route(self) -> str:
@@ -207,7 +208,8 @@ class Gateway:
         headers = {"X-Radixserve-Ignored-Fields": ",".join(ignored)[:1000]} if ignored else {}
         return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        namespace=self.tenants.namespace(tenant), headers=headers)
+                        namespace=self.tenants.namespace(tenant), headers=headers,
+                        return_token_ids=req.return_token_ids)
 
     async def _chat_prompt(self, req: ChatRequest) -> list[int]:
         """The chat's token ids. A chat longer (in characters) than any prompt that fits the context
@@ -267,7 +269,8 @@ class Gateway:
         """The JSON of a finished completion; built off the loop when it carries logprobs (up to 64
         choices x their tokens x 21 alternatives: too long to keep other requests waiting)."""
         def build() -> msgspec.Raw:
-            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), prep.chat), prep.chat)
+            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), prep.chat), prep.chat,
+                                      out.token_ids if prep.return_token_ids else None)
                        for (index, _, _), out in zip(prep.jobs, outs)]
             return msgspec.Raw(msgspec.json.encode(prep.response(choices, R.usage(outs, prep.n))))
 

@@ -22,6 +22,7 @@ class TextChoice(msgspec.Struct):
     text: str
     logprobs: Any
     finish_reason: str | None
+    token_ids: list[int] | msgspec.UnsetType = UNSET  # with return_token_ids
 
 
 class AssistantMessage(msgspec.Struct):
@@ -35,6 +36,7 @@ class ChatChoice(msgspec.Struct):
     message: AssistantMessage
     logprobs: Any
     finish_reason: str | None
+    token_ids: list[int] | msgspec.UnsetType = UNSET
 
 
 class DeltaChoice(msgspec.Struct):
@@ -42,6 +44,7 @@ class DeltaChoice(msgspec.Struct):
     delta: dict[str, str]
     logprobs: Any
     finish_reason: str | None
+    token_ids: list[int] | msgspec.UnsetType = UNSET
 
 
 class Response(msgspec.Struct):
@@ -123,20 +126,25 @@ def logprobs(texts: TokenTexts, lps, chat: bool):
             "top_logprobs": [{texts(a)[0]: b for a, b in lp[2]} for lp in lps], "text_offset": None}
 
 
-def final_choice(index: int, out, lps, chat: bool):
-    """The choice of a finished (non-streamed) completion."""
+def _ids(token_ids) -> list[int] | msgspec.UnsetType:
+    return UNSET if token_ids is None else list(token_ids)
+
+
+def final_choice(index: int, out, lps, chat: bool, token_ids=None):
+    """The choice of a finished (non-streamed) completion (``token_ids``: with return_token_ids)."""
     if chat:
         return ChatChoice(index=index, message=AssistantMessage(content=out.text), logprobs=lps,
-                          finish_reason=out.finish_reason)
-    return TextChoice(index=index, text=out.text, logprobs=lps, finish_reason=out.finish_reason)
+                          finish_reason=out.finish_reason, token_ids=_ids(token_ids))
+    return TextChoice(index=index, text=out.text, logprobs=lps, finish_reason=out.finish_reason, token_ids=_ids(token_ids))
 
 
-def chunk_choice(index: int, text: str | None, lps, finish_reason: str | None, chat: bool):
-    """A streamed choice: new text (``text``), or the end (``finish_reason``, ``text`` None)."""
+def chunk_choice(index: int, text: str | None, lps, finish_reason: str | None, chat: bool, token_ids=None):
+    """A streamed choice: new text (``text``) and, with return_token_ids, its new ``token_ids``;
+    or the end (``finish_reason``, ``text`` None)."""
     if chat:
         return DeltaChoice(index=index, delta={} if text is None else {"content": text}, logprobs=lps,
-                           finish_reason=finish_reason)
-    return TextChoice(index=index, text=text or "", logprobs=lps, finish_reason=finish_reason)
+                           finish_reason=finish_reason, token_ids=_ids(token_ids))
+    return TextChoice(index=index, text=text or "", logprobs=lps, finish_reason=finish_reason, token_ids=_ids(token_ids))
 
 
 def role_choice(index: int) -> DeltaChoice:

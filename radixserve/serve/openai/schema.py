@@ -63,6 +63,7 @@ class _Common(msgspec.Struct, kw_only=True):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice (and streamed chunk) also carries its token_ids
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -57,8 +57,9 @@ async def sse_events(prep, first, queue: asyncio.Queue, logprobs: Callable[[Any,
                 if prep.include_usage:
                     yield event([], R.usage([finals[i] for i, _, _ in prep.jobs], prep.n))
                 break
-        elif msg.text or getattr(msg, "logprobs", None):
+        elif msg.text or getattr(msg, "logprobs", None) or (prep.return_token_ids and msg.token_ids):
             lps = logprobs(getattr(msg, "logprobs", None), chat)
-            yield event([R.chunk_choice(index, msg.text, lps, None, chat)])
+            ids = msg.token_ids if prep.return_token_ids else None
+            yield event([R.chunk_choice(index, msg.text, lps, None, chat, ids)])
         item = await queue.get()
     yield b"data: [DONE]\n\n"

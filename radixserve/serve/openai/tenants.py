@@ -13,11 +13,13 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from pathlib import Path
 
 from radixserve.serve.openai.errors import APIError
 
 DEFAULT_TENANT = "default"
+_COMMENT = re.compile(r"(?:^|\s)#")  # a comment starts a line or follows whitespace
 
 
 def _key_digest(key: str) -> bytes:
@@ -30,8 +32,9 @@ def tenant_for_key(key: str) -> str:
 
 
 def load_keys_file(path: str | os.PathLike) -> dict[str, str]:
-    """Keys file: a JSON object ``{"KEY": "TENANT", ...}``, or lines ``KEY [TENANT]`` (``#``
-    comments; a key without a tenant is its own tenant)."""
+    """Keys file: a JSON object ``{"KEY": "TENANT", ...}``, or lines ``KEY [TENANT]`` (a key
+    without a tenant is its own tenant). A ``#`` starts a comment at the start of a line or after
+    whitespace only: inside a key (``sk-live#9f2Qx7``) it is part of the key."""
     text = Path(path).read_text(encoding="utf-8")
     if text.lstrip().startswith("{"):
         data = json.loads(text)
@@ -40,7 +43,7 @@ def load_keys_file(path: str | os.PathLike) -> dict[str, str]:
         return {k: v for k, v in data.items() if k}
     keys: dict[str, str] = {}
     for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
+        line = _COMMENT.split(line, 1)[0].strip()
         if not line:
             continue
         parts = line.split()

@@ -28,6 +28,8 @@ from radixserve.serve.router.sockets import Sockets
 
 log = logging.getLogger("radixserve.router")
 
+TASK_ERROR_LOG_S = 60.0  # a periodic task that keeps failing logs its traceback once per this
+
 
 class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
     """The router process's state. Its message handlers come from the mixins: :class:`Sockets`
@@ -73,6 +75,11 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         self._last_tick = time.monotonic()
         self._token_chars = longest_token_chars(tokenizer)
         self._rejoin_asked: dict[bytes, float] = {}
+        self._task_error_logged: dict[str, float] = {}
+        self.clients = 0  # open client connections (Sockets._count_clients)
+        self.backlogs: dict[bytes, collections.deque[bytes]] = {}  # clients not reading -> frames waiting (Sockets._send)
+        self.max_clients = config.max_clients or 0  # set by bind() when None
+        self._clients_full_logged = -60.0
 
     @property
     def local_procs(self) -> list[Any]:
@@ -98,7 +105,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
             except (NotImplementedError, RuntimeError):
                 pass
         tasks = [asyncio.ensure_future(self._receiver()), asyncio.ensure_future(self._worker_receiver()),
-                 asyncio.ensure_future(self._ticker())]
+                 asyncio.ensure_future(self._ticker()), asyncio.ensure_future(self._count_clients())]
         if self.config.metrics_log:
             tasks.append(asyncio.ensure_future(self._metrics_logger(self.config.metrics_log)))
         await self._stopped.wait()
@@ -106,10 +113,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
             t.cancel()
         if self._tok_pool is not None:
             self._tok_pool.shutdown(wait=False, cancel_futures=True)
-        self._auth.stop()
-        self.sock.close(linger=500)
-        self.wsock.close(linger=500)
-        self.ctx.term()
+        self.close()
 
     async def _metrics_logger(self, path: str) -> None:
         out = MetricsLog(path)
@@ -117,8 +121,17 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
             await asyncio.sleep(self.config.metrics_interval_s)
             try:
                 out.write(self.stats())
-            except OSError as exc:
-                log.warning("metrics log: %s", exc)
+            except Exception:
+                self._task_failed("metrics log")
+
+    def _task_failed(self, task: str) -> None:
+        """A periodic task's step raised: count it and log it (the traceback at most once a
+        minute per task), and let the task go on."""
+        self.counters["task_errors"] += 1
+        now = time.monotonic()
+        if now - self._task_error_logged.get(task, -TASK_ERROR_LOG_S) >= TASK_ERROR_LOG_S:
+            self._task_error_logged[task] = now
+            log.exception("router %s failed (it goes on; %d such errors so far)", task, self.counters["task_errors"])
 
     def request_shutdown(self) -> None:
         """First call (Ctrl-C, SIGTERM): drain. A second one: stop now, without draining."""
@@ -189,6 +202,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
                 "gauges": {
                     "queue_depth": len(self.queue), "inflight": len(self.works),
                     "workers": len(self.workers), "workers_alive": len(self._alive()),
+                    "clients": self.clients, "max_clients": self.max_clients, "clients_not_reading": len(self.backlogs),
                     "max_queue": self.config.max_queue,
                     "max_inflight_per_worker": self.config.max_inflight_per_worker,
                     "shutting_down": int(self.shutting_down),

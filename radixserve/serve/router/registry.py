@@ -19,7 +19,8 @@ class WorkerRegistry(RouterBase):
     """Worker registration, heartbeats and liveness."""
 
     def _refuse(self, identity: bytes, worker, msg: P.Register) -> bool:
-        """Refuse a worker of another model, or a connection renaming itself; True if refused."""
+        """Refuse a worker of another model, a connection renaming itself, or a newcomer under the
+        name of a live worker; True if refused."""
         want = self.config.model_fingerprint
         if want and msg.fingerprint != want:
             self.counters["refused_workers"] = self.counters.get("refused_workers", 0) + 1
@@ -30,6 +31,17 @@ class WorkerRegistry(RouterBase):
             return True
         if worker is not None and worker.name != msg.worker:
             self._wsend(identity, P.Refused(reason=f"this connection is worker {worker.name}; it cannot rename itself"))
+            return True
+        old = self.workers.get(msg.worker)
+        if old is not None and old.alive and old.identity != identity and (old.proc is None or old.proc.poll() is None):
+            # Another live process holds the name: handing it over would make the two take it from
+            # each other for good (each declared dead in turn).
+            self.counters["refused_workers"] = self.counters.get("refused_workers", 0) + 1
+            why = (f"the name {msg.worker} belongs to a live worker (pid {old.pid} on {old.host or '?'}); start this one "
+                   f"with another --worker-id (if that worker has just died, retry after --heartbeat-timeout, "
+                   f"{self.config.heartbeat_timeout_s:g} s)")
+            log.error("refused worker %s (pid %d on %s): %s", msg.worker, msg.pid, msg.host, why)
+            self._wsend(identity, P.Refused(reason=why))
             return True
         return False
 
@@ -61,16 +73,14 @@ class WorkerRegistry(RouterBase):
         if old is not None and old.alive and same and old.identity == identity:
             self._registered_again(old, identity, msg)
             return
-        if old is not None and old.alive:
-            self._declare_dead(old, "it registered again (restarted)")
+        if old is not None and old.alive:  # its process exited (_refuse let this one in)
+            self._declare_dead(old, f"its process exited, and pid {msg.pid} registered under its name")
         self._rejoin_asked.pop(identity, None)
         state = WorkerState(name=msg.worker, identity=identity, pid=msg.pid, host=msg.host, session=msg.session,
                             info=dict(max_model_len=msg.max_model_len, kv_total_tokens=msg.kv_total_tokens,
                                       page_size=msg.page_size))
-        if old is not None:
-            state.proc = old.proc
-        for proc in self.local_procs:
-            if getattr(proc, "worker_name", None) == msg.worker:
+        for proc in self.local_procs:  # only the process itself: not a remote worker that took a dead one's name
+            if getattr(proc, "worker_name", None) == msg.worker and proc.pid == msg.pid:
                 state.proc = proc
         if self.supervisor is not None:
             self.supervisor.on_registered(msg.worker, msg.pid)
@@ -132,40 +142,49 @@ class WorkerRegistry(RouterBase):
         self._declare_dead(worker, "it left", left=True)
 
     async def _ticker(self) -> None:
-        cfg = self.config
         self._last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(cfg.heartbeat_s)
-            now = time.monotonic()
-            late = now - self._last_tick - cfg.heartbeat_s
-            self._last_tick = now
-            if late > cfg.heartbeat_s:
-                # Our own loop was stalled: the silence is ours, not the workers'. Give every
-                # worker a fresh window; what they sent meanwhile is still queued for us.
-                log.warning("router loop stalled for %.1f s; not counting it against workers", late)
-                for w in self.workers.values():
-                    w.last_seen = max(w.last_seen, now)
-            if self.supervisor is not None:
-                self.supervisor.tick(now, shutting_down=self.shutting_down)
-                if self.supervisor.fatal and not any(w.alive for w in self.workers.values()):
-                    self.fatal = self.supervisor.fatal
-                    log.error("%s", self.fatal)
-                    self.request_shutdown()
-            for w in list(self.workers.values()):
-                if not w.alive:
-                    continue
-                if w.proc is not None and w.proc.poll() is not None:
-                    self._declare_dead(w, f"its process exited with status {w.proc.returncode}")
-                elif now - w.last_seen > cfg.heartbeat_timeout_s:
-                    self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f} s")
-                else:
-                    self._wsend(w.identity, P.Ping())
-            for w in [w for w in self.workers.values() if not w.alive and w.proc is None]:
-                if now - w.last_seen > cfg.forget_dead_s:  # remote and gone: forget it
-                    del self.workers[w.name]
-            if self.queue and not any(w.alive for w in self.workers.values()):
-                while self.queue and now - self.queue[0].queued_at > cfg.no_worker_wait_s:
-                    job = self.queue.popleft()
-                    self.jobs.pop((job.client, job.cid), None)
-                    self._reply_error(job.client, job.cid, P.WORKER_LOST,
-                                      f"no worker joined within {cfg.no_worker_wait_s:.0f} s")
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                self._tick(time.monotonic())
+            except Exception:  # one error must not end the liveness checks and restarts for good
+                self._task_failed("ticker")
+
+    def _tick(self, now: float) -> None:
+        """Every ``heartbeat_s``: send what waits for slow clients, restart local workers that
+        are due, declare silent or exited workers dead, ping the others, forget long-dead remote
+        ones, fail what waited too long for any worker."""
+        cfg = self.config
+        self._flush_backlogs()
+        late = now - self._last_tick - cfg.heartbeat_s
+        self._last_tick = now
+        if late > cfg.heartbeat_s:
+            # Our own loop was stalled: the silence is ours, not the workers'. Give every
+            # worker a fresh window; what they sent meanwhile is still queued for us.
+            log.warning("router loop stalled for %.1f s; not counting it against workers", late)
+            for w in self.workers.values():
+                w.last_seen = max(w.last_seen, now)
+        if self.supervisor is not None:
+            self.supervisor.tick(now, shutting_down=self.shutting_down)
+            if self.supervisor.fatal and not any(w.alive for w in self.workers.values()):
+                self.fatal = self.supervisor.fatal
+                log.error("%s", self.fatal)
+                self.request_shutdown()
+        for w in list(self.workers.values()):
+            if not w.alive:
+                continue
+            if w.proc is not None and w.proc.poll() is not None:
+                self._declare_dead(w, f"its process exited with status {w.proc.returncode}")
+            elif now - w.last_seen > cfg.heartbeat_timeout_s:
+                self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f} s")
+            else:
+                self._wsend(w.identity, P.Ping())
+        for w in [w for w in self.workers.values() if not w.alive and w.proc is None]:
+            if now - w.last_seen > cfg.forget_dead_s:  # remote and gone: forget it
+                del self.workers[w.name]
+        if self.queue and not any(w.alive for w in self.workers.values()):
+            while self.queue and now - self.queue[0].queued_at > cfg.no_worker_wait_s:
+                job = self.queue.popleft()
+                self.jobs.pop((job.client, job.cid), None)
+                self._reply_error(job.client, job.cid, P.WORKER_LOST,
+                                  f"no worker joined within {cfg.no_worker_wait_s:.0f} s")

@@ -3,6 +3,7 @@ message handlers (client requests on one socket, worker messages on the other)."
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -11,9 +12,14 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
+from radixserve.runtime import open_files_limit
 from radixserve.serve.router.base import RouterBase
 
 log = logging.getLogger("radixserve.router")
+
+CLIENT_SNDHWM = 1000  # messages queued to one client before it counts as not reading
+_REFUSALS = (P.BAD_REQUEST, P.TOO_LONG, P.OVERLOADED)  # errors that answer a request not taken
+MAX_CLIENTS = 16384  # client connections at most by default (also at most half the open-file limit)
 
 
 # Message type -> the name of its handler method, ``handler(identity, worker, msg)``.
@@ -36,19 +42,35 @@ class Sockets(RouterBase):
         """Bind the client and worker sockets; returns the client address (with the real port
         when port is 0); the worker socket's is :attr:`worker_address`. A busy address raises
         :class:`~radixserve.errors.RadixServeError` naming it."""
+        self.ctx = zmq.asyncio.Context()
+        try:
+            return self._bind_sockets()
+        except BaseException:
+            self.close(linger=0)  # an open socket or the ZAP thread would keep the process from exiting
+            raise
+
+    def _bind_sockets(self) -> str:
         from radixserve.serve import auth
 
-        self.ctx = zmq.asyncio.Context()
         cfg = self.config
-        sock = self.ctx.socket(zmq.ROUTER)
+        self.max_clients = cfg.max_clients or min(MAX_CLIENTS, open_files_limit() // 2)
+        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters, self._admit_client)
+        sock = self.sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
-        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
+        # A client's queue holds CLIENT_SNDHWM messages; past that, send() says so (Again) instead
+        # of dropping, and _send keeps the client's stream in order in its backlog.
+        sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
         # still gets an error reply naming the limit.
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
+        # Client connections are bounded (see _admit_client), counted from the socket's events.
+        sock.zap_domain = auth.CLIENT_ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        self._client_monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
-        self.sock = sock
-        wsock = self.ctx.socket(zmq.ROUTER)
+        self._client_out = zmq.Socket.shadow(sock.underlying)  # sync: a failed send raises here, not in a future
+        wsock = self.wsock = self.ctx.socket(zmq.ROUTER)
         wsock.setsockopt(zmq.LINGER, 500)
         wsock.setsockopt(zmq.SNDHWM, 0)
         wsock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)
@@ -62,7 +84,6 @@ class Sockets(RouterBase):
         wsock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_s * 1000))
         wsock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((cfg.heartbeat_timeout_s + 2.0) * 1000))
         auth.make_server(wsock, self.secret)
-        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters)
         worker_address = cfg.worker_address
         if worker_address is None and cfg.address and cfg.address.startswith("ipc://"):
             worker_address = cfg.address + "-workers"
@@ -71,14 +92,88 @@ class Sockets(RouterBase):
         if cfg.address and cfg.address.startswith("tcp://"):
             host = cfg.address[len("tcp://"):].rsplit(":", 1)[0]
         self.worker_address = _bind(wsock, worker_address, host, port, "worker")
-        self.wsock = wsock
         return self.address
 
+    def close(self, linger: int = 500) -> None:
+        """Stop the ZAP handler, close both sockets and end the context (after ``linger`` ms for
+        replies still queued). Idempotent, and safe after a :meth:`bind` that failed half-way:
+        ``Context.term()`` waits forever for a socket left open."""
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
+            self._auth = None
+        for sock in (getattr(self, "_client_monitor", None), getattr(self, "sock", None), getattr(self, "wsock", None)):
+            if sock is not None:
+                sock.close(linger=linger)
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.term()
+
+    def _admit_client(self) -> bool:
+        """(On the ZAP thread, at each client handshake.) Whether a new client connection may
+        stay: while at most :attr:`max_clients` are open. Every connection holds a file
+        descriptor; past the process's limit libzmq spins on accept() and a worker restart
+        fails (EMFILE), so the bound sits well below it. A refused libzmq peer does not retry."""
+        if self.clients <= self.max_clients:
+            return True
+        self.counters["refused_clients"] += 1
+        now = time.monotonic()
+        if now - self._clients_full_logged >= 60.0:
+            self._clients_full_logged = now
+            log.warning("%d client connections are open (at most %d): refusing new ones (refused_clients counts them)",
+                        self.clients, self.max_clients)
+        return False
+
+    async def _count_clients(self) -> None:
+        """Keep :attr:`clients`, the open client connections, from the client socket's monitor."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            frames = await self._client_monitor.recv_multipart()
+            try:
+                accepted = parse_monitor_message(frames)["event"] == zmq.EVENT_ACCEPTED
+            except Exception:
+                self._task_failed("client count")
+                continue
+            self.clients = max(0, self.clients + (1 if accepted else -1))
+
     def _send(self, identity: bytes, msg) -> None:
+        """Send to a client. One whose queue is full (it is not reading) has a backlog: its
+        requests' streams wait there in order (flushed by the ticker), replies to what it was not
+        given (stats, health, refusals) are dropped, and it is given no new request
+        (:meth:`ClientFront._accepting`), so what it makes the router hold stays bounded."""
+        frame = P.encode(msg)
+        if self._flush(identity) and self._send_frame(identity, frame):
+            return
+        backlog = self.backlogs.setdefault(identity, collections.deque())  # (an empty one lasts until the next tick)
+        if isinstance(msg, (P.StatsReply, P.HealthReply)) or (isinstance(msg, P.Error) and msg.code in _REFUSALS):
+            self.counters["dropped_replies"] += 1
+        else:
+            backlog.append(frame)
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> bool:
+        """False when the client's queue is full; a message to a peer that is gone is dropped."""
         try:
-            self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # unreachable peer: ROUTER drops; never let it kill the loop
+            self._client_out.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:  # unreachable peer: never let it kill the loop
             log.debug("send to %r failed: %s", identity, exc)
+        return True
+
+    def _flush(self, identity: bytes) -> bool:
+        """Send what waits for a client; True when nothing waits any more."""
+        backlog = self.backlogs.get(identity)
+        if backlog is None:
+            return True
+        while backlog and self._send_frame(identity, backlog[0]):
+            backlog.popleft()
+        if backlog:
+            return False
+        del self.backlogs[identity]
+        return True
+
+    def _flush_backlogs(self) -> None:
+        for identity in list(self.backlogs):
+            self._flush(identity)
 
     def _wsend(self, identity: bytes, msg) -> None:
         """Send to a worker (on the worker socket)."""

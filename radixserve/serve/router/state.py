@@ -59,6 +59,8 @@ class RouterConfig(msgspec.Struct, kw_only=True):
     # token in characters. None: derived from max_model_len and the tokenizer's vocabulary.
     max_prompt_chars: _Count | None = None
     max_model_len: _Count | None = None  # the model's context (tokens); None: from registered workers
+    # Client connections at most (each holds a file descriptor); None: half the open-file limit, at most 16384.
+    max_clients: _Count | None = None
 
     def check(self) -> None:
         """Raise :class:`~radixserve.errors.BadRequestError` naming the first field out of range."""
@@ -112,7 +114,8 @@ class WorkerState:
 
 COUNTERS = (
     "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
-    "refused_workers", "workers_left", "index_resyncs", "rejoins_asked",
+    "refused_workers", "workers_left", "index_resyncs", "rejoins_asked", "refused_clients", "task_errors",
+    "dropped_replies",
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
