@@ -26,8 +26,8 @@ from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
 from radixserve.serve.openai.prompts import chat_ids, chat_messages, completion_prompts
 from radixserve.serve.openai.schema import ChatRequest, known_fields, parse_request, refuse_unsupported, sampling_params
-from radixserve.serve.router.core import shareable
 from radixserve.serve.openai.tenants import Tenants
+from radixserve.serve.router.core import shareable
 
 log = logging.getLogger("radixserve.http")
 
@@ -323,7 +323,7 @@ class Gateway:
                 stats = await (await self._ensure_client()).stats(timeout=2.0)
             except RadixServeError:
                 return None, chars
-            chars = stats["router"].get("max_prompt_chars", chars)
+            chars = stats.get("router", {}).get("max_prompt_chars", chars)
             lens = [w.get("max_model_len", 0) for w in stats.get("workers", {}).values() if w.get("alive")]
             lens = [x for x in lens if x]
             if not lens:
