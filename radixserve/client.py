@@ -152,8 +152,7 @@ class AsyncClient:
                     pass
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frame = await sock.recv()
+        async for frame in P.received(sock.recv):
             self._last_rx = time.monotonic()
             try:
                 msg = P.decode(frame, max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)

@@ -144,7 +144,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     http_port: Annotated[Port | None, _help("also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")] = None
     api_key: Annotated[list[str] | None, _help("HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")] = None
     http_header_timeout: Annotated[float, _help("seconds an HTTP connection has to send a complete request head (default: 10)", gt=0)] = 10.0
-    http_max_connections: Annotated[int, _help("open HTTP connections at most; more are closed at once (default: 1024)", ge=1)] = 1024
+    http_body_timeout: Annotated[float, _help("seconds, after its head, a request has to send its body; else 408 (default: 30)", gt=0)] = 30.0
+    http_max_connections: Annotated[int, _help("open HTTP connections at most; past it a new one closes the one idle the longest, "
+                                               "or is closed when all are busy (default: 1024)", ge=1)] = 1024
     api_keys_file: Annotated[str | None, _help("file of HTTP API keys: lines 'KEY [TENANT]' or a JSON object {KEY: TENANT}")] = None
 
     @property

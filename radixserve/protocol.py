@@ -21,7 +21,9 @@ decode gets an :class:`Error` reply and the server keeps going.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NamedTuple
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -334,6 +336,21 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
         raise DecodeError(f"protocol version {v} is not supported; this server speaks {PROTOCOL_VERSION}",
                           getattr(msg, "id", ""))
     return msg
+
+
+RECV_BATCH = 64  # frames a receive loop takes before it gives the rest of its event loop a turn
+_T = TypeVar("_T")
+
+
+async def received(recv: Callable[[], Awaitable[_T]]) -> AsyncIterator[_T]:
+    """What ``await recv()`` returns, again and again, with a turn for the other tasks of the event
+    loop every :data:`RECV_BATCH` frames. pyzmq's asyncio ``recv`` returns without suspending while
+    frames are queued: a receive loop over a flooded socket kept every other task (the other
+    socket, timers, the HTTP gateway's requests) waiting for as long as the flood lasted."""
+    while True:
+        for _ in range(RECV_BATCH):
+            yield await recv()
+        await asyncio.sleep(0)
 
 
 def _guess_id(frame: bytes) -> str:

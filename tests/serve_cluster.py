@@ -91,7 +91,7 @@ def running_router(config):
 
     router = Router(config)
     router.bind()
-    loop = asyncio.new_event_loop()
+    loop = router.loop = asyncio.new_event_loop()  # tests may run probes on it (run_coroutine_threadsafe)
     thread = threading.Thread(target=loop.run_until_complete, args=(router.serve(),), daemon=True)
     thread.start()
     try:

@@ -293,6 +293,12 @@ def test_401_without_or_with_a_wrong_key(server):
     assert headers["www-authenticate"] == "Bearer"
     status, _, _ = _raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer nope"})
     assert status == 401
+    # issue 49 item 13: /metrics (the fleet's counters, cached tokens included) needs a key too
+    for auth in ("", "Bearer nope"):
+        status, _, data = _raw(server, "GET", "/metrics", headers={"Authorization": auth})
+        assert status == 401 and _error(data)["code"] in ("missing_api_key", "invalid_api_key")
+    status, _, _ = _raw(server, "GET", "/health", headers={"Authorization": ""})
+    assert status == 200  # health stays open
 
 
 def test_404_unknown_model_and_route(server):
@@ -490,9 +496,11 @@ def test_client_disconnect_aborts_the_request(server):
 
 def test_logprobs_formatting():
     """The gateway's OpenAI logprobs objects, for when the router protocol carries them."""
+    import msgspec
+
     gw = Gateway(GatewayConfig(router="tcp://127.0.0.1:1"))
     lps = [(5, -0.5, [(5, -0.5), (6, -1.5)]), (7, -0.1, [(7, -0.1)])]
-    chat = gw._logprobs(lps, chat=True)
+    chat = msgspec.to_builtins(gw._logprobs(lps, chat=True))  # as the JSON body has it
     assert [c["logprob"] for c in chat["content"]] == [-0.5, -0.1]
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.5, -1.5]
     comp = gw._logprobs(lps, chat=False)

@@ -32,6 +32,9 @@ def _params(body: dict, chat: bool = False):
     ({"guided_regex": 5}, "guided_regex"), ({"guided_choice": "a"}, "guided_choice"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"max_tokens": LIMITS.max_tokens + 1}, "max_tokens"),
+    # issue 49 item 13: ranges the request Structs left open were 500s (SamplingParams refused them)
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"), ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"temperature": 1000}, "temperature"),
 ])
 def test_completion_fields_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:
@@ -86,3 +89,17 @@ def test_messages_parts_and_unknown_fields():
     assert "frobnicate" not in known_fields(True) and "messages" in known_fields(True)
     assert "prompt" in known_fields(False) and "messages" not in known_fields(False)
     assert isinstance(parse_request({"prompt": [1, 2]}, chat=False), CompletionRequest)
+
+
+def test_per_choice_seeds_stay_in_the_seed_range():
+    """Issue 49 item 13: seed 2**64 - 1 with n 2 gave choice 1 the seed 2**64, which no frame can
+    carry (a 500). Choice i's seed is seed + i, wrapped to 0 past 2**64 - 1."""
+    from radixserve.sampling_params import SamplingParams
+    from radixserve.serve.openai.app import _jobs
+
+    params, n = _params({"seed": 2**64 - 1, "n": 3})
+    jobs = _jobs(["hi"], params, n)
+    assert [sp["seed"] for _, _, sp in jobs] == [2**64 - 1, 0, 1]
+    for _, prompt, sp in jobs:
+        P.encode(P.Generate(id="x", prompt=prompt, params=SamplingParams(**sp)))
+    assert [sp["seed"] for _, _, sp in _jobs(["hi"], _params({"seed": -3, "n": 2})[0], 2)] == [-3, -2]

@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true``:
 server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``GET /health`` and ``GET /metrics`` (Prometheus text of the router's stats plus the gateway's
-own request counters).
+own request counters; with API keys configured it needs a key, as ``/v1/*`` does).
 
 Modules: :mod:`.schema` (request bodies as msgspec Structs -> SamplingParams), :mod:`.responses`
 (response bodies), :mod:`.prompts` (prompts, chat templates), :mod:`.tenants` (API keys ->
@@ -14,7 +14,8 @@ Decisions (see the README's "HTTP API" section):
 
 - Unknown top-level fields are ignored, like vLLM (the OpenAI API itself rejects them; tools that
   speak to many providers send extras) — each ignored name is logged once and listed in the
-  ``X-Radixserve-Ignored-Fields`` response header. Known OpenAI fields this server cannot honour
+  ``X-Radixserve-Ignored-Fields`` response header (so their names must be printable ASCII: else
+  400). Known OpenAI fields this server cannot honour
   (``logit_bias``, ``tools``, ``suffix``, ``echo``, ``best_of > n``, ...) are refused with 400
   naming the field rather than silently dropped.
 - Structured output: chat's ``response_format`` (``json_object``, ``json_schema``) and vLLM's

@@ -8,8 +8,8 @@ Every request goes to the router over the same ZMQ protocol as the SDK (one shar
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -19,14 +19,15 @@ from typing import Any
 import msgspec
 
 from radixserve import protocol as P
-from radixserve.errors import RadixServeError
+from radixserve.errors import OverloadedError, RadixServeError
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
-from radixserve.serve.openai.prompts import chat_prompt, completion_prompts
+from radixserve.serve.openai.prompts import chat_ids, chat_messages, completion_prompts
 from radixserve.serve.openai.schema import ChatRequest, known_fields, parse_request, refuse_unsupported, sampling_params
 from radixserve.serve.openai.tenants import Tenants
+from radixserve.serve.router.core import shareable
 
 log = logging.getLogger("radixserve.http")
 
@@ -42,6 +43,11 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 2**20
     max_n: int = 16
     limits: P.Limits = field(default_factory=P.Limits)
+    # Chats are tokenized here (the router gets token ids): short ones on the loop (microseconds),
+    # longer ones in a pool of tokenize_threads, at most max_tokenizing at once (beyond: 503).
+    inline_tokenize_chars: int = 8192
+    tokenize_threads: int = 2
+    max_tokenizing: int = 32
 
 
 @dataclass
@@ -73,14 +79,16 @@ class Prepared:
 
 
 def _jobs(prompts: list, params, n: int) -> list[tuple[int, Any, dict]]:
-    """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``."""
+    """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``, wrapped
+    to 0 past the top of a seed's range (2**64 - 1)."""
     base = msgspec.structs.asdict(params)
     jobs = []
     for pi, prompt in enumerate(prompts):
         for i in range(n):
             sp = dict(base)
             if n > 1 and sp["seed"] is not None:
-                sp["seed"] += i
+                seed = sp["seed"] + i
+                sp["seed"] = seed - 2**64 if seed >= 2**64 else seed
             jobs.append((pi * n + i, prompt, sp))
     return jobs
 
@@ -90,15 +98,17 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None):
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = shareable(tokenizer)  # the loop and the pool's threads call it at once
+        self._token_texts = R.TokenTexts(self.tokenizer)
         self.tenants = tenants or Tenants()
         self.client = client  # AsyncClient, created on the serving loop when None
         self.created = int(time.time())
         self.meters = GatewayMetrics(lambda: self.inflight)
         self.inflight = 0
         self._warned: set[str] = set()
-        self._max_model_len: int | None = None
-        self._tok_lock = threading.Lock()
+        self._context: tuple[int, int] | None = None  # see _router_limits
+        self._tok_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tokenizing = 0
         self.app = self._build_app()
 
     @property
@@ -153,9 +163,14 @@ class Gateway:
         return model
 
     def _ignored(self, body: dict, chat: bool) -> list[str]:
+        """The unknown fields of a request, which are ignored and listed in a response header: so
+        their names must be printable ASCII (400 otherwise, before anything runs)."""
         known = known_fields(chat)
         extra = sorted(k for k in body if k not in known)
         for k in extra:
+            if not (k.isascii() and k.isprintable()):
+                raise APIError(400, f"unknown field {k!r}: an unknown field's name must be printable ASCII (unknown "
+                                    f"fields are ignored and listed in the X-Radixserve-Ignored-Fields header)", param=k)
             if k not in self._warned and len(self._warned) < 1000:
                 self._warned.add(k)
                 log.warning("ignoring unknown request field %r", k)
@@ -170,7 +185,7 @@ class Gateway:
         return self.client
 
     def _logprobs(self, lps, chat: bool):
-        return R.logprobs(self.tokenizer, lps, chat)
+        return R.logprobs(self._token_texts, lps, chat)
 
     # -- completions -------------------------------------------------------------------------------
     async def _prepare(self, request, chat: bool) -> Prepared:
@@ -185,7 +200,7 @@ class Gateway:
             raise bad("n", f"must be at most {self.config.max_n}, got {n}")
         prompts: list[str | list[int]]
         if isinstance(req, ChatRequest):  # parse_request gave a ChatRequest: chat
-            prompts = [await asyncio.to_thread(chat_prompt, req, self.tokenizer, self._tok_lock, self.config.limits)]
+            prompts = [await self._chat_prompt(req)]
         else:
             prompts = completion_prompts(req)
         if len(prompts) * n > MAX_CHOICES:
@@ -195,6 +210,30 @@ class Gateway:
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
                         namespace=self.tenants.namespace(tenant), headers=headers,
                         return_token_ids=req.return_token_ids)
+
+    async def _chat_prompt(self, req: ChatRequest) -> list[int]:
+        """The chat's token ids. A chat longer (in characters) than any prompt that fits the context
+        is refused untokenized; a short one is tokenized on the loop, a longer one in the pool, so
+        that one tenant's long chats never hold up another's short one."""
+        messages = chat_messages(req, self.tokenizer)
+        chars = sum(len(m["content"]) for m in messages)
+        limit = (await self._router_limits())[1]
+        if chars > limit:
+            raise APIError(400, f"messages: have {chars} characters; no prompt longer than {limit} characters can fit "
+                                f"the model's context", param="messages", code="context_length_exceeded")
+        if chars <= self.config.inline_tokenize_chars:
+            return chat_ids(messages, self.tokenizer, self.config.limits)
+        if self._tokenizing >= self.config.max_tokenizing:
+            raise OverloadedError(f"{self._tokenizing} long chats are being tokenized; retry later")
+        if self._tok_pool is None:
+            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
+                                                                   thread_name_prefix="http-tokenize")
+        self._tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tok_pool, chat_ids, messages,
+                                                                    self.tokenizer, self.config.limits)
+        finally:
+            self._tokenizing -= 1
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
@@ -221,31 +260,30 @@ class Gateway:
                 outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
             except Exception as exc:
                 return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
-            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), chat), chat,
-                                      out.token_ids if prep.return_token_ids else None)
-                       for (index, _, _), out in zip(prep.jobs, outs)]
-            data = prep.response(choices, R.usage(outs, prep.n))
-            return self._json(data, headers=prep.headers, route=route)
+            return self._json(await self._final_body(prep, outs), headers=prep.headers, route=route)
         finally:
             if not streaming:
                 self.inflight -= 1
+
+    async def _final_body(self, prep: Prepared, outs: list) -> msgspec.Raw:
+        """The JSON of a finished completion; built off the loop when it carries logprobs (up to 64
+        choices x their tokens x 21 alternatives: too long to keep other requests waiting)."""
+        def build() -> msgspec.Raw:
+            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), prep.chat), prep.chat,
+                                      out.token_ids if prep.return_token_ids else None)
+                       for (index, _, _), out in zip(prep.jobs, outs)]
+            return msgspec.Raw(msgspec.json.encode(prep.response(choices, R.usage(outs, prep.n))))
+
+        if any(getattr(out, "logprobs", None) for out in outs):
+            return await asyncio.to_thread(build)
+        return build()
 
     async def _stream(self, request, prep: Prepared):
         from starlette.responses import StreamingResponse
 
         from radixserve.serve.openai.streaming import open_streams, sse_events
 
-        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
-        try:  # an error before the first token gets a real HTTP status
-            first = await with_disconnect(request, queue.get())
-            if first[2] is not None:
-                raise first[2]
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
-
-        async def gen():
+        async def gen(first):
             try:
                 async for event in sse_events(prep, first, queue, self._logprobs):
                     yield event
@@ -255,9 +293,19 @@ class Gateway:
                     if not t.done():
                         t.cancel()
 
+        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
+        try:  # an error before the first token gets a real HTTP status, and ends every choice
+            first = await with_disconnect(request, queue.get())
+            if first[2] is not None:
+                raise first[2]
+            response = StreamingResponse(gen(first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers})
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
         self.meters.count(prep.route, 200)
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers})
+        return response
 
     # -- endpoints ---------------------------------------------------------------------------------
     async def completions(self, request):
@@ -266,17 +314,32 @@ class Gateway:
     async def chat_completions(self, request):
         return await self._handle(request, chat=True)
 
-    async def _model_len(self) -> int | None:
-        if self._max_model_len is None:
+    async def _router_limits(self) -> tuple[int | None, int]:
+        """(The model's context in tokens, None while no worker is up; the longest prompt in
+        characters worth tokenizing), from the router's stats, kept once a worker is up."""
+        if self._context is None:
+            chars = self.config.limits.max_prompt_chars
             try:
-                client = await self._ensure_client()
-                stats = await client.stats(timeout=2.0)
-                lens = [w.get("max_model_len", 0) for w in stats.get("workers", {}).values() if w.get("alive")]
-                lens = [x for x in lens if x]
-                self._max_model_len = min(lens) if lens else None
+                stats = await (await self._ensure_client()).stats(timeout=2.0)
             except RadixServeError:
-                return None
-        return self._max_model_len
+                return None, chars
+            chars = stats.get("router", {}).get("max_prompt_chars", chars)
+            lens = [w.get("max_model_len", 0) for w in stats.get("workers", {}).values() if w.get("alive")]
+            lens = [x for x in lens if x]
+            if not lens:
+                return None, chars
+            self._context = (min(lens), chars)
+        return self._context
+
+    async def _model_len(self) -> int | None:
+        return (await self._router_limits())[0]
+
+    async def close(self) -> None:
+        """Close the router client and the tokenizing pool."""
+        if self.client is not None:
+            await self.client.close()
+        if self._tok_pool is not None:
+            self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     def _model_card(self, name: str, max_len: int | None) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "radixserve",
@@ -311,13 +374,15 @@ class Gateway:
         return self._json(h, 200 if ok else 503, None if ok else {"Retry-After": "5"}, "health")
 
     async def metrics(self, request):
-        """Prometheus text of the router's stats, then the gateway's own request metrics."""
+        """Prometheus text of the router's stats, then the gateway's own request metrics. With API
+        keys configured it needs one too: the counters (cached tokens ...) are the fleet's."""
         from starlette.responses import Response
 
         try:
+            self.tenants.authenticate(request.headers.get("authorization"))
             client = await self._ensure_client()
             stats = await client.stats(timeout=5.0)
-        except RadixServeError as exc:
+        except (APIError, RadixServeError) as exc:
             return self._error(api_error_from(exc), "metrics")
         text = prometheus_text(stats) + self.meters.text()
         self.meters.count("metrics", 200)

@@ -19,12 +19,17 @@ async def _read_body(request, limit: int) -> bytes:
         if int(length) > limit:
             raise APIError(413, f"request body is {length} bytes; the limit is {limit}",
                            code="request_too_large")
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left, or its body was too late (answered 408 by the server)
+        raise APIError(499, "client closed the request", code="client_closed") from None
     return b"".join(chunks)
 
 

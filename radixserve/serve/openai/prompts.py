@@ -3,8 +3,6 @@ model's chat template and tokenized here (the router receives token ids)."""
 
 from __future__ import annotations
 
-import threading
-
 from radixserve import protocol as P
 from radixserve.serve.openai.errors import APIError, bad
 from radixserve.serve.openai.schema import ChatRequest, CompletionRequest
@@ -35,7 +33,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-def _messages(req: ChatRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatRequest, tokenizer) -> list[dict[str, str]]:
     """The messages as the chat template expects them (text parts joined, ``developer``: system)."""
     if not req.messages:
         raise bad("messages", "must be a non-empty list of messages")
@@ -49,25 +47,21 @@ def _messages(req: ChatRequest) -> list[dict[str, str]]:
                 raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
             content = ""
         rendered.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad("messages", "this model has no chat template; use /v1/completions")
     return rendered
 
 
-def chat_prompt(req: ChatRequest, tokenizer, lock: threading.Lock, limits: P.Limits) -> list[int]:
-    """Token ids of the chat's messages under the model's template, ready for the assistant's turn."""
-    rendered = _messages(req)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad("messages", "this model has no chat template; use /v1/completions")
-    total = sum(len(m["content"]) for m in rendered)
-    if total > limits.max_prompt_chars:
-        raise bad("messages", f"have {total} characters; the limit is {limits.max_prompt_chars}")
-    with lock:  # a HF fast tokenizer must not be used from two threads at once
-        try:
-            text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # template errors (e.g. roles must alternate) are the caller's
-            raise bad("messages", f"the chat template refused them: {exc}") from None
-        # Templates that write BOS themselves must not get a second one from the tokenizer.
-        bos = getattr(tokenizer, "bos_token", None)
-        ids = tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+def chat_ids(messages: list[dict[str, str]], tokenizer, limits: P.Limits) -> list[int]:
+    """Token ids of ``messages`` under the model's chat template, ready for the assistant's turn.
+    Several threads may call it at once with a tokenizer made :func:`~radixserve.serve.router.shareable`."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # template errors (e.g. roles must alternate) are the caller's
+        raise bad("messages", f"the chat template refused them: {exc}") from None
+    # Templates that write BOS themselves must not get a second one from the tokenizer.
+    bos = getattr(tokenizer, "bos_token", None)
+    ids = tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
     if len(ids) > limits.max_prompt_tokens:
         raise APIError(400, f"messages: {len(ids)} tokens; the limit is {limits.max_prompt_tokens}",
                        param="messages", code="context_length_exceeded")

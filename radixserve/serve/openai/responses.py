@@ -73,21 +73,57 @@ def usage(outs: list, n: int) -> Usage:
                  prompt_tokens_details={"cached_tokens": cached})
 
 
-def logprobs(tokenizer, lps, chat: bool):
+class TokenTexts:
+    """Each token id's text and UTF-8 bytes (``str(id)`` without a tokenizer), decoded once.
+    Logprobs name every token and up to 20 alternatives: decoding each anew (n 8 x 1,500 tokens x
+    21) held the gateway's loop for seconds. The ids are the model's: at most its vocabulary."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._known: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        known = self._known.get(token)
+        if known is None:
+            text = self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+            known = self._known[token] = (text, list(text.encode()))
+        return known
+
+
+class TopLogprob(msgspec.Struct, gc=False):
+    """A chat token's alternative. Logprob Structs are never in a reference cycle: gc=False keeps
+    the garbage collector off the hundreds of thousands a large response holds."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprob(msgspec.Struct, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+def logprobs(texts: TokenTexts, lps, chat: bool):
     """OpenAI logprobs object from the protocol's per-token (token_id, logprob, top) triples."""
     if not lps:
         return None
-
-    def text(t):
-        return tokenizer.decode([t]) if tokenizer is not None else str(t)
-
     lps = [(lp.token_id, lp.logprob, lp.top) if hasattr(lp, "token_id") else tuple(lp) for lp in lps]
     if chat:
-        return {"content": [{"token": text(lp[0]), "logprob": lp[1], "bytes": list(text(lp[0]).encode()),
-                             "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
-                                              for a, b in lp[2]]} for lp in lps], "refusal": None}
-    return {"tokens": [text(lp[0]) for lp in lps], "token_logprobs": [lp[1] for lp in lps],
-            "top_logprobs": [{text(a): b for a, b in lp[2]} for lp in lps], "text_offset": None}
+        def alternative(token: int, logprob: float) -> TopLogprob:
+            text, raw = texts(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=raw)
+
+        content = []
+        for token, logprob, top in lps:
+            text, raw = texts(token)
+            content.append(ChatLogprob(token=text, logprob=logprob, bytes=raw,
+                                       top_logprobs=[alternative(a, b) for a, b in top]))
+        return {"content": content, "refusal": None}
+    return {"tokens": [texts(lp[0])[0] for lp in lps], "token_logprobs": [lp[1] for lp in lps],
+            "top_logprobs": [{texts(a)[0]: b for a, b in lp[2]} for lp in lps], "text_offset": None}
 
 
 def _ids(token_ids) -> list[int] | msgspec.UnsetType:

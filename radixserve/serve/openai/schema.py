@@ -25,8 +25,10 @@ from radixserve import protocol as P
 from radixserve.errors import BadRequestError
 from radixserve.sampling_params import SamplingParams, StructuredOutput  # the type of SamplingParams.structured
 from radixserve.serve.openai.errors import bad
+from radixserve.validation import convert
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+REPETITION_PENALTY = SamplingParams.REPETITION_PENALTY_RANGE
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -41,7 +43,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=SamplingParams.MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0: disabled
     min_p: Unit | None = None
@@ -53,7 +55,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1])] | None = None
     user: str | None = None  # accepted and ignored: a client cannot choose its namespace
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
@@ -233,8 +235,8 @@ def sampling_params(req: Request, limits: P.Limits) -> tuple[SamplingParams, int
         kw["top_k"] = -1 if req.top_k == 0 else req.top_k
     optional = {"stop": _stop(req.stop, limits), "logprobs": _logprobs(req), "structured": structured_output(req)}
     kw.update({k: v for k, v in optional.items() if v is not None})
-    try:
-        params = msgspec.convert(kw, SamplingParams, from_attributes=True)
+    try:  # the ranges are SamplingParams' own: what the Structs above leave open is refused here
+        params = convert(kw, SamplingParams)
         params.validate(vocab_size=1 << 31)
     except BadRequestError as exc:
         raise bad(exc.field, exc.message.split(": ", 1)[-1]) from None

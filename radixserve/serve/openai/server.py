@@ -18,47 +18,101 @@ from radixserve.serve.openai.tenants import Tenants, load_keys_file, tenant_for_
 log = logging.getLogger("radixserve.http")
 
 
-def _guarded_h11(header_timeout_s: float, max_connections: int):
-    """uvicorn's h11 protocol with two guards uvicorn lacks: a connection must complete each
-    request head within ``header_timeout_s`` (slowloris), and connections beyond
-    ``max_connections`` are closed at once."""
+def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections: int):
+    """uvicorn's h11 protocol with the guards uvicorn lacks. A request must arrive in time: its
+    head within ``header_timeout_s`` of its first byte (or of the connection), its body within
+    ``body_timeout_s`` of its head (else 408, and the connection is closed). At most
+    ``max_connections`` are open: past that, a new connection closes the one idle the longest
+    (between requests, or still sending its head; no key is known then), or is itself closed when
+    every connection is busy with a request. Idle keep-alive connections (205 of them locked every
+    tenant out) and unauthenticated ones (answered 401 at once) thus never hold capacity."""
     import h11
+    import msgspec
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    from radixserve.serve.openai.errors import APIError
+
+    idle: dict[GuardedH11Protocol, None] = {}  # connections that went idle, oldest first (each checked when taken)
+
+    def close_idle() -> bool:
+        """Close the connection idle the longest; False when none is."""
+        while idle:
+            conn = next(iter(idle))
+            del idle[conn]
+            if not conn.busy and not conn.transport.is_closing():
+                conn.transport.close()
+                return True
+        return False
+
     class GuardedH11Protocol(H11Protocol):
-        _head_timer = None
+        _timer = None
+        _waiting_for: str | None = None  # "head" or "body": what the timer waits for
+
+        @property
+        def busy(self) -> bool:
+            """A request is in progress: its response is not complete yet."""
+            return self.cycle is not None and not self.cycle.response_complete
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                log.warning("HTTP connection cap (%d) reached; closing a new connection", max_connections)
+            if len(self.connections) > max_connections and not close_idle():
+                log.warning("HTTP connection cap (%d) reached, every connection busy; closing a new one", max_connections)
                 transport.close()
                 return
-            self._arm()
+            idle[self] = None
+            self._wait_for("head", header_timeout_s)
 
-        def _arm(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()  # still no complete request head
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            idle.pop(self, None)
+            idle[self] = None  # the newest idle one
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._arm()  # part of a request head: it has header_timeout_s to finish
+            state = self.conn.their_state
+            if state is h11.IDLE:
+                self._wait_for("head", header_timeout_s)  # part of a request head
+            elif state is h11.SEND_BODY:
+                self._wait_for("body", body_timeout_s)  # the head is in, the body on its way
             else:
-                self._disarm()
+                self._stop_waiting()
+
+        def _wait_for(self, what: str, seconds: float) -> None:
+            if self._waiting_for != what:
+                self._stop_waiting()
+                self._waiting_for = what
+                self._timer = self.loop.call_later(seconds, self._late)
+
+        def _stop_waiting(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._waiting_for = None
+
+        def _late(self) -> None:
+            what, self._timer, self._waiting_for = self._waiting_for, None, None
+            state = self.conn.their_state
+            if self.transport.is_closing() or state is not (h11.IDLE if what == "head" else h11.SEND_BODY):
+                return
+            if what == "body" and self.cycle is not None:
+                self._refuse_late_body()
+            self.transport.close()
+
+        def _refuse_late_body(self) -> None:
+            """408 (unless the answer has begun); the app reads the request as abandoned."""
+            if not self.cycle.response_started:
+                err = APIError(408, f"the request body did not arrive within {body_timeout_s:g} s of its head",
+                               code="request_timeout")
+                body = msgspec.json.encode(err.body())
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                           (b"connection", b"close")]
+                self.transport.write(self.conn.send(h11.Response(status_code=408, headers=headers))
+                                     + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage()))
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
 
         def connection_lost(self, exc) -> None:
-            self._disarm()
+            self._stop_waiting()
+            idle.pop(self, None)
             super().connection_lost(exc)
 
     return GuardedH11Protocol
@@ -67,10 +121,11 @@ def _guarded_h11(header_timeout_s: float, max_connections: int):
 class GatewayServer:
     """uvicorn serving a :class:`Gateway` on a thread with its own (uvloop) event loop.
     ``header_timeout_s``: time a connection has to send a complete request head;
-    ``max_connections``: open connections at most (beyond: closed at once)."""
+    ``body_timeout_s``: time, after the head, for the body; ``max_connections``: open connections
+    at most (beyond: the one idle the longest is closed, or the new one when none is)."""
 
     def __init__(self, gateway: Gateway, host: str, port: int, *, header_timeout_s: float = 10.0,
-                 max_connections: int = 1024):
+                 body_timeout_s: float = 30.0, max_connections: int = 1024):
         import uvicorn
 
         self.gateway = gateway
@@ -83,7 +138,7 @@ class GatewayServer:
         self.host, self.port = host, self.sock.getsockname()[1]
         self.config = uvicorn.Config(gateway.app, lifespan="off", log_level="warning", access_log=False,
                                      timeout_keep_alive=15, timeout_graceful_shutdown=3,
-                                     http=_guarded_h11(header_timeout_s, max_connections),
+                                     http=_guarded_h11(header_timeout_s, body_timeout_s, max_connections),
                                      h11_max_incomplete_event_size=64 * 1024)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self._run, name="radixserve-http", daemon=True)
@@ -98,8 +153,7 @@ class GatewayServer:
             try:
                 await self.server.serve(sockets=[self.sock])
             finally:
-                if self.gateway.client is not None:
-                    await self.gateway.client.close()
+                await self.gateway.close()
 
         try:
             import uvloop
@@ -142,6 +196,7 @@ def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None) -
     try:
         server = GatewayServer(Gateway(config, tokenizer, Tenants(keys)), args.host, args.http_port,
                                header_timeout_s=getattr(args, "http_header_timeout", 10.0),
+                               body_timeout_s=getattr(args, "http_body_timeout", 30.0),
                                max_connections=getattr(args, "http_max_connections", 1024)).start()
     except OSError as exc:
         raise RadixServeError(f"--http-port {args.http_port}: cannot listen on {args.host}: {exc}") from None

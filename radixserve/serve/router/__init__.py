@@ -30,7 +30,7 @@ dead after a link cut, or a router restart) is answered with ``Rejoin`` too, so 
 back as soon as the link does.
 """
 
-from radixserve.serve.router.core import Router, load_tokenizer
+from radixserve.serve.router.core import Router, load_tokenizer, shareable
 from radixserve.serve.router.state import COUNTERS, Job, RouterConfig, WorkerState
 
-__all__ = ["COUNTERS", "Job", "Router", "RouterConfig", "WorkerState", "load_tokenizer"]
+__all__ = ["COUNTERS", "Job", "Router", "RouterConfig", "WorkerState", "load_tokenizer", "shareable"]

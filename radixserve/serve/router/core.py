@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import gc
 import itertools
 import logging
 import os
@@ -91,6 +92,11 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
     async def serve(self) -> None:
         if not getattr(self, "sock", None):
             self.bind()
+        # What the process holds by now (torch, transformers, the tokenizer: ~300k objects) lives
+        # as long as it does: frozen, a full collection no longer walks it, which took 0.15-0.3 s
+        # with both loops (router and gateway) stopped, in the tail of every kind of answer.
+        gc.collect()
+        gc.freeze()
         self._stopped = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -202,6 +208,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
                     "shutting_down": int(self.shutting_down),
                 },
                 "histograms": {k: h.to_dict() for k, h in self.hist.items()},
+                "max_prompt_chars": self.prompt_char_limit(),  # longer prompts are refused untokenized
             },
             "workers": workers,
         }
@@ -217,4 +224,16 @@ def load_tokenizer(model: str | None):
     from radixserve.model.default import resolve_model
 
     model = str(resolve_model(model))
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return shareable(AutoTokenizer.from_pretrained(model, local_files_only=True))
+
+
+def shareable(tokenizer):
+    """``tokenizer``, ready to be called from several threads at once. A HF fast tokenizer is
+    thread-safe to encode and decode with, but its Rust backend also holds truncation, padding and
+    special-token settings, which each call first sets to its own when they differ: a mutable
+    borrow, and one while another thread encodes raises ``RuntimeError: Already borrowed``
+    (huggingface/tokenizers#537; what a global lock guarded against). radixserve calls tokenizers
+    only with the defaults: one call here sets them, and later calls only read them."""
+    if getattr(tokenizer, "is_fast", False):
+        tokenizer("x")
+    return tokenizer

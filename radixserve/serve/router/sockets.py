@@ -187,8 +187,7 @@ class Sockets(RouterBase):
         self._send(identity, P.Error(id=rid, code=code, message=message))
 
     async def _worker_receiver(self) -> None:
-        while True:
-            parts = await self.wsock.recv_multipart(copy=True)
+        async for parts in P.received(self.wsock.recv_multipart):
             try:
                 self._on_worker_frames(parts)
             except Exception:
@@ -228,8 +227,7 @@ class Sockets(RouterBase):
         getattr(self, handler)(identity, worker, msg)
 
     async def _receiver(self) -> None:
-        while True:
-            parts = await self.sock.recv_multipart(copy=True)
+        async for parts in P.received(self.sock.recv_multipart):
             try:
                 self._on_frames(parts)
             except Exception:  # a bug handling one message must not take the router down
