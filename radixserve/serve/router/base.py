@@ -58,21 +58,18 @@ class RouterBase:
     clients: int  # open client connections
     max_clients: int  # beyond: new client connections are refused (Sockets._admit_client)
     _clients_full_logged: float
-    backlogs: dict[bytes, collections.deque[bytes]]  # clients not reading -> their frames waiting, in order
     # bound sockets (Sockets.bind)
     ctx: zmq.asyncio.Context
     sock: zmq.asyncio.Socket
     wsock: zmq.asyncio.Socket
     _auth: Any  # zmq.auth.thread.ThreadAuthenticator
     _client_monitor: zmq.asyncio.Socket  # the client socket's connection events
-    _client_out: zmq.Socket  # a sync shadow of sock, for sends
 
     if TYPE_CHECKING:
         # Sockets
         def _send(self, identity: bytes, msg: Any) -> None: ...
         def _wsend(self, identity: bytes, msg: Any) -> None: ...
         def _reply_error(self, identity: bytes, rid: str, code: str, message: str) -> None: ...
-        def _flush_backlogs(self) -> None: ...
 
         # Dispatch
         def _alive(self) -> list[WorkerState]: ...

@@ -77,7 +77,6 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         self._rejoin_asked: dict[bytes, float] = {}
         self._task_error_logged: dict[str, float] = {}
         self.clients = 0  # open client connections (Sockets._count_clients)
-        self.backlogs: dict[bytes, collections.deque[bytes]] = {}  # clients not reading -> frames waiting (Sockets._send)
         self.max_clients = config.max_clients or 0  # set by bind() when None
         self._clients_full_logged = -60.0
 
@@ -202,7 +201,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
                 "gauges": {
                     "queue_depth": len(self.queue), "inflight": len(self.works),
                     "workers": len(self.workers), "workers_alive": len(self._alive()),
-                    "clients": self.clients, "max_clients": self.max_clients, "clients_not_reading": len(self.backlogs),
+                    "clients": self.clients, "max_clients": self.max_clients,
                     "max_queue": self.config.max_queue,
                     "max_inflight_per_worker": self.config.max_inflight_per_worker,
                     "shutting_down": int(self.shutting_down),

@@ -39,10 +39,6 @@ class ClientFront(RouterBase):
         if self.shutting_down:
             self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
             return None
-        if identity in self.backlogs:  # (the reply is dropped too: see Sockets._send)
-            self.counters["overloaded"] += 1
-            self._reply_error(identity, msg.id, P.OVERLOADED, "this connection is not reading its replies")
-            return None
         key = (identity, msg.id)
         if key in self.jobs or key in self._tokenizing:
             self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
@@ -219,9 +215,6 @@ class ClientFront(RouterBase):
         self._send(identity, P.HealthReply(id=msg.id, status=status, workers=len(self.workers), workers_alive=alive))
 
     def _on_stats(self, identity: bytes, worker, msg: P.Stats) -> None:
-        if identity in self.backlogs:  # not reading: the reply would be dropped (Sockets._send)
-            self.counters["dropped_replies"] += 1
-            return
         probe = None
         if msg.probe is not None:
             # a text probe is tokenized on the loop: only its first 65536 characters (milliseconds)

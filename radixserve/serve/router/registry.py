@@ -151,11 +151,10 @@ class WorkerRegistry(RouterBase):
                 self._task_failed("ticker")
 
     def _tick(self, now: float) -> None:
-        """Every ``heartbeat_s``: send what waits for slow clients, restart local workers that
-        are due, declare silent or exited workers dead, ping the others, forget long-dead remote
-        ones, fail what waited too long for any worker."""
+        """Every ``heartbeat_s``: restart local workers that are due, declare silent or exited
+        workers dead, ping the others, forget long-dead remote ones, fail what waited too long
+        for any worker."""
         cfg = self.config
-        self._flush_backlogs()
         late = now - self._last_tick - cfg.heartbeat_s
         self._last_tick = now
         if late > cfg.heartbeat_s:

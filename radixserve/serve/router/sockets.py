@@ -3,7 +3,6 @@ message handlers (client requests on one socket, worker messages on the other)."
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 
@@ -17,8 +16,6 @@ from radixserve.serve.router.base import RouterBase
 
 log = logging.getLogger("radixserve.router")
 
-CLIENT_SNDHWM = 1000  # messages queued to one client before it counts as not reading
-_REFUSALS = (P.BAD_REQUEST, P.TOO_LONG, P.OVERLOADED)  # errors that answer a request not taken
 MAX_CLIENTS = 16384  # client connections at most by default (also at most half the open-file limit)
 
 
@@ -57,10 +54,7 @@ class Sockets(RouterBase):
         self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters, self._admit_client)
         sock = self.sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
-        # A client's queue holds CLIENT_SNDHWM messages; past that, send() says so (Again) instead
-        # of dropping, and _send keeps the client's stream in order in its backlog.
-        sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
         # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
         # still gets an error reply naming the limit.
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
@@ -69,7 +63,6 @@ class Sockets(RouterBase):
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         self._client_monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
-        self._client_out = zmq.Socket.shadow(sock.underlying)  # sync: a failed send raises here, not in a future
         wsock = self.wsock = self.ctx.socket(zmq.ROUTER)
         wsock.setsockopt(zmq.LINGER, 500)
         wsock.setsockopt(zmq.SNDHWM, 0)
@@ -136,44 +129,10 @@ class Sockets(RouterBase):
             self.clients = max(0, self.clients + (1 if accepted else -1))
 
     def _send(self, identity: bytes, msg) -> None:
-        """Send to a client. One whose queue is full (it is not reading) has a backlog: its
-        requests' streams wait there in order (flushed by the ticker), replies to what it was not
-        given (stats, health, refusals) are dropped, and it is given no new request
-        (:meth:`ClientFront._accepting`), so what it makes the router hold stays bounded."""
-        frame = P.encode(msg)
-        if self._flush(identity) and self._send_frame(identity, frame):
-            return
-        backlog = self.backlogs.setdefault(identity, collections.deque())  # (an empty one lasts until the next tick)
-        if isinstance(msg, (P.StatsReply, P.HealthReply)) or (isinstance(msg, P.Error) and msg.code in _REFUSALS):
-            self.counters["dropped_replies"] += 1
-        else:
-            backlog.append(frame)
-
-    def _send_frame(self, identity: bytes, frame: bytes) -> bool:
-        """False when the client's queue is full; a message to a peer that is gone is dropped."""
         try:
-            self._client_out.send_multipart([identity, frame], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:  # unreachable peer: never let it kill the loop
+            self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # unreachable peer: ROUTER drops; never let it kill the loop
             log.debug("send to %r failed: %s", identity, exc)
-        return True
-
-    def _flush(self, identity: bytes) -> bool:
-        """Send what waits for a client; True when nothing waits any more."""
-        backlog = self.backlogs.get(identity)
-        if backlog is None:
-            return True
-        while backlog and self._send_frame(identity, backlog[0]):
-            backlog.popleft()
-        if backlog:
-            return False
-        del self.backlogs[identity]
-        return True
-
-    def _flush_backlogs(self) -> None:
-        for identity in list(self.backlogs):
-            self._flush(identity)
 
     def _wsend(self, identity: bytes, msg) -> None:
         """Send to a worker (on the worker socket)."""

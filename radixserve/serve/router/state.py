@@ -115,7 +115,6 @@ class WorkerState:
 COUNTERS = (
     "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
     "refused_workers", "workers_left", "index_resyncs", "rejoins_asked", "refused_clients", "task_errors",
-    "dropped_replies",
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
