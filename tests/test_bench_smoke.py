@@ -409,3 +409,22 @@ def peers_render(res: dict) -> str:
     from bench import peers
 
     return peers.render(res)
+
+
+def test_peers_fleet_through_the_gateway_completes(tmp_path):
+    """radixserve's side of `bench peers --peer llamacpp` (the HTTP gateway, one router client
+    carrying 32 streams) on a tiny GGUF: every request completes. A per-client send bound of the
+    router once cut the gateway off here (its health probes unanswered, router_lost after 10 s)."""
+    from radixserve.testing import make_tiny_model_dir
+    from radixserve.testing_gguf import write_gguf
+
+    hf = make_tiny_model_dir(tmp_path / "hf", "llama", seed=1, max_position_embeddings=4096)
+    model = write_gguf(tmp_path / "tiny.gguf", hf, "llama", lambda name: 8)  # Q8_0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "bench", "peers", "--peer", "llamacpp", "--llama-server", "/bin/true",
+                           "--engines", "radixserve", "--workloads", "fleet", "--model", str(model), "--threads", "2",
+                           "--agents", "32", "--max-running", "32", "--system-tokens", "1024", "--rounds", "1", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)["workloads"]["fleet"]["engines"]["radixserve"]
+    assert run["requests"] == 32 * 4 and run["backend"] == "http gateway"

@@ -525,3 +525,4 @@ def test_logprobs_end_to_end(server, llama_dir):
                                      max_tokens=3, temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+
