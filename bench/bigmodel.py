@@ -1,10 +1,11 @@
-"""A 7B-shaped GGUF (random weights) served from its quantized blocks: load time, memory, plan, decode.
+"""A 7B-shaped GGUF (random weights), or any GGUF, served from its quantized blocks: load time, memory, plan, decode.
 
 Writes (once, into ``--dir``) a GGUF with Llama-2-7B's or Qwen2-7B's shapes and random weights in
 ``--mix`` (``q4_0``: every projection and the output head Q4_0, the embedding Q4_0; ``q4_k_m``:
 llama.cpp's Q4_K_M layout, Q6_K for v, down and the output head, Q4_K elsewhere), with gguf's
 GGUFWriter (:func:`radixserve.testing_gguf.write_synthetic_gguf`; nothing is downloaded or
-committed). Then, in a child process per load (so each starts with an empty heap):
+committed); ``--file`` measures an existing GGUF instead (the default model's, say). Then, in a
+child process per load (so each starts with an empty heap):
 
 - the load: seconds from ``Engine(file)`` to ready, cold (first) and warm (the file in the page cache);
 - memory: the process's RSS after the load and after ``--tokens`` greedy tokens (every weight
@@ -41,6 +42,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES),
                         help="the model's shapes (qwen2-7b keeps its layers but a 32,000-token vocabulary)")
     parser.add_argument("--mix", default="q4_0", choices=MIXES, help="quantization types of the weights")
+    parser.add_argument("--file", default=None, metavar="GGUF",
+                        help="measure this GGUF file instead of writing a synthetic one (--shape and --mix then unused)")
     parser.add_argument("--dir", default=None, help="where the file is written (default: $RADIXSERVE_CACHE/bench or "
                                                     "~/.cache/radixserve/bench)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine")
@@ -93,6 +96,9 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
 
+from radixserve.attention import cpu_ext
+cpu_ext.load()  # (built or loaded before the baseline: every engine process has it)
+base_rss = rss()
 start = time.perf_counter()
 engine = Engine(sys.argv[1], kv_cache_tokens=int(sys.argv[3]), max_running=1)
 load_s = time.perf_counter() - start
@@ -107,7 +113,7 @@ while engine.scheduler.has_work:
     steps.append(time.perf_counter() - t0)
 pool = engine.pool
 g = engine.loaded.gguf
-print(json.dumps({"load_s": load_s, "rss_loaded": loaded_rss, "rss_after": rss(),
+print(json.dumps({"load_s": load_s, "rss_base": base_rss, "rss_loaded": loaded_rss, "rss_after": rss(),
                   "kv_bytes": sum(t.numel() * t.element_size() for t in pool.k + pool.v),
                   "held_bytes": sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
                                 + (g.quantized_bytes if g else 0),
@@ -120,8 +126,10 @@ def run(args) -> int:
     from bench.roofline import bandwidth
     from radixserve.ops.model_shape import read_model_shape
 
-    path = model_file(args)
+    path = Path(args.file) if args.file else model_file(args)
     if not path.is_file():
+        if args.file:
+            raise SystemExit(f"--file {args.file}: no such file")
         write(args, path)
     size = path.stat().st_size
     planned = read_model_shape(str(path)).weights_bytes
@@ -141,7 +149,8 @@ def run(args) -> int:
     last = loads[-1]
     limit = args.max_rss_ratio * size + last["kv_bytes"]
     result = {"file": str(path), "file_bytes": size, "plan_weight_bytes": planned, "held_weight_bytes": last["held_bytes"],
-              "load_s": [x["load_s"] for x in loads], "rss_loaded": last["rss_loaded"], "rss_after": last["rss_after"],
+              "load_s": [x["load_s"] for x in loads], "rss_base": last["rss_base"], "rss_loaded": last["rss_loaded"],
+              "rss_after": last["rss_after"],
               "kv_bytes": last["kv_bytes"], "rss_limit": limit, "decode_ms": statistics.median(x["decode_ms"] for x in loads),
               "read_bytes": last["read_bytes"], "bandwidth_gb_s": bw / 1e9, "threads": args.threads}
     result["floor_ms"] = last["read_bytes"] / bw * 1e3
@@ -155,7 +164,9 @@ def run(args) -> int:
           f"({'agree' if abs(planned - result['held_weight_bytes']) <= 0.001 * planned else 'DISAGREE'})")
     print(f"  RSS: {result['rss_loaded'] / gib:.2f} GiB after the load, {result['rss_after'] / gib:.2f} GiB after "
           f"{args.tokens} tokens; limit {args.max_rss_ratio} x file + KV {result['kv_bytes'] / gib:.2f} GiB = "
-          f"{limit / gib:.2f} GiB ({'within' if result['rss_after'] <= limit else 'OVER'})")
+          f"{limit / gib:.2f} GiB ({'within' if result['rss_after'] <= limit else 'OVER'}); the engine grew the process "
+          f"by {(result['rss_after'] - result['rss_base']) / gib:.2f} GiB (from {result['rss_base'] / gib:.2f} GiB of "
+          "runtime before it)")
     print(f"  batch-1 decode: {result['decode_ms']:.1f} ms/token ({1e3 / result['decode_ms']:.1f} tok/s); floor "
           f"{result['read_bytes'] / 1e9:.2f} GB / {result['bandwidth_gb_s']:.1f} GB/s = {result['floor_ms']:.1f} ms "
           f"({result['decode_ms'] / result['floor_ms']:.2f}x)")
