@@ -94,6 +94,18 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
+// Q6_K's group j: where its weights' low 4 bits (ql, from bit `shift`) and high 2 bits (qh, from
+// bit `hshift`) lie, byte i of each for weight i.
+struct Q6Group {
+  const uint8_t *ql, *qh;
+  int shift, hshift;
+};
+
+inline Q6Group q6_group(const uint8_t* b, int j) {
+  const int r = j % 4;
+  return {b + (j / 4) * 64 + (r % 2) * 32, b + 128 + (j / 4) * 32, 4 * (r / 2), 2 * r};
+}
+
 // ---- the scalar decoders: group j (32 weights) of a block as levels q and (s, o) per 16 ----------
 // gguf's numpy dequantize computes q * s, then + o (where o is not 0), in fp32; so does Group::value.
 struct Group {
@@ -136,11 +148,8 @@ inline void decode_group(const uint8_t* b, int j, Group& g) {
   } else {
     static_assert(QT == kQ6_K, "a type without a decoder");
     const float d = fp16_at(b + 208);
-    const int r = j % 4;
-    const uint8_t* ql = b + (j / 4) * 64 + (r % 2) * 32;
-    const uint8_t* qh = b + 128 + (j / 4) * 32;
-    const int shift = 4 * (r / 2), hshift = 2 * r;
-    for (int i = 0; i < 32; ++i) g.q[i] = (((ql[i] >> shift) & 0xF) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+    const Q6Group q = q6_group(b, j);
+    for (int i = 0; i < 32; ++i) g.q[i] = (((q.ql[i] >> q.shift) & 0xF) | (((q.qh[i] >> q.hshift) & 3) << 4)) - 32;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     g.s[0] = d * static_cast<float>(sc[2 * j]);
     g.s[1] = d * static_cast<float>(sc[2 * j + 1]);
@@ -325,14 +334,11 @@ inline W32 decode_w32(const uint8_t* b, int j) {
   } else {
     static_assert(QT == kQ6_K, "a type without a decoder");
     const float d = fp16_fast(b + 208);
-    const int r = j % 4;
-    const uint8_t* ql = b + (j / 4) * 64 + (r % 2) * 32;
-    const uint8_t* qh = b + 128 + (j / 4) * 32;
-    const int shift = 4 * (r / 2), hshift = 2 * r;
+    const Q6Group g = q6_group(b, j);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     auto half = [&](int i) {  // levels - 32 of weights 16i .. 16i + 15, as floats
-      const __m512i l = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql + 16 * i), shift), _mm512_set1_epi32(0xF));
-      const __m512i h = _mm512_and_si512(_mm512_srli_epi32(bytes16(qh + 16 * i), hshift), _mm512_set1_epi32(3));
+      const __m512i l = _mm512_and_si512(_mm512_srli_epi32(bytes16(g.ql + 16 * i), g.shift), _mm512_set1_epi32(0xF));
+      const __m512i h = _mm512_and_si512(_mm512_srli_epi32(bytes16(g.qh + 16 * i), g.hshift), _mm512_set1_epi32(3));
       const __m512i q = _mm512_or_si512(l, _mm512_slli_epi32(h, 4));
       return weights_of(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))), d * static_cast<float>(sc[2 * j + i]),
                         0.0f);
