@@ -48,6 +48,8 @@ def add_arguments(parser) -> None:
                                                     "~/.cache/radixserve/bench)")
     parser.add_argument("--weights", default="auto", choices=["auto", "quantized", "dequantize"],
                         help="how the engine holds the GGUF's weights (radixserve's --weights)")
+    parser.add_argument("--quant-compute", default="auto", choices=["auto", "int8", "fp32"],
+                        help="how decode multiplies the quantized weights (radixserve's --quant-compute)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine")
     parser.add_argument("--kv-cache-tokens", type=int, default=4096, help="the engine's KV pool")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens generated after the load")
@@ -102,7 +104,7 @@ from radixserve.attention import cpu_ext
 cpu_ext.load()  # (built or loaded before the baseline: every engine process has it)
 base_rss = rss()
 start = time.perf_counter()
-engine = Engine(sys.argv[1], kv_cache_tokens=int(sys.argv[3]), max_running=1, weights=sys.argv[5])
+engine = Engine(sys.argv[1], kv_cache_tokens=int(sys.argv[3]), max_running=1, weights=sys.argv[5], quant_compute=sys.argv[6])
 load_s = time.perf_counter() - start
 loaded_rss = rss()
 steps = []
@@ -138,7 +140,7 @@ def run(args) -> int:
     loads = []
     for i in range(args.loads):
         out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(args.threads), str(args.kv_cache_tokens),
-                              str(args.tokens), args.weights], capture_output=True, text=True)
+                              str(args.tokens), args.weights, args.quant_compute], capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1

@@ -115,21 +115,27 @@ bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.nu
 struct QuantWeight {
   std::vector<at::Tensor> parts, maps;
   std::vector<int64_t> qtypes;
+  int64_t impl = 0;  // qlinear's impl: 0, or 4 (int8 activations where the types have kernels)
 };
 
 // `quant` (decode_layers' argument) as one QuantWeight per linear layer: for each, an int64 tensor
-// [parts, qtype...] and then each part's data and row map; an empty list: every weight dense.
+// [parts, impl, qtype...] and then each part's data and row map; an empty list: every weight dense.
 std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, int64_t linears) {
   std::vector<QuantWeight> out(static_cast<size_t>(linears));
   if (quant.empty()) return out;
   size_t i = 0;
   for (auto& q : out) {
     TORCH_CHECK(i < quant.size() && quant[i].scalar_type() == at::kLong && quant[i].is_contiguous(),
-                "decode_layers: quant must hold an int64 [parts, qtypes...] tensor per linear layer");
-    const int64_t* meta = quant[i++].data_ptr<int64_t>();
-    for (int64_t p = 0; p < meta[0]; ++p) {
+                "decode_layers: quant must hold an int64 [parts, impl, qtypes...] tensor per linear layer");
+    const int64_t* meta = quant[i].data_ptr<int64_t>();
+    const int64_t parts = quant[i].numel() ? meta[0] : 0;  // (a dense weight's: [0])
+    TORCH_CHECK(parts == 0 || quant[i].numel() == 2 + parts,
+                "decode_layers: a linear layer's [parts, impl, qtypes...] tensor has the wrong length");
+    ++i;
+    if (parts) q.impl = meta[1];
+    for (int64_t p = 0; p < parts; ++p) {
       TORCH_CHECK(i + 1 < quant.size(), "decode_layers: quant ends inside a linear layer's parts");
-      q.qtypes.push_back(meta[1 + p]);
+      q.qtypes.push_back(meta[2 + p]);
       q.parts.push_back(quant[i++]);
       q.maps.push_back(quant[i++]);
     }
@@ -142,7 +148,7 @@ at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, cons
                    const at::Tensor& packed, const QuantWeight& qw) {
   if (!qw.parts.empty()) {  // fp32 arithmetic, as radixserve.model.quant.QuantLinear
     const at::Tensor y = qlinear_op().call(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), qw.parts, qw.qtypes,
-                                           qw.maps, bias_of(b), 0);
+                                           qw.maps, bias_of(b), qw.impl);
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);

@@ -27,6 +27,10 @@
 //     rows of x. Tiles are handed out one at a time (radixserve::parallel_tasks).
 //   impl 1, and builds without AVX-512: a portable path (each group decoded into 32 floats, then
 //   `omp simd` loops the compiler vectorises for the target, AVX2 included).
+//   impl 4: as 0, except that up to kGemvMaxRows rows, the parts of a type with int8 kernels
+//   (csrc/quant_int8.cpp: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, on CPUs with AVX-512 VNNI and VBMI) multiply
+//   x quantized to int8 per 32 values: not fp32 arithmetic, ggml's (about 1e-2 relative error).
+// - has_avx512(), has_int8(): what this build has.
 
 #include <torch/extension.h>
 
@@ -36,11 +40,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "aligned.h"
 #include "parallel.h"
+#include "quant.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
 #include <immintrin.h>
@@ -49,39 +55,7 @@
 
 namespace {
 
-// ggml's type ids (GGMLQuantizationType).
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-
-struct Format {
-  int64_t block;  // weights per block
-  int64_t bytes;  // bytes per block
-};
-
-constexpr Format format_of(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ5_1: return {32, 24};
-    case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
-    default: return {0, 0};
-  }
-}
-
-inline float fp16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-inline uint32_t u32_at(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
+using namespace radixserve::quant;
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
 inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
@@ -204,22 +178,11 @@ void dispatch(int64_t qtype, Fn&& fn) {
 }
 
 // ---- the parts of a product: W as rows of several tensors ---------------------------------------
-struct Part {
-  const uint8_t* data;
-  const int32_t* row_map;  // nullptr: in order
-  int64_t qtype, rows, row_bytes, first;  // first: this part's first output column
-};
-
 // The part holding output column n (parts are few: a linear scan).
 inline const Part& part_of(const std::vector<Part>& parts, int64_t n) {
   size_t i = 0;
   while (i + 1 < parts.size() && parts[i + 1].first <= n) ++i;
   return parts[i];
-}
-
-inline const uint8_t* row_of(const Part& p, int64_t n) {
-  const int64_t r = n - p.first;
-  return p.data + (p.row_map ? p.row_map[r] : r) * p.row_bytes;
 }
 
 // ---- portable path -----------------------------------------------------------------------------
@@ -604,8 +567,9 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
                       const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "qlinear: x must be a float32 CPU tensor [M, K], last dimension contiguous");
-  TORCH_CHECK(impl >= 0 && impl <= 3, "qlinear: impl must be 0 (auto), 1 (portable), 2 (AVX-512 rows) or 3 (AVX-512 tiles)");
-  TORCH_CHECK(impl < 2 || has_avx512(), "qlinear: this build has no AVX-512 path");
+  TORCH_CHECK(impl >= 0 && impl <= 4,
+              "qlinear: impl must be 0 (auto), 1 (portable), 2 (AVX-512 rows), 3 (AVX-512 tiles) or 4 (auto, int8 activations)");
+  TORCH_CHECK(impl < 2 || impl == 4 || has_avx512(), "qlinear: this build has no AVX-512 path");
   const int64_t M = x.size(0), K = x.size(1);
   const std::vector<Part> parts = check_parts(weights, qtypes, row_maps, K);
   const int64_t N = parts.back().first + parts.back().rows;
@@ -629,7 +593,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     }
   };
   const bool avx512 = has_avx512() && impl != 1;
-  const bool tiles = avx512 && (impl == 3 || (impl == 0 && M > kGemvMaxRows));
+  const bool tiles = avx512 && (impl == 3 || (impl != 2 && M > kGemvMaxRows));
   if (!avx512) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
@@ -639,8 +603,13 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   }
 #if defined(RADIXSERVE_QUANT_AVX512)
   else if (!tiles) {
+    // impl 4: the parts of a type with int8 kernels take them (x quantized once for all)
+    std::optional<Int8Activations> xq;
+    if (impl == 4 && std::any_of(parts.begin(), parts.end(), [](const Part& p) { return int8_supports(p.qtype); }))
+      xq.emplace(xp, ldx, M, K, parts);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
+        if (xq && int8_supports(p.qtype)) return xq->columns(p, lo, hi, yp, N);
         dispatch(p.qtype, [&](auto t) { columns_gemv_rows<decltype(t)::value>(p, lo, hi, xp, ldx, M, K, yp, N); });
       });
     });
@@ -671,4 +640,5 @@ TORCH_LIBRARY(radixserve_quant, m) {
   m.def("qlinear(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] row_maps, Tensor? bias, int impl=0) -> Tensor",
         &qlinear);
   m.def("has_avx512() -> bool", &has_avx512);
+  m.def("has_int8() -> bool", &radixserve::quant::int8_built);
 }

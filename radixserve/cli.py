@@ -10,7 +10,7 @@ from radixserve.config import MODEL_HELP  # the demo's --model help too
 
 # The flags of each command are generated from the config Structs (radixserve/flags.py): one field,
 # one flag, with the field's help, default, type and choices.
-ENGINE_FLAGS = ("model", "device", "dtype", "weights", "page_size", "kv_cache_tokens", "kv_dtype", "max_running",
+ENGINE_FLAGS = ("model", "device", "dtype", "weights", "quant_compute", "page_size", "kv_cache_tokens", "kv_dtype", "max_running",
                 "max_batched_tokens", "max_model_len", "enable_prefix_cache", "tensor_parallel")
 WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_parent", "heartbeat", "router_timeout")
 GENERATE_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")

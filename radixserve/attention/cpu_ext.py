@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("radixserve")
 
 NAME = "radixserve_cpu_attention"
-SOURCES = ("attention.cpp", "prefill.cpp", "layers.cpp", "linear.cpp", "decode.cpp", "quant.cpp")
+SOURCES = ("attention.cpp", "prefill.cpp", "layers.cpp", "linear.cpp", "decode.cpp", "quant.cpp", "quant_int8.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()

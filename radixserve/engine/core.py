@@ -42,6 +42,7 @@ class EngineCore:
         self.loaded = loaded = load_model(config.model, device=self.device, dtype=config.dtype, max_model_len=config.max_model_len,
                                           weights=setup.weights_mode(config))
         self.tokenizer, self.max_model_len, self.vocab_size = loaded.tokenizer, loaded.max_model_len, loaded.vocab_size
+        quant_compute = setup.quant_compute(loaded, config)
         self.pool = setup.make_pool(loaded, config, self.device)
         self.cache = CacheManager(self.pool, enable_prefix_cache=config.enable_prefix_cache, eviction=config.eviction)
         self.runner = setup.make_runner(loaded, self.pool, self.device, config)
@@ -53,7 +54,7 @@ class EngineCore:
         self.pin_budget_tokens = config.pin_budget_tokens or self.pool.capacity_tokens // 4
         self.thread = EngineThread(self.step, self._apply, lambda: self.scheduler.has_work, self._on_step_error)
         self._counters = dict(requests=0, prompt_tokens=0, generated_tokens=0, steps=0, cascade_steps=0, errors=0)
-        self._info = setup.describe(loaded, config, self.runner, self.pool, self.max_model_len)
+        self._info = setup.describe(loaded, config, self.runner, self.pool, self.max_model_len, quant_compute)
         log.info("%s", setup.ready_line(self._info))
 
     # -- the loop ------------------------------------------------------------------------------

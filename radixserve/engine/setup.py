@@ -27,6 +27,17 @@ def weights_mode(config: EngineConfig) -> str:
     return config.weights
 
 
+def quant_compute(loaded, config: EngineConfig) -> str | None:
+    """Applies ``config.quant_compute`` to the loaded model's quantized layers; returns the mode
+    taken (None: no weight is quantized)."""
+    from radixserve.model import quant
+
+    try:
+        return quant.set_compute(loaded.model, config.quant_compute)
+    except ValueError as exc:
+        raise BadRequestError("quant_compute", str(exc)) from None
+
+
 def make_pool(loaded, config: EngineConfig, device: torch.device) -> KVPool:
     """This rank's KV pool: ``kv_cache_tokens``, else ``kv_memory_gb`` (on CUDA: 85% of the free
     memory; on the CPU: 1 GiB) worth of tokens."""
@@ -70,11 +81,12 @@ def cascade_threshold(config: EngineConfig, runner) -> int | None:
     return runner.attention.cascade_min_shared_tokens if threshold == "auto" else threshold
 
 
-def describe(loaded, config: EngineConfig, runner, pool: KVPool, max_model_len: int) -> dict:
+def describe(loaded, config: EngineConfig, runner, pool: KVPool, max_model_len: int, quant_compute: str | None = None) -> dict:
     """The settings an engine runs with (logged at start-up; :meth:`Engine.info`)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     return {
         "model": str(loaded.path), "arch": loaded.config.architectures[0], "dtype": dtype,
+        "quant_compute": quant_compute,
         "device": config.device, "attention": type(runner.attention).__name__,
         "kv_capacity_tokens": pool.capacity_tokens, "kv_pages": pool.num_pages, "page_size": pool.page_size,
         "kv_dtype": config.kv_dtype or dtype, "max_running": config.max_running,
@@ -85,8 +97,9 @@ def describe(loaded, config: EngineConfig, runner, pool: KVPool, max_model_len: 
 
 def ready_line(info: dict) -> str:
     return (
-        "engine ready: model={model} arch={arch} dtype={dtype} device={device} attention={attention} | KV capacity "
+        "engine ready: model={model} arch={arch} dtype={dtype}{quant} device={device} attention={attention} | KV capacity "
         "{kv_capacity_tokens} tokens ({kv_pages} pages x {page_size}, kv={kv_dtype}) | max_running={max_running} "
         "max_batched_tokens={max_batched_tokens} max_model_len={max_model_len} prefix_cache={cache} "
         "tensor_parallel={tensor_parallel}"
-    ).format(**info, cache="on" if info["prefix_cache"] else "off")
+    ).format(**info, cache="on" if info["prefix_cache"] else "off",
+             quant=f" quant_compute={info['quant_compute']}" if info.get("quant_compute") else "")

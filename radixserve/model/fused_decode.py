@@ -147,7 +147,7 @@ class FusedDecode:
             for m in linears:
                 if isinstance(m, QuantLinear):
                     self._linears.append(None)
-                    self._quant += [torch.tensor([len(m.parts), *(p.qtype for p in m.parts)])]
+                    self._quant += [torch.tensor([len(m.parts), m.impl, *(p.qtype for p in m.parts)])]
                     for p in m.parts:
                         self._quant += [p.data, _NO_MAP if p.row_map is None else p.row_map]
                     weights.append(None)

@@ -4,9 +4,10 @@ A :class:`QuantTensor` is a 2-D weight ``[N, K]`` as the file stores it: ``N`` r
 one ggml type (:data:`QTYPES`), typically a view of the memory-mapped file, so a 4-bit model
 costs its file's size in memory rather than 4-8x that as fp32. :class:`QuantLinear` is the linear
 layer over one or more of them (a fused projection's q, k and v may each have their own type);
-:class:`QuantEmbedding` looks rows up in one. Both compute in fp32 and return the activations'
-dtype: each weight is rounded to fp32 once, as gguf's ``dequantize`` does, so their results are
-those of the dequantized model up to the order of the sums.
+:class:`QuantEmbedding` looks rows up in one. Both return the activations' dtype. By default they
+compute in fp32: each weight is rounded to fp32 once, as gguf's ``dequantize`` does, so their
+results are those of the dequantized model up to the order of the sums; :func:`set_compute` makes
+decode batches quantize the activations to int8 instead (``EngineConfig.quant_compute``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from radixserve.model import fused
 from radixserve.model.gguf import BLOCKS, QTYPES
 
+IMPL_FP32, IMPL_INT8 = 0, 4  # qlinear's impl: fp32 at every row count; int8 activations up to 12 rows
 _NO_MAP = torch.empty(0, dtype=torch.int32)
 _ALL_ROWS = torch.empty(0, dtype=torch.long)
 _state: dict[str, object] = {}
@@ -91,6 +93,7 @@ class QuantLinear(nn.Module):
         self.in_features = ks.pop()
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.impl = IMPL_FP32  # (set_compute)
         self._args = ([p.data for p in parts], [p.qtype for p in parts],
                       [_NO_MAP if p.row_map is None else p.row_map for p in parts])
 
@@ -102,7 +105,7 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
             rows = rows.float().contiguous()
-        y = ops().qlinear(rows, *self._args, self.bias, 0)
+        y = ops().qlinear(rows, *self._args, self.bias, self.impl)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +115,28 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         types = "+".join(p.type_name for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}, bias={self.bias is not None}"
+
+
+def has_int8() -> bool:
+    """Whether this CPU's build of the extension has the int8 kernels (AVX-512 VNNI and VBMI)."""
+    o = ops()
+    return o is not None and bool(o.has_int8())
+
+
+def set_compute(model: nn.Module, mode: str) -> str | None:
+    """Sets how ``model``'s :class:`QuantLinear` layers compute decode batches: ``mode`` is
+    ``config.quant_compute`` (``auto``, ``int8`` or ``fp32``). Returns the mode taken, or None when
+    no weight is quantized; raises ValueError for ``int8`` where the build lacks it."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return None
+    if mode == "int8" and not has_int8():
+        raise ValueError("quant_compute=int8 needs a CPU with AVX-512 VNNI and VBMI (and the extension built for "
+                         "it); this one has neither: use fp32 or auto")
+    taken = "int8" if mode == "int8" or (mode == "auto" and has_int8()) else "fp32"
+    for m in layers:
+        m.impl = IMPL_INT8 if taken == "int8" else IMPL_FP32
+    return taken
 
 
 class QuantEmbedding(nn.Module):

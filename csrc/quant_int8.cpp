@@ -1,0 +1,427 @@
+// Quantized weights times activations quantized to int8: integer dot products (AVX-512 VNNI), as
+// llama.cpp computes its CPU products, for decode batches of big models, where fp32 arithmetic
+// after unpacking (quant.cpp) cannot keep up with the memory.
+//
+// The activations x [M, K] are quantized per 32 consecutive values as ggml's Q8_0 is: d = max|x| /
+// 127, q = round(x / d). A weight group of levels u (unsigned, 0..2^b - 1) with scale s and offset
+// o per group, w = s (u - c) or w = s u + o, then gives
+//   sum_i w_i x_i ~ s d (sum_i u_i q_i - c sum_i q_i) + o sum_i x_i,
+// the integer sum by vpdpbusd (unsigned weight bytes times signed activation bytes, four products
+// per 32-bit lane), the rest in fp32. Q8_0's signed levels are made unsigned by adding 128 (c = 128).
+//
+// The weights are read as ggml stores them, 64 level bytes per vector, and the activations are
+// arranged once per call so that their bytes line up with the weight bytes of each type's vectors
+// (a layout per family of types, below); each 32-bit lane then holds 4 products of one weight group
+// and one activation block, so its integer sum is scaled by one s d. Per lane, next to the bytes:
+// d, -sum q (the c term, times c by a shift) and sum x (the o term), over the bytes of all the
+// vectors that share one integer accumulator.
+//
+// Types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K (the others take quant.cpp's fp32 kernels).
+
+#include "quant.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "aligned.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define RADIXSERVE_QUANT_INT8 1
+#endif
+
+namespace radixserve::quant {
+
+bool int8_built() {
+#if defined(RADIXSERVE_QUANT_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int8_supports(int64_t qtype) {
+  return int8_built() && (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K);
+}
+
+namespace {
+
+// ---- activation layouts -------------------------------------------------------------------------
+// A layout cuts K into chunks of `chunk` values, each read as `vectors` vectors of 64 bytes; byte i
+// of vector v of chunk c holds the activation at k = chunk c + offset(v, i). Lanes of 4 bytes hold
+// 4 consecutive values of one 32-value block. `accs` integer accumulators per chunk: 1 when the
+// vectors' lanes meet the same weight group (their sums add up before scaling), else one per vector.
+enum Layout { kNibbles32, kBytes, kNibblesK, kSixBit, kLayouts };
+
+struct LayoutShape {
+  int64_t chunk;
+  int vectors, accs;
+};
+
+constexpr LayoutShape shape_of(Layout l) {
+  switch (l) {
+    case kNibbles32: return {128, 2, 1};  // Q4_0 / Q4_1: 4 blocks; low nibbles (values 0-15 of each block), high (16-31)
+    case kBytes: return {64, 1, 1};       // Q8_0: 2 blocks, in order
+    case kNibblesK: return {128, 2, 2};   // Q4_K: 64 bytes = sub-blocks 4c, 4c+2 (low nibbles) and 4c+1, 4c+3 (high)
+    default: return {128, 2, 2};          // Q6_K: half a block, in order (64 values per vector)
+  }
+}
+
+inline int64_t offset_of(Layout l, int v, int i) {
+  switch (l) {
+    case kNibbles32: return 32 * (i / 16) + i % 16 + 16 * v;
+    case kBytes: return i;
+    case kNibblesK: return 64 * (i / 32) + i % 32 + 32 * v;
+    default: return 64 * v + i;
+  }
+}
+
+Layout layout_of(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0:
+    case kQ4_1: return kNibbles32;
+    case kQ8_0: return kBytes;
+    case kQ4_K: return kNibblesK;
+    default: return kSixBit;
+  }
+}
+
+// One layout's arrays for all rows: row m's chunk c starts at bytes + (m * chunks + c) * vectors *
+// 64, and its lanes (16 per accumulator) at (m * chunks + c) * accs * 16 of d, nq (-sum q) and xs.
+struct Arranged {
+  int64_t chunks = 0;
+  LayoutShape s{};
+  radixserve::AlignedVector<int8_t> bytes;
+  radixserve::AlignedVector<float> d, xs;
+  radixserve::AlignedVector<int32_t> nq;
+};
+
+}  // namespace
+
+struct Int8Activations::Impl {
+  int64_t M, K;
+  Arranged layouts[kLayouts];
+};
+
+namespace {
+
+#if defined(RADIXSERVE_QUANT_INT8)
+// Row x [K] quantized per 32 values into q [K] and d [K / 32].
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float db = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = db;
+    const __m512 s = _mm512_set1_ps(inv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, s))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, s))));
+  }
+}
+
+void arrange(Layout l, const int8_t* q, const float* d, const float* x, int64_t ldx, int64_t M, int64_t K, Arranged& a) {
+  a.s = shape_of(l);
+  a.chunks = (K + a.s.chunk - 1) / a.s.chunk;
+  const int64_t units = M * a.chunks;
+  a.bytes.assign(static_cast<size_t>(units * a.s.vectors * 64), 0);
+  a.d.assign(static_cast<size_t>(units * a.s.accs * 16), 0.0f);
+  a.xs.assign(a.d.size(), 0.0f);
+  a.nq.assign(a.d.size(), 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < a.chunks; ++c) {
+      const int64_t u = m * a.chunks + c;
+      for (int v = 0; v < a.s.vectors; ++v) {
+        const int64_t lanes = (u * a.s.accs + (a.s.accs == 1 ? 0 : v)) * 16;
+        for (int i = 0; i < 64; ++i) {
+          const int64_t k = c * a.s.chunk + offset_of(l, v, i);
+          if (k >= K) continue;
+          const int8_t qk = q[m * K + k];
+          a.bytes[(u * a.s.vectors + v) * 64 + i] = qk;
+          a.d[lanes + i / 4] = d[m * (K / 32) + k / 32];
+          a.nq[lanes + i / 4] -= qk;
+          a.xs[lanes + i / 4] += x[m * ldx + k];
+        }
+      }
+    }
+}
+
+// ---- the kernels ---------------------------------------------------------------------------------
+inline __m512i nibbles_low(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline __m512i nibbles_high(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+
+// The first n (<= 64) bytes at p, the rest zero.
+inline __m512i load_first(const uint8_t* p, int64_t n) {
+  if (n <= 0) return _mm512_setzero_si512();
+  return _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, p);
+}
+
+// A byte (or word) index vector: idx[i] = f(i).
+template <typename F>
+inline __m512i byte_index(F f) {
+  alignas(64) uint8_t idx[64];
+  for (int i = 0; i < 64; ++i) idx[i] = static_cast<uint8_t>(f(i));
+  return _mm512_load_si512(idx);
+}
+template <typename F>
+inline __m512i word_index(F f) {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 32; ++i) idx[i] = static_cast<uint16_t>(f(i));
+  return _mm512_load_si512(idx);
+}
+template <typename F>
+inline __m512i dword_index(F f) {
+  alignas(64) int32_t idx[16];
+  for (int i = 0; i < 16; ++i) idx[i] = f(i);
+  return _mm512_load_si512(idx);
+}
+
+// fp16 words of v picked by a word index: 16 floats (lane l: word idx[l]).
+inline __m512 halves(__m512i v, __m512i idx) { return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, v))); }
+
+// The weights of one chunk of a W row, decoded as far as the rows of x share it: the level bytes of
+// each vector (unsigned), and per accumulator, the lanes' weight scale s and offset o (o: types with one).
+struct WChunk {
+  __m512i u[2];
+  __m512 s[2], o[2];
+};
+
+// Chunk c of a row of type QT (the chunk's blocks: `blocks` of them, fewer than a whole chunk at a
+// row's end only for the 32-value types).
+template <int64_t QT>
+struct Decoder;
+
+template <>
+struct Decoder<kQ4_0> {  // 4 blocks of 18 bytes: fp16 d, 16 bytes of nibbles
+  __m512i qs = byte_index([](int i) { return 18 * (i / 16) + 2 + i % 16; });
+  __m512i dw = word_index([](int i) { return 9 * (i / 4); });
+  static constexpr int kShift = 3;  // c = 8
+  inline void operator()(const uint8_t* b, int64_t blocks, WChunk& w) const {
+    __m512i lo, hi;
+    if (blocks == 4) {
+      lo = _mm512_loadu_si512(b);
+      hi = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64)));
+    } else {
+      lo = load_first(b, blocks * 18);
+      hi = load_first(b + 64, blocks * 18 - 64);
+    }
+    const __m512i q = _mm512_permutex2var_epi8(lo, qs, hi);
+    w.u[0] = nibbles_low(q);
+    w.u[1] = nibbles_high(q);
+    w.s[0] = halves(lo, dw);
+  }
+};
+
+template <>
+struct Decoder<kQ4_1> {  // 4 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles
+  __m512i qs = byte_index([](int i) { return 20 * (i / 16) + 4 + i % 16; });
+  __m512i dw = word_index([](int i) { return 10 * (i / 4); });
+  __m512i mw = word_index([](int i) { return 10 * (i / 4) + 1; });
+  inline void operator()(const uint8_t* b, int64_t blocks, WChunk& w) const {
+    __m512i lo, hi;
+    if (blocks == 4) {
+      lo = _mm512_loadu_si512(b);
+      hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64)));
+    } else {
+      lo = load_first(b, blocks * 20);
+      hi = load_first(b + 64, blocks * 20 - 64);
+    }
+    const __m512i q = _mm512_permutex2var_epi8(lo, qs, hi);
+    w.u[0] = nibbles_low(q);
+    w.u[1] = nibbles_high(q);
+    w.s[0] = halves(lo, dw);
+    w.o[0] = halves(lo, mw);
+  }
+};
+
+template <>
+struct Decoder<kQ8_0> {  // 2 blocks of 34 bytes: fp16 d, 32 signed bytes
+  __m512i qs = byte_index([](int i) { return 34 * (i / 32) + 2 + i % 32; });
+  __m512i dw = word_index([](int i) { return 17 * (i / 8); });
+  static constexpr int kShift = 7;  // c = 128
+  inline void operator()(const uint8_t* b, int64_t blocks, WChunk& w) const {
+    __m512i lo, hi;
+    if (blocks == 2) {
+      lo = _mm512_loadu_si512(b);
+      hi = _mm512_castsi128_si512(_mm_cvtsi32_si128(static_cast<int>(u32_at(b + 64))));
+    } else {
+      lo = load_first(b, blocks * 34);
+      hi = _mm512_setzero_si512();
+    }
+    // levels + 128: unsigned; a missing block's zero levels become 128, against zero activations
+    w.u[0] = _mm512_xor_si512(_mm512_permutex2var_epi8(lo, qs, hi), _mm512_set1_epi8(static_cast<char>(0x80)));
+    w.s[0] = halves(lo, dw);
+  }
+};
+
+// Q4_K and Q6_K: whole blocks of 256 values, two chunks each; the block's scales are decoded at its
+// first chunk into `scales` (16 floats) and picked per lane at each chunk.
+template <>
+struct Decoder<kQ4_K> {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+  // lane l of chunk c: sub-block 4c + 2 (l / 8) (low nibbles), + 1 (high); mins after the 8 scales
+  __m512i pick[2][2] = {{dword_index([](int l) { return 2 * (l / 8); }), dword_index([](int l) { return 2 * (l / 8) + 1; })},
+                        {dword_index([](int l) { return 4 + 2 * (l / 8); }), dword_index([](int l) { return 5 + 2 * (l / 8); })}};
+  __m512i eight = _mm512_set1_epi32(8);
+  inline void operator()(const uint8_t* b, int c, WChunk& w, __m512& scales) const {
+    if (c == 0) {
+      // sub-block j's 6-bit scale and min (see quant.cpp's scale_min_k4), four at a time
+      const uint32_t a0 = u32_at(b + 4), a1 = u32_at(b + 8), a2 = u32_at(b + 12);
+      const uint32_t sc03 = a0 & 0x3f3f3f3f, mn03 = a1 & 0x3f3f3f3f;
+      const uint32_t sc47 = (a2 & 0x0f0f0f0f) | (((a0 >> 6) & 0x03030303) << 4);
+      const uint32_t mn47 = ((a2 >> 4) & 0x0f0f0f0f) | (((a1 >> 6) & 0x03030303) << 4);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(sc03), static_cast<int>(sc47),
+                                                                               static_cast<int>(mn03), static_cast<int>(mn47))));
+      const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16_at(b)), _mm512_set1_ps(-fp16_at(b + 2)));
+      scales = _mm512_mul_ps(v, dd);
+    }
+    const __m512i q = _mm512_loadu_si512(b + 16 + 64 * c);
+    w.u[0] = nibbles_low(q);
+    w.u[1] = nibbles_high(q);
+    for (int v = 0; v < 2; ++v) {
+      w.s[v] = _mm512_permutexvar_ps(pick[c][v], scales);
+      w.o[v] = _mm512_permutexvar_ps(_mm512_add_epi32(pick[c][v], eight), scales);
+    }
+  }
+};
+
+template <>
+struct Decoder<kQ6_K> {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d
+  static constexpr int kShift = 5;  // c = 32
+  // lane l of chunk c, vector v: values 64 v + 4 l, scale 8 c + 4 v + l / 4
+  __m512i pick[2][2] = {{dword_index([](int l) { return l / 4; }), dword_index([](int l) { return 4 + l / 4; })},
+                        {dword_index([](int l) { return 8 + l / 4; }), dword_index([](int l) { return 12 + l / 4; })}};
+  // the high bits of byte i of vector v sit at bit 2 (2 v + i / 32) of its qh byte; moved to bits 4-5
+  __m512i up = word_index([](int i) { return i < 16 ? 4 : 2; });
+  __m512i down = word_index([](int i) { return i < 16 ? 0 : 2; });
+  inline void operator()(const uint8_t* b, int c, WChunk& w, __m512& scales) const {
+    if (c == 0)
+      scales = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+                             _mm512_set1_ps(fp16_at(b + 208)));
+    const __m512i ql = _mm512_loadu_si512(b + 64 * c);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * c)));
+    const __m512i two = _mm512_set1_epi8(0x30);
+    w.u[0] = _mm512_or_si512(nibbles_low(ql), _mm512_and_si512(_mm512_sllv_epi16(qh, up), two));
+    w.u[1] = _mm512_or_si512(nibbles_high(ql), _mm512_and_si512(_mm512_srlv_epi16(qh, down), two));
+    w.s[0] = _mm512_permutexvar_ps(pick[c][0], scales);
+    w.s[1] = _mm512_permutexvar_ps(pick[c][1], scales);
+  }
+};
+
+// y[m][n] for MB rows of the arranged activations (starting at row m0) and columns [n0, n1).
+template <int64_t QT, int MB>
+void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t m0, int64_t K, float* y, int64_t ldy) {
+  constexpr Format f = format_of(QT);
+  constexpr bool k_quant = f.block == 256;
+  constexpr LayoutShape s = shape_of(QT == kQ4_0 || QT == kQ4_1 ? kNibbles32 : QT == kQ8_0 ? kBytes : QT == kQ4_K ? kNibblesK : kSixBit);
+  constexpr int64_t blocks_per_chunk = k_quant ? 1 : s.chunk / 32;
+  const Decoder<QT> decode;
+  const int64_t chunks = a.chunks, blocks = K / f.block;
+  const int8_t* xb = a.bytes.data() + m0 * chunks * s.vectors * 64;
+  const float* xd = a.d.data() + m0 * chunks * s.accs * 16;
+  const float* xs = a.xs.data() + m0 * chunks * s.accs * 16;
+  const int32_t* nq = a.nq.data() + m0 * chunks * s.accs * 16;
+  const int64_t bstride = chunks * s.vectors * 64, lstride = chunks * s.accs * 16;  // per row of x
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = row_of(p, n);
+    __m512 acc[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    WChunk w;
+    __m512 scales = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      if constexpr (k_quant) {
+        decode(row + (c / 2) * f.bytes, static_cast<int>(c % 2), w, scales);
+      } else {
+        decode(row + c * blocks_per_chunk * f.bytes, std::min(blocks_per_chunk, blocks - c * blocks_per_chunk), w);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xv = xb + m * bstride + c * s.vectors * 64;
+        const int64_t l = m * lstride + c * s.accs * 16;
+        if constexpr (s.accs == 1) {
+          __m512i sum;
+          if constexpr (QT == kQ4_1) sum = _mm512_setzero_si512();
+          else sum = _mm512_slli_epi32(_mm512_load_si512(nq + l), Decoder<QT>::kShift);
+#pragma GCC unroll 2
+          for (int v = 0; v < s.vectors; ++v) sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[0], _mm512_load_ps(xd + l)), acc[m]);
+          if constexpr (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(w.o[0], _mm512_load_ps(xs + l), acc[m]);
+        } else {
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v) {
+            __m512i sum;
+            if constexpr (QT == kQ4_K) sum = _mm512_setzero_si512();
+            else sum = _mm512_slli_epi32(_mm512_load_si512(nq + l + 16 * v), Decoder<QT>::kShift);
+            sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[v], _mm512_load_ps(xd + l + 16 * v)), acc[m]);
+            if constexpr (QT == kQ4_K) acc[m] = _mm512_fmadd_ps(w.o[v], _mm512_load_ps(xs + l + 16 * v), acc[m]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+template <int64_t QT>
+void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t M, int64_t K, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    float* ym = y + m0 * ldy;
+    switch (std::min<int64_t>(M - m0, 8)) {
+      case 1: columns_int8<QT, 1>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 2: columns_int8<QT, 2>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 3: columns_int8<QT, 3>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 4: columns_int8<QT, 4>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 5: columns_int8<QT, 5>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 6: columns_int8<QT, 6>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 7: columns_int8<QT, 7>(p, n0, n1, a, m0, K, ym, ldy); break;
+      default: columns_int8<QT, 8>(p, n0, n1, a, m0, K, ym, ldy); break;
+    }
+  }
+}
+#endif  // RADIXSERVE_QUANT_INT8
+
+}  // namespace
+
+Int8Activations::Int8Activations(const float* x, int64_t ldx, int64_t M, int64_t K, const std::vector<Part>& parts)
+    : impl_(new Impl{M, K, {}}) {
+#if defined(RADIXSERVE_QUANT_INT8)
+  TORCH_CHECK(K % 32 == 0, "int8 activations: K=", K, " is not a multiple of 32");
+  radixserve::AlignedVector<int8_t> q(static_cast<size_t>(M * K));
+  std::vector<float> d(static_cast<size_t>(M * (K / 32)));
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, q.data() + m * K, d.data() + m * (K / 32));
+  bool done[kLayouts] = {};
+  for (const Part& p : parts) {
+    if (!int8_supports(p.qtype)) continue;
+    const Layout l = layout_of(p.qtype);
+    if (!done[l]) arrange(l, q.data(), d.data(), x, ldx, M, K, impl_->layouts[l]);
+    done[l] = true;
+  }
+#else
+  (void)x, (void)ldx, (void)parts;
+  TORCH_CHECK(false, "int8 activations: this build has no int8 kernels (AVX-512 VNNI and VBMI)");
+#endif
+}
+
+Int8Activations::~Int8Activations() { delete impl_; }
+
+void Int8Activations::columns(const Part& p, int64_t n0, int64_t n1, float* y, int64_t ldy) const {
+#if defined(RADIXSERVE_QUANT_INT8)
+  const Arranged& a = impl_->layouts[layout_of(p.qtype)];
+  const int64_t M = impl_->M, K = impl_->K;
+  switch (p.qtype) {
+    case kQ4_0: return columns_int8_rows<kQ4_0>(p, n0, n1, a, M, K, y, ldy);
+    case kQ4_1: return columns_int8_rows<kQ4_1>(p, n0, n1, a, M, K, y, ldy);
+    case kQ8_0: return columns_int8_rows<kQ8_0>(p, n0, n1, a, M, K, y, ldy);
+    case kQ4_K: return columns_int8_rows<kQ4_K>(p, n0, n1, a, M, K, y, ldy);
+    case kQ6_K: return columns_int8_rows<kQ6_K>(p, n0, n1, a, M, K, y, ldy);
+    default: break;
+  }
+#endif
+  (void)n0, (void)n1, (void)y, (void)ldy;
+  TORCH_CHECK(false, "int8 activations: no int8 kernel for GGUF type id ", p.qtype);
+}
+
+}  // namespace radixserve::quant
