@@ -30,6 +30,7 @@ from msgspec import Meta
 
 from radixserve.errors import (  # noqa: F401  (the error codes live in errors.py; re-exported here)
     BAD_REQUEST, ERROR_CODES, INTERNAL, OVERLOADED, SHUTTING_DOWN, TOO_LONG, WORKER_LOST, BadRequestError,
+    TooLongError,
 )
 from radixserve.sampling_params import SamplingParams
 from radixserve.validation import check, explain
@@ -52,6 +53,10 @@ class Limits(msgspec.Struct, frozen=True):
     max_id_chars: Annotated[int, Meta(ge=1, description="longest request id (characters)")] = 128
     max_namespace_chars: Annotated[int, Meta(ge=1, description="longest namespace (characters)")] = 256
     max_probe_tokens: Annotated[int, Meta(ge=1, description="longest stats probe (tokens)")] = 1 << 17
+    # A choose call scores every choice on top of the prompt: its work grows with the choices'
+    # tokens in all, so they are bounded like a prompt is (and by the context, in the router).
+    max_choice_chars: Annotated[int, Meta(ge=1, description="characters of one choose call's choices in all")] = 1 << 16
+    max_choice_tokens: Annotated[int, Meta(ge=1, description="tokens of one choose call's choices in all")] = 1 << 13
 
     def validate(self) -> None:
         """Raise :class:`BadRequestError` naming the first bound out of its range."""
@@ -410,8 +415,12 @@ def validate_choose(msg: Choose, limits: Limits = DEFAULT_LIMITS) -> None:
         raise _too_long(len(msg.token_ids), limits)
     if not msg.choices or len(msg.choices) > MAX_CHOICES:
         raise BadRequestError("choices", f"must hold 1..{MAX_CHOICES} strings, got {len(msg.choices)}")
-    if any(not c for c in msg.choices) or sum(map(len, msg.choices)) > limits.max_prompt_chars:
-        raise BadRequestError("choices", f"must be non-empty strings of at most {limits.max_prompt_chars} characters in all")
+    if any(not c for c in msg.choices):
+        raise BadRequestError("choices", "must be non-empty strings")
+    chars = sum(map(len, msg.choices))
+    if chars > limits.max_choice_chars:
+        raise TooLongError("choices", f"have {chars} characters in all; the limit is {limits.max_choice_chars} "
+                                      f"(max_choice_chars): send fewer or shorter choices")
     if msg.normalize not in NORMALIZE:
         raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {msg.normalize!r}")
     if not msg.temperature >= 0.0:

@@ -9,7 +9,7 @@ import logging
 import time
 
 from radixserve import protocol as P
-from radixserve.errors import RadixServeError
+from radixserve.errors import RadixServeError, TooLongError
 from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import Job
 
@@ -29,7 +29,7 @@ class ClientFront(RouterBase):
         limit = cfg.limits.max_prompt_chars
         if cfg.max_prompt_chars is not None:
             return min(limit, cfg.max_prompt_chars)
-        context = cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
+        context = self._context()
         if context:
             limit = min(limit, context * self._token_chars)
         return limit
@@ -62,20 +62,18 @@ class ClientFront(RouterBase):
             self._admit_generate(key, identity, msg, msg.token_ids)
         else:
             self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(msg.prompt),),
-                           lambda ids: self._admit_generate(key, identity, msg, ids))
+                           lambda ids: self._admit_generate(key, identity, msg, ids), len(msg.prompt))
 
     def _check_prompt_chars(self, n: int) -> None:
         limit = self.prompt_char_limit()
         if n > limit:
-            from radixserve.errors import TooLongError
-
             raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit "
                                          f"the model's context")
 
-    def _tokenize(self, key, identity: bytes, msg, compute, then) -> None:
-        """Run ``compute()`` (tokenizer calls) off the loop when the prompt is long, then
-        ``then(*result)`` on the loop; answers overloaded when too many prompts are in the pool."""
-        if len(msg.prompt) <= self.config.inline_tokenize_chars:
+    def _tokenize(self, key, identity: bytes, msg, compute, then, chars: int) -> None:
+        """Run ``compute()`` (tokenizer calls on ``chars`` characters) off the loop when that is
+        long, then ``then(*result)`` on the loop; answers overloaded when too many are in the pool."""
+        if chars <= self.config.inline_tokenize_chars:
             then(*compute())
             return
         if len(self._tokenizing) >= self.config.max_tokenizing:
@@ -145,10 +143,16 @@ class ClientFront(RouterBase):
             ids = msg.token_ids if msg.token_ids is not None else tok.encode(msg.prompt)
             return ids, [tok.encode(c, add_special_tokens=False) for c in msg.choices]
 
-        if msg.prompt is None:
-            self._admit_choose(key, identity, msg, *compute())
-        else:
-            self._tokenize(key, identity, msg, compute, lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids))
+        # The choices are tokenized with the prompt, off the loop when they are long together
+        # (token_ids or a short prompt with megabytes of choices stalled the loop for seconds).
+        chars = len(msg.prompt or "") + sum(map(len, msg.choices))
+        self._tokenize(key, identity, msg, compute, lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids),
+                       chars)
+
+    def _context(self) -> int:
+        """The model's context in tokens (0 while no worker has told it)."""
+        cfg = self.config
+        return cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
 
     def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids) -> None:
         try:
@@ -156,6 +160,13 @@ class ClientFront(RouterBase):
                 raise P._too_long(len(ids), self.config.limits)
             if not ids or not all(choice_ids):
                 raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
+            n = sum(map(len, choice_ids))
+            limit, name = self.config.limits.max_choice_tokens, "max_choice_tokens"
+            if 0 < self._context() < limit:
+                limit, name = self._context(), "the model's context"
+            if n > limit:  # every choice token is scored on top of the prompt: work like a prompt's
+                raise TooLongError("choices", f"have {n} tokens in all; the limit is {limit} ({name}): "
+                                              f"send fewer or shorter choices")
         except RadixServeError as exc:
             self._reply_error(identity, msg.id, exc.code, str(exc))
             return
