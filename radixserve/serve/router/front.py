@@ -61,8 +61,9 @@ class ClientFront(RouterBase):
         if msg.token_ids is not None:
             self._admit_generate(key, identity, msg, msg.token_ids)
         else:
-            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(msg.prompt),),
-                           lambda ids: self._admit_generate(key, identity, msg, ids), len(msg.prompt))
+            prompt = msg.prompt or ""  # validate_generate: exactly one of prompt, token_ids
+            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(prompt),),
+                           lambda ids: self._admit_generate(key, identity, msg, ids), len(prompt))
 
     def _check_prompt_chars(self, n: int) -> None:
         limit = self.prompt_char_limit()
