@@ -14,7 +14,10 @@ Worker -> router: :class:`Register`, :class:`Heartbeat`, :class:`CacheEvents`, :
 :class:`Abort`, :class:`Ping`, :class:`Shutdown`, :class:`Refused`.
 
 Every request carries a request ``id`` (chosen by the caller, unique per connection) and the
-protocol version ``v``; a mismatch is answered with ``bad_request``. Every peer-controlled size
+protocol version ``v``; a mismatch is answered with ``bad_request``. When the server has API keys,
+:class:`Generate`, :class:`Choose` and :class:`Stats` must carry one (``api_key``; else
+``unauthorized``), and the cache namespace is derived from its tenant on the server (a client's
+``namespace`` only subdivides its own tenant's). Every peer-controlled size
 is bounded (:class:`Limits`); a frame larger than ``max_frame_bytes`` or one that does not
 decode gets an :class:`Error` reply and the server keeps going.
 """
@@ -79,6 +82,7 @@ class Generate(_Msg, tag="generate"):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     namespace: str | None = None
     stream: bool = False
+    api_key: str | None = None  # the tenant's key, required when the server has keys (serve --api-key)
     v: int = PROTOCOL_VERSION
 
 
@@ -93,6 +97,7 @@ class Choose(_Msg, tag="choose"):
     temperature: float = 0.0
     seed: int | None = None
     namespace: str | None = None
+    api_key: str | None = None  # the tenant's key, required when the server has keys (serve --api-key)
     v: int = PROTOCOL_VERSION
 
 
@@ -111,6 +116,7 @@ class Stats(_Msg, tag="stats"):
     # optional probe: per-worker cached-prefix length of these tokens in the router's index
     probe: str | list[int] | None = None
     namespace: str | None = None
+    api_key: str | None = None  # the tenant's key, required when the server has keys (serve --api-key)
     v: int = PROTOCOL_VERSION
 
 

@@ -50,6 +50,13 @@ class Sockets(RouterBase):
         from radixserve.serve import auth
 
         cfg = self.config
+        where = cfg.address or f"tcp://{cfg.host}:{cfg.port}"
+        if not self.tenants.required and not is_local_address(where):
+            raise RadixServeError(
+                f"refusing to open the client socket ({where}) beyond this host without API keys: anyone who "
+                f"reaches it could run requests and probe every namespace's cache. Pass --api-key KEY or "
+                f"--api-keys-file FILE (clients then send it: Client(..., api_key=KEY) or RADIXSERVE_API_KEY), or "
+                f"keep clients on 127.0.0.1 and open only the worker socket (--worker-address tcp://HOST:PORT)")
         self.max_clients = cfg.max_clients or min(MAX_CLIENTS, open_files_limit() // 2)
         self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters, self._admit_client)
         sock = self.sock = self.ctx.socket(zmq.ROUTER)
@@ -212,6 +219,25 @@ class Sockets(RouterBase):
                               f"type: {type(msg).__name__} is not a request a router accepts{hint}")
             return
         getattr(self, handler)(identity, None, msg)
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a ZMQ address can only be reached from this host: ipc:// or inproc://, or tcp://
+    on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or interface (eth0, *): it may well be reachable from elsewhere
+        return False
 
 
 def _bind(sock, address: str | None, host: str, port: int, what: str) -> str:
