@@ -143,9 +143,9 @@ def test_one_tenant_filling_the_queue_does_not_lock_out_another(keyed):
             assert time.monotonic() < deadline, router.counters
             time.sleep(0.02)
         worker.finish(first)
-        second = worker.recv(P.Work)  # alice's turn (she was queued first), then bob's
+        second = worker.recv(P.Work)  # alice's queue and bob's were both never served: the older head first
         worker.finish(second)
-        third = worker.recv(P.Work)
+        third = worker.recv(P.Work)  # then bob's, not after alice's 7 others
         assert third is not None and third.token_ids == [9, 9], third
         worker.finish(third)
         assert bob._run(_wait(victim)).text == "x"
@@ -173,6 +173,9 @@ def test_fair_queue_serves_tenants_in_turn():
     for j in jobs:
         q.append(j)
     assert [q.popleft().tenant for _ in range(3)] == ["a", "b", "a"] and len(q) == 2
+    q.append(Job(n=9, client=b"c", cid="9", token_ids=[1], params=None, namespace=None, stream=False, arrival=0.0,
+                 tenant="c"))
+    assert q.popleft().tenant == "c"  # arrived after "a" was served: goes first
     assert q.push_out("c") is jobs[3] and q.push_out("c") is None  # "a" now holds 1: not 2 more than "c"
     q.appendleft(jobs[0])
     assert [j.n for j in q] == [0, 2]
