@@ -367,10 +367,45 @@ async def received(recv: Callable[[], Awaitable[_T]]) -> AsyncIterator[_T]:
 def _guess_id(frame: bytes) -> str:
     try:
         raw = msgspec.msgpack.decode(frame)
-    except (Exception, RecursionError):
+    except RecursionError:  # too deep to decode: the id usually comes before the deep part
+        return _scan_id(frame)
+    except Exception:
         return ""
     rid = raw.get("id") if isinstance(raw, dict) else None
     return rid[:128] if isinstance(rid, str) else ""
+
+
+def _scan_id(frame: bytes) -> str:
+    """The ``id`` of a msgpack map read entry by entry while keys and values are short strings
+    (msgspec writes ``type`` and ``id`` first); "" when it cannot be found that way."""
+
+    def string(at: int) -> tuple[str, int] | None:
+        b = frame[at] if at < len(frame) else None
+        if b is None:
+            return None
+        if 0xA0 <= b <= 0xBF:
+            n, at = b & 0x1F, at + 1
+        elif b == 0xD9 and at + 1 < len(frame):
+            n, at = frame[at + 1], at + 2
+        else:
+            return None
+        try:
+            return frame[at:at + n].decode(), at + n
+        except UnicodeDecodeError:
+            return None
+
+    if not frame or not 0x80 <= frame[0] <= 0x8F:  # a fixmap (at most 15 fields)
+        return ""
+    at = 1
+    for _ in range(frame[0] & 0x0F):
+        key = string(at)
+        value = string(key[1]) if key is not None else None
+        if key is None or value is None:
+            return ""
+        if key[0] == "id":
+            return value[0][:128]
+        at = value[1]
+    return ""
 
 
 def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:

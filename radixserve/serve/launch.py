@@ -211,7 +211,8 @@ def run_worker(cfg: WorkerConfig) -> int:
         torch.set_num_threads(cfg.threads)
     engine = make_engine(cfg.engine)
     return serve_engine(engine, cfg.router, cfg.worker_id, parent_pid=parent, secret=secret,
-                        heartbeat_s=cfg.heartbeat, router_timeout_s=cfg.router_timeout)
+                        heartbeat_s=cfg.heartbeat, router_timeout_s=cfg.router_timeout,
+                        grammar_timeout_s=cfg.grammar_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -218,7 +218,12 @@ class Sockets(RouterBase):
             self._reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST,
                               f"type: {type(msg).__name__} is not a request a router accepts{hint}")
             return
-        getattr(self, handler)(identity, None, msg)
+        try:
+            getattr(self, handler)(identity, None, msg)
+        except Exception as exc:  # a bug must not leave a client call without any reply (a hang with timeout=None)
+            log.exception("router failed handling a %s", type(msg).__name__)
+            self._reply_error(identity, getattr(msg, "id", ""), P.INTERNAL,
+                              f"router error handling the request ({type(exc).__name__}); it was not run")
 
 
 def is_local_address(address: str) -> bool:
