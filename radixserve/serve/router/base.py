@@ -38,6 +38,9 @@ class RouterBase:
     tenants: TenantKeys  # API keys -> tenants -> cache namespaces (empty: a keyless server)
     gateway_key: str  # what the in-process HTTP gateway authenticates with (it authenticated its tenants)
     _tokenizing_by: collections.Counter[str]  # tenant -> its prompts being tokenized
+    _backlog: dict[bytes, Any]  # client identity -> frames waiting for its connection (Sockets._send)
+    _flush_scheduled: bool
+    _trusted: set[bytes]  # connections that authenticated as the gateway (their replies are never dropped)
     counters: dict[str, int]
     registry: CollectorRegistry
     hist: dict[str, Histogram]

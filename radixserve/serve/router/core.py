@@ -68,6 +68,9 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         self.tenants = TenantKeys(config.api_keys)
         self.gateway_key = auth.gateway_key(self.secret)
         self._tokenizing_by = collections.Counter()
+        self._backlog = {}
+        self._flush_scheduled = False
+        self._trusted = set()
         self.local_procs: list[Any] = []
         self._stopped: asyncio.Event | None = None
         self.supervisor = None  # serve's Supervisor of local worker processes (restarts them)

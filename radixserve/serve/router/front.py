@@ -57,6 +57,10 @@ class ClientFront(RouterBase):
         Without keys the namespace is the client's and its share is its connection's."""
         key = msg.api_key
         if key is not None and hmac.compare_digest(key.encode("utf-8", "surrogatepass"), self.gateway_key.encode()):
+            if identity not in self._trusted:
+                if len(self._trusted) >= 64:  # reconnects: forget the old ones
+                    self._trusted.clear()
+                self._trusted.add(identity)
             return f"http:{msg.namespace or ''}", msg.namespace
         if not self.tenants.required:
             return f"conn:{identity.hex()}", msg.namespace
