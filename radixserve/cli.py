@@ -12,7 +12,8 @@ from radixserve.config import MODEL_HELP  # the demo's --model help too
 # one flag, with the field's help, default, type and choices.
 ENGINE_FLAGS = ("model", "device", "dtype", "weights", "quant_compute", "page_size", "kv_cache_tokens", "kv_dtype", "max_running",
                 "max_batched_tokens", "max_model_len", "enable_prefix_cache", "tensor_parallel")
-WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_parent", "heartbeat", "router_timeout")
+WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_parent", "heartbeat", "router_timeout",
+                "grammar_timeout")
 GENERATE_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 

@@ -3,7 +3,7 @@
 ```python
 from radixserve.client import Client
 
-with Client("tcp://127.0.0.1:7700") as c:
+with Client("tcp://127.0.0.1:7700") as c:   # api_key="KEY" when serve has --api-key (or $RADIXSERVE_API_KEY)
     out = c.generate("Play e2e4 or d2d4?", max_tokens=8, temperature=0)
     print(out.text, out.usage.cached_tokens, out.timings.ttft_s)
     for chunk in c.stream("Tell me a story", max_tokens=32):
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -46,6 +47,7 @@ from radixserve.protocol import ChoiceUsage, Chunk, RankedChoice, Timings, Usage
 from radixserve.sampling_params import SamplingParams
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
+API_KEY_ENV = "RADIXSERVE_API_KEY"  # the api_key of a client made without one
 Prompt = str | Sequence[int]
 #: A call's ``timeout``: seconds, None (wait for ever) or ``...`` (the client's own ``timeout``).
 Timeout = float | None | EllipsisType
@@ -90,12 +92,18 @@ def _params(sampling: dict) -> SamplingParams:
 
 
 class AsyncClient:
-    """asyncio client. ``timeout`` (seconds, None: wait forever) bounds each call end to end."""
+    """asyncio client. ``timeout`` (seconds, None: wait forever) bounds each call end to end.
+    ``api_key``: the key every call carries, required when the server has keys (``serve
+    --api-key`` / ``--api-keys-file``); default ``$RADIXSERVE_API_KEY``. With keys the cache
+    namespace is the key's tenant's, derived on the server; ``namespace=`` then only names a
+    part of it (``namespace="agents"`` is this tenant's ``agents``, never another tenant's)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = 60.0,
                  max_frame_bytes: int = P.DEFAULT_LIMITS.max_frame_bytes, heartbeat: float = 1.0,
-                 router_timeout: float | None = 10.0):
+                 router_timeout: float | None = 10.0, api_key: str | None = None):
         self.address = address
+        # Sent with every generate, choose and stats call; required when the server has keys.
+        self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
         self.timeout = timeout
         self.heartbeat = heartbeat
         self.router_timeout = router_timeout
@@ -195,10 +203,12 @@ class AsyncClient:
     def _generate_msg(self, prompt: Prompt, sampling: dict, namespace: str | None, stream: bool) -> P.Generate:
         params = sampling.pop("params", None) or _params(sampling)
         if isinstance(prompt, str):
-            return P.Generate(id=self._new_id(), prompt=prompt, params=params, namespace=namespace, stream=stream)
+            return P.Generate(id=self._new_id(), prompt=prompt, params=params, namespace=namespace, stream=stream,
+                              api_key=self.api_key)
         if not isinstance(prompt, (list, tuple)):
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-        return P.Generate(id=self._new_id(), token_ids=list(prompt), params=params, namespace=namespace, stream=stream)
+        return P.Generate(id=self._new_id(), token_ids=list(prompt), params=params, namespace=namespace, stream=stream,
+                          api_key=self.api_key)
 
     async def _events(self, msg: P.Generate | P.Choose, timeout: float | None) -> AsyncIterator:
         self._ensure()
@@ -255,10 +265,10 @@ class AsyncClient:
         timeout = self._timeout(timeout)
         if isinstance(prompt, str):
             msg = P.Choose(id=self._new_id(), prompt=prompt, choices=list(choices), normalize=normalize,
-                           temperature=temperature, seed=seed, namespace=namespace)
+                           temperature=temperature, seed=seed, namespace=namespace, api_key=self.api_key)
         elif isinstance(prompt, (list, tuple)):
             msg = P.Choose(id=self._new_id(), token_ids=list(prompt), choices=list(choices), normalize=normalize,
-                           temperature=temperature, seed=seed, namespace=namespace)
+                           temperature=temperature, seed=seed, namespace=namespace, api_key=self.api_key)
         else:
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         final: P.ChoiceFinal | None = None
@@ -298,7 +308,8 @@ class AsyncClient:
     async def stats(self, *, probe: Prompt | None = None, namespace: str | None = None,
                     timeout: float | None = 5.0) -> dict:
         probe = list(probe) if probe is not None and not isinstance(probe, str) else probe
-        reply = await self._call(P.Stats(id=self._new_id(), probe=probe, namespace=namespace), timeout)
+        reply = await self._call(P.Stats(id=self._new_id(), probe=probe, namespace=namespace, api_key=self.api_key),
+                                 timeout)
         return reply.stats
 
     async def wait_ready(self, workers: int = 1, timeout: float = 60.0) -> dict:

@@ -185,4 +185,6 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     heartbeat: Annotated[Seconds, _help("seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")] = 0.5
     router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection "
                                              "and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0
+    grammar_timeout: Annotated[Seconds, _help("seconds a structured-output grammar may take to compile (in a child process, "
+                                              "killed past it; the request gets bad_request) (default: 10)")] = 10.0
     log_level: str = "INFO"

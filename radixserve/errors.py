@@ -10,9 +10,10 @@ OVERLOADED = "overloaded"
 WORKER_LOST = "worker_lost"
 SHUTTING_DOWN = "shutting_down"
 INTERNAL = "internal"
+UNAUTHORIZED = "unauthorized"  # keys are configured and the request carried none, or an unknown one
 TIMEOUT = "timeout"  # the SDK's own: the caller's timeout ran out (never sent by a server)
 ROUTER_LOST = "router_lost"  # the SDK's own: nothing heard from the router
-ERROR_CODES = (BAD_REQUEST, TOO_LONG, OVERLOADED, WORKER_LOST, SHUTTING_DOWN, INTERNAL)  # what servers send
+ERROR_CODES = (BAD_REQUEST, TOO_LONG, OVERLOADED, WORKER_LOST, SHUTTING_DOWN, INTERNAL, UNAUTHORIZED)  # what servers send
 
 
 class RadixServeError(Exception):
@@ -45,6 +46,14 @@ class ModelLoadError(RadixServeError):
     """The model directory is missing, incomplete or of an unsupported architecture."""
 
     code = BAD_REQUEST
+
+
+class UnauthorizedError(RadixServeError, PermissionError):
+    """The server requires an API key (``serve --api-key`` / ``--api-keys-file``) and the request
+    carried none, or one it does not know: pass ``Client(..., api_key=KEY)`` or set
+    ``RADIXSERVE_API_KEY``."""
+
+    code = UNAUTHORIZED
 
 
 class OverloadedError(RadixServeError):
@@ -81,7 +90,7 @@ class RequestTimeoutError(RadixServeError, TimeoutError):
 
 _BY_CODE: dict[str, type[RadixServeError]] = {
     cls.code: cls for cls in (BadRequestError, TooLongError, OverloadedError, WorkerLostError, ShuttingDownError,
-                              InternalError, RequestTimeoutError, RouterLostError)
+                              InternalError, RequestTimeoutError, RouterLostError, UnauthorizedError)
 }
 
 

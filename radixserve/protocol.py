@@ -14,7 +14,10 @@ Worker -> router: :class:`Register`, :class:`Heartbeat`, :class:`CacheEvents`, :
 :class:`Abort`, :class:`Ping`, :class:`Shutdown`, :class:`Refused`.
 
 Every request carries a request ``id`` (chosen by the caller, unique per connection) and the
-protocol version ``v``; a mismatch is answered with ``bad_request``. Every peer-controlled size
+protocol version ``v``; a mismatch is answered with ``bad_request``. When the server has API keys,
+:class:`Generate`, :class:`Choose` and :class:`Stats` must carry one (``api_key``; else
+``unauthorized``), and the cache namespace is derived from its tenant on the server (a client's
+``namespace`` only subdivides its own tenant's). Every peer-controlled size
 is bounded (:class:`Limits`); a frame larger than ``max_frame_bytes`` or one that does not
 decode gets an :class:`Error` reply and the server keeps going.
 """
@@ -30,6 +33,7 @@ from msgspec import Meta
 
 from radixserve.errors import (  # noqa: F401  (the error codes live in errors.py; re-exported here)
     BAD_REQUEST, ERROR_CODES, INTERNAL, OVERLOADED, SHUTTING_DOWN, TOO_LONG, WORKER_LOST, BadRequestError,
+    TooLongError,
 )
 from radixserve.sampling_params import SamplingParams
 from radixserve.validation import check, explain
@@ -52,6 +56,10 @@ class Limits(msgspec.Struct, frozen=True):
     max_id_chars: Annotated[int, Meta(ge=1, description="longest request id (characters)")] = 128
     max_namespace_chars: Annotated[int, Meta(ge=1, description="longest namespace (characters)")] = 256
     max_probe_tokens: Annotated[int, Meta(ge=1, description="longest stats probe (tokens)")] = 1 << 17
+    # A choose call scores every choice on top of the prompt: its work grows with the choices'
+    # tokens in all, so they are bounded like a prompt is (and by the context, in the router).
+    max_choice_chars: Annotated[int, Meta(ge=1, description="characters of one choose call's choices in all")] = 1 << 16
+    max_choice_tokens: Annotated[int, Meta(ge=1, description="tokens of one choose call's choices in all")] = 1 << 13
 
     def validate(self) -> None:
         """Raise :class:`BadRequestError` naming the first bound out of its range."""
@@ -74,6 +82,7 @@ class Generate(_Msg, tag="generate"):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     namespace: str | None = None
     stream: bool = False
+    api_key: str | None = None  # the tenant's key, required when the server has keys (serve --api-key)
     v: int = PROTOCOL_VERSION
 
 
@@ -88,6 +97,7 @@ class Choose(_Msg, tag="choose"):
     temperature: float = 0.0
     seed: int | None = None
     namespace: str | None = None
+    api_key: str | None = None  # the tenant's key, required when the server has keys (serve --api-key)
     v: int = PROTOCOL_VERSION
 
 
@@ -106,6 +116,7 @@ class Stats(_Msg, tag="stats"):
     # optional probe: per-worker cached-prefix length of these tokens in the router's index
     probe: str | list[int] | None = None
     namespace: str | None = None
+    api_key: str | None = None  # the tenant's key, required when the server has keys (serve --api-key)
     v: int = PROTOCOL_VERSION
 
 
@@ -356,10 +367,45 @@ async def received(recv: Callable[[], Awaitable[_T]]) -> AsyncIterator[_T]:
 def _guess_id(frame: bytes) -> str:
     try:
         raw = msgspec.msgpack.decode(frame)
-    except (Exception, RecursionError):
+    except RecursionError:  # too deep to decode: the id usually comes before the deep part
+        return _scan_id(frame)
+    except Exception:
         return ""
     rid = raw.get("id") if isinstance(raw, dict) else None
     return rid[:128] if isinstance(rid, str) else ""
+
+
+def _scan_id(frame: bytes) -> str:
+    """The ``id`` of a msgpack map read entry by entry while keys and values are short strings
+    (msgspec writes ``type`` and ``id`` first); "" when it cannot be found that way."""
+
+    def string(at: int) -> tuple[str, int] | None:
+        b = frame[at] if at < len(frame) else None
+        if b is None:
+            return None
+        if 0xA0 <= b <= 0xBF:
+            n, at = b & 0x1F, at + 1
+        elif b == 0xD9 and at + 1 < len(frame):
+            n, at = frame[at + 1], at + 2
+        else:
+            return None
+        try:
+            return frame[at:at + n].decode(), at + n
+        except UnicodeDecodeError:
+            return None
+
+    if not frame or not 0x80 <= frame[0] <= 0x8F:  # a fixmap (at most 15 fields)
+        return ""
+    at = 1
+    for _ in range(frame[0] & 0x0F):
+        key = string(at)
+        value = string(key[1]) if key is not None else None
+        if key is None or value is None:
+            return ""
+        if key[0] == "id":
+            return value[0][:128]
+        at = value[1]
+    return ""
 
 
 def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -410,8 +456,12 @@ def validate_choose(msg: Choose, limits: Limits = DEFAULT_LIMITS) -> None:
         raise _too_long(len(msg.token_ids), limits)
     if not msg.choices or len(msg.choices) > MAX_CHOICES:
         raise BadRequestError("choices", f"must hold 1..{MAX_CHOICES} strings, got {len(msg.choices)}")
-    if any(not c for c in msg.choices) or sum(map(len, msg.choices)) > limits.max_prompt_chars:
-        raise BadRequestError("choices", f"must be non-empty strings of at most {limits.max_prompt_chars} characters in all")
+    if any(not c for c in msg.choices):
+        raise BadRequestError("choices", "must be non-empty strings")
+    chars = sum(map(len, msg.choices))
+    if chars > limits.max_choice_chars:
+        raise TooLongError("choices", f"have {chars} characters in all; the limit is {limits.max_choice_chars} "
+                                      f"(max_choice_chars): send fewer or shorter choices")
     if msg.normalize not in NORMALIZE:
         raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {msg.normalize!r}")
     if not msg.temperature >= 0.0:

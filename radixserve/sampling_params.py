@@ -8,6 +8,7 @@ checks one built with keyword arguments (:mod:`radixserve.validation`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -17,6 +18,7 @@ from radixserve.errors import BadRequestError
 from radixserve.validation import check
 
 MAX_SCHEMA_CHARS = 64 * 1024
+MAX_SCHEMA_DEPTH = 64  # nested objects/arrays of a JSON schema (deeper ones broke json.dumps: RecursionError)
 MAX_REGEX_CHARS = 4096
 MAX_GRAMMAR_CHOICES = 4096
 MAX_GRAMMAR_CHOICE_CHARS = 256
@@ -55,6 +57,10 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
             raise BadRequestError("structured", "give exactly one of json_schema, json_object=True, regex or choice"
                                   + (f", got {', '.join(given)}" if given else ""))
         if self.json_schema is not None:
+            depth = json_depth(self.json_schema)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise BadRequestError("structured.json_schema", f"nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} "
+                                                                f"levels of objects and arrays are accepted")
             if len(self.schema_text) > MAX_SCHEMA_CHARS:
                 raise BadRequestError("structured.json_schema", f"must be at most {MAX_SCHEMA_CHARS} characters of JSON")
         if self.regex is not None and not 0 < len(self.regex) <= MAX_REGEX_CHARS:
@@ -81,6 +87,49 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
         if self.choice is not None:
             return "choice", "\x00".join(self.choice)
         return self.kind, ""
+
+
+def json_depth(value: Any, stop: int = MAX_SCHEMA_DEPTH + 1) -> int:
+    """How deep dicts and lists nest in ``value`` (JSON text: its brackets outside strings),
+    counted without recursion, up to ``stop`` (then it stops looking)."""
+    if isinstance(value, str):
+        depth = deepest = 0
+        in_string = escaped = False
+        for ch in value:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "[{":
+                depth += 1
+                if depth > deepest:
+                    deepest = depth
+                    if deepest >= stop:
+                        return deepest
+            elif ch in "]}":
+                depth -= 1
+        return deepest
+    deepest = 0
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        children: Iterable[Any]
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest >= stop:
+            return deepest
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def as_structured(value) -> StructuredOutput | None:

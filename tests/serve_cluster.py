@@ -34,7 +34,9 @@ class Cluster:
         self.address, self.worker_address = self.server.address, self.server.worker_address
         self.workers = workers
         self.extra_procs: list[subprocess.Popen] = []
-        with Client(self.address, timeout=10) as c:
+        # serve with --api-key: the SDK must carry a key (the first one) on its ZMQ socket too
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
+        with Client(self.address, timeout=10, api_key=self.api_key) as c:
             self.pids = {name: w["pid"] for name, w in c.stats()["workers"].items()}
             self.worker_pids = [self.pids[name] for name in sorted(self.pids)]
 

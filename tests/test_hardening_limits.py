@@ -82,3 +82,42 @@ def test_idle_client_flood_then_a_worker_kill_the_worker_comes_back(llama_dir):
         flood.destroy(linger=0)
         server.stop()
 
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_unread_stats_replies_are_bounded_and_a_reading_client_loses_none(tmp_path):
+    """Item 16, the repro made small: a client that sends thousands of stats calls and reads
+    nothing grew the router by 2 KB per reply (20k: 43 MB). Past its connection's high-water mark
+    the router now drops such replies; a busy client that reads gets every reply (the HTTP
+    gateway's streams broke under a plain per-client SNDHWM, which dropped them silently)."""
+    from radixserve import protocol as P
+
+    n = 5000
+    with running_router(RouterConfig(address=f"ipc://{tmp_path}/r", client_sndhwm=200)) as router:
+        ctx = zmq.Context()
+        try:
+            mute = ctx.socket(zmq.DEALER)
+            mute.setsockopt(zmq.LINGER, 0)
+            mute.setsockopt(zmq.RCVHWM, 1)  # reads nothing: its pipe and the kernel's buffer fill up
+            mute.connect(router.address)
+            before = _rss_mb()
+            for i in range(n):
+                mute.send(P.encode(P.Stats(id=f"s{i}")))
+            deadline = time.monotonic() + 30
+            while router.counters["dropped_replies"] < n // 2:
+                assert time.monotonic() < deadline, router.counters["dropped_replies"]
+                time.sleep(0.05)
+            assert _rss_mb() - before < 8.0  # 5000 replies held would be ~10 MB
+        finally:
+            ctx.destroy(linger=0)
+        with Client(router.address, timeout=30) as busy:  # reads: 1000 concurrent calls, all answered
+            import asyncio
+
+            async def burst():  # a dropped reply would time out its call
+                return await asyncio.gather(*(busy._async.stats(timeout=15) for _ in range(1000)))
+
+            assert len(busy._run(burst())) == 1000

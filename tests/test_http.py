@@ -278,7 +278,7 @@ def test_max_tokens_past_the_context_is_refused_at_once(server):
         c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
                                   max_completion_tokens=1024, extra_body={"ignore_eos": True})
     assert e.value.body["code"] == "context_length_exceeded"
-    with Client(server.address, timeout=30) as sdk, pytest.raises(TooLongError, match="exceeds the model's context"):
+    with Client(server.address, timeout=30, api_key=server.api_key) as sdk, pytest.raises(TooLongError, match="exceeds the model's context"):
         sdk.generate([9] * 10, max_tokens=1015, ignore_eos=True)
     assert time.monotonic() - t0 < 10
 
@@ -460,7 +460,7 @@ def test_client_disconnect_aborts_the_request(server):
     take a fraction of a second, so an unpaused worker can finish one before its client is gone,
     and the test would not be testing an abort."""
     def counters():
-        with Client(server.address) as sdk:
+        with Client(server.address, api_key=server.api_key) as sdk:
             return sdk.stats()["router"]
 
     def wait(cond, what: str, timeout: float = 20.0):

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-           PYTHONPATH=str(ROOT))
+           PYTHONPATH=str(ROOT), RADIXSERVE_API_KEY="netns-key")
 ROUTER_IP = "10.231.0.1"
 CUT_AT, CUT_FOR, LOAD_FOR = 4.0, 7.0, 20.0  # seconds from the start of the load
 
@@ -98,7 +98,8 @@ def test_link_cut_and_rejoin_across_hosts(hosts, llama_dir, tmp_path):
     secret = tmp_path / "worker.secret"
     py = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING"]
     router = _in(ns["r"], *py, "serve", "--model", llama_dir, "--workers", "0", "--host", ROUTER_IP,
-                 "--port", "7700", "--worker-secret-file", str(secret), stdout=subprocess.PIPE, text=True)
+                 "--port", "7700", "--worker-secret-file", str(secret), "--api-key", "netns-key",
+                 stdout=subprocess.PIPE, text=True)
     procs.append(router)
     line = router.stdout.readline()
     assert f"tcp://{ROUTER_IP}:7700" in line, line

@@ -63,22 +63,43 @@ class GrammarCache:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], capacity: int = 256):
         self._tokenizer, self._vocab_size, self._stop = tokenizer, vocab_size, list(stop_token_ids)
         self._compiler = None
+        self._info = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.capacity = capacity
         self.hits = self.misses = 0
 
-    def _get_compiler(self):
-        if self._compiler is None:
+    def tokenizer_info(self):
+        """The xgrammar TokenizerInfo grammars are compiled against (built once)."""
+        if self._info is None:
             try:
                 import xgrammar as xgr
             except ImportError:
                 raise BadRequestError("structured", "structured output needs xgrammar, which is not installed: "
                                       "pip install 'radixserve[structured]'") from None
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                      stop_token_ids=self._stop or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                            stop_token_ids=self._stop or None)
+        return self._info
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            self._compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=2, cache_enabled=False)
         return self._compiler
+
+    def cached(self, spec: StructuredOutput) -> bool:
+        """Whether ``spec``'s grammar is compiled already (:meth:`compile` returns at once)."""
+        with self._lock:
+            return spec.key in self._compiled
+
+    def put(self, spec: StructuredOutput, compiled) -> None:
+        """Keep a grammar compiled elsewhere (the worker's killable compile process) for ``spec``."""
+        with self._lock:
+            self._compiled[spec.key] = compiled
+            self._compiled.move_to_end(spec.key)
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar of ``spec`` (cached); :class:`BadRequestError` when xgrammar refuses it."""

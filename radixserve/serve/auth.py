@@ -114,6 +114,13 @@ def worker_keys(secret: str) -> tuple[bytes, bytes]:
     return _keypair("radixserve-worker-v1", secret)
 
 
+def gateway_key(secret: str) -> str:
+    """The API key the in-process HTTP gateway sends the router with each request: the router
+    trusts the namespace it names (the gateway derived it from the HTTP tenant's own key). It
+    derives from the worker secret, so only holders of that secret know it."""
+    return "gw-" + hashlib.sha256(b"radixserve-gateway-v1" + bytes.fromhex(secret)).hexdigest()
+
+
 def require_curve() -> None:
     if not zmq.has("curve"):
         raise AuthError("this libzmq was built without CURVE; install pyzmq from its wheels (they bundle it)")

@@ -80,6 +80,7 @@ def router_config(cfg: ServeConfig):
     from radixserve.protocol import Limits
     from radixserve.serve import auth
     from radixserve.serve.router import RouterConfig
+    from radixserve.serve.tenants import configured_keys
 
     limits = Limits(max_frame_bytes=cfg.max_frame_bytes)
     limits.validate()
@@ -91,6 +92,7 @@ def router_config(cfg: ServeConfig):
         balance_rel=cfg.balance_rel, cache_threshold=cfg.cache_threshold, max_prompt_chars=cfg.max_prompt_chars,
         worker_port=cfg.worker_port, worker_address=cfg.worker_address,
         secret=auth.read_secret_file(cfg.worker_secret_file, create=True) if cfg.worker_secret_file else None,
+        api_keys=configured_keys(cfg.api_key, cfg.api_keys_file),
     )
 
 
@@ -158,11 +160,13 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
         config.model_fingerprint = auth.model_fingerprint(cfg.engine.model, len(tokenizer))
         print(f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy "
               f"{cfg.policy}, {cfg.workers} workers on {', '.join(cfg.devices)}; max queue {cfg.max_queue}, "
-              f"{cfg.max_inflight} in flight per worker)", flush=True)
+              f"{cfg.max_inflight} in flight per worker; "
+              f"{f'{len(config.api_keys)} API keys required' if config.api_keys else 'no API key required'})", flush=True)
         if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
             from radixserve.serve.openai import start_gateway
 
-            gateway = start_gateway(cfg, _loopback(address), config.limits)
+            gateway = start_gateway(cfg, _loopback(address), config.limits, tenant_secret=router.tenants.secret,
+                                    router_key=router.gateway_key)
         supervisor = router.supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)
         http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
         router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}",
@@ -207,7 +211,8 @@ def run_worker(cfg: WorkerConfig) -> int:
         torch.set_num_threads(cfg.threads)
     engine = make_engine(cfg.engine)
     return serve_engine(engine, cfg.router, cfg.worker_id, parent_pid=parent, secret=secret,
-                        heartbeat_s=cfg.heartbeat, router_timeout_s=cfg.router_timeout)
+                        heartbeat_s=cfg.heartbeat, router_timeout_s=cfg.router_timeout,
+                        grammar_timeout_s=cfg.grammar_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,13 +44,15 @@ HEARTBEAT_S = 0.5  # the router declares a worker dead after --heartbeat-timeout
 # No word from the router this long: register again. Longer than the router's heartbeat timeout,
 # so after a link cut the router has already given up the old session when the new one arrives.
 ROUTER_TIMEOUT_S = 5.0
+GRAMMAR_TIMEOUT_S = 10.0  # a grammar compile longer than this is stopped; its request gets bad_request
 SNAPSHOT_TOKENS = 1 << 20  # tokens per snapshot message (a few MB of msgpack)
 _RESET = P.CacheEvent("reset", None, [])  # marks where a tree snapshot starts in the event list (by identity)
 
 
 class Worker:
     def __init__(self, engine, router: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 router_timeout_s: float = ROUTER_TIMEOUT_S, parent_pid: int | None = None, secret: str):
+                 router_timeout_s: float = ROUTER_TIMEOUT_S, parent_pid: int | None = None, secret: str,
+                 grammar_timeout_s: float | None = GRAMMAR_TIMEOUT_S):
         self.parent = parent_pid  # exit once this process is gone (None: never)
         self.engine = engine
         self.router = router
@@ -67,6 +69,9 @@ class Worker:
         self.fingerprint = model_fingerprint(engine.info()["model"], len(engine.tokenizer))
         self.active: dict[str, Any] = {}  # work id -> Request
         self.compiling: dict[str, bool] = {}  # work id -> aborted meanwhile, while its grammar compiles
+        # Grammars compile in a child process, killed past this (None: in a thread, unbounded)
+        self.grammar_timeout_s = grammar_timeout_s
+        self._grammar_pool: Any = None  # GrammarPool, started at the first grammar to compile
         self.stopping = False
         self._events: list[P.CacheEvent] = []
         self._events_lock = threading.Lock()
@@ -176,6 +181,8 @@ class Worker:
     def _abort(self, work_id: str) -> None:
         if work_id in self.compiling:
             self.compiling[work_id] = True
+            if self._grammar_pool is not None:
+                self._grammar_pool.abandon(work_id)  # its compile stops if no other request waits for it
             return
         item = self.active.get(work_id)
         if item is None:
@@ -230,8 +237,17 @@ class Worker:
         self._launch(work, req)
 
     async def _start_structured(self, work: P.Work) -> None:
+        from radixserve.serve.grammar_pool import CompileAborted
+
         try:
+            await self._compile_grammar(work)
             req = await asyncio.get_running_loop().run_in_executor(None, self._make_request, work)
+        except CompileAborted:  # aborted while its grammar compiled: never started, so answered here
+            self.compiling.pop(work.id, None)
+            self._send(P.Final(id=work.id, token_ids=[], text="", finish_reason="abort",
+                               usage=P.Usage(prompt_tokens=len(work.token_ids), cached_tokens=0, completion_tokens=0),
+                               timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0), worker=self.name))
+            return
         except Exception as exc:
             req = None
             self._refuse(work, exc)
@@ -240,6 +256,28 @@ class Worker:
             self._launch(work, req)
             if aborted:  # the abort came while its grammar compiled: the engine answers it in order
                 self.engine.abort(work.id)
+
+    async def _compile_grammar(self, work: P.Work) -> None:
+        """Compile the request's grammar in the killable compile process (bounded in time, fair
+        between namespaces; :mod:`radixserve.serve.grammar_pool`) unless the engine has it."""
+        spec = work.params.structured
+        grammars = getattr(self.engine, "grammars", None)
+        if spec is None or grammars is None or self.grammar_timeout_s is None:
+            return
+        spec.validate()  # shape, size and depth before any work
+        if grammars.cached(spec):
+            return
+        from radixserve.engine.structured import xgrammar_available
+
+        if not xgrammar_available():
+            return  # make_request refuses it, saying how to install xgrammar
+        if self._grammar_pool is None:
+            from radixserve.serve.grammar_pool import GrammarPool
+
+            info = await asyncio.get_running_loop().run_in_executor(None, grammars.tokenizer_info)
+            self._grammar_pool = GrammarPool(info, timeout_s=self.grammar_timeout_s)
+        compiled = await self._grammar_pool.compile(spec, work.namespace, work.id)
+        grammars.put(spec, compiled)
 
     def _make_request(self, work: P.Work):
         return self.engine.make_request(work.token_ids, work.params, request_id=work.id, namespace=work.namespace)
@@ -376,6 +414,8 @@ class Worker:
         await self._done.wait()
         for t in tasks + [receiver]:
             t.cancel()
+        if self._grammar_pool is not None:
+            await self._grammar_pool.aclose()
         self.engine.shutdown()
         self.sock.close(linger=500)
         self.ctx.term()
@@ -395,13 +435,14 @@ class Worker:
 
 
 def run_worker(engine, router: str, name: str | None = None, *, parent_pid: int | None = None,
-               secret: str, heartbeat_s: float = HEARTBEAT_S, router_timeout_s: float = ROUTER_TIMEOUT_S) -> int:
+               secret: str, heartbeat_s: float = HEARTBEAT_S, router_timeout_s: float = ROUTER_TIMEOUT_S,
+               grammar_timeout_s: float | None = GRAMMAR_TIMEOUT_S) -> int:
     """Serve until told to stop; returns the exit status (3: the router refused this worker).
     ``parent_pid``: the process that started this one (read at process start, before the model
     loads: by the time the engine exists it may already be gone); the worker exits when it is."""
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     worker = Worker(engine, router, name, parent_pid=parent_pid, secret=secret,
-                    heartbeat_s=heartbeat_s, router_timeout_s=router_timeout_s)
+                    heartbeat_s=heartbeat_s, router_timeout_s=router_timeout_s, grammar_timeout_s=grammar_timeout_s)
     try:
         import uvloop
 

@@ -48,6 +48,9 @@ class GatewayConfig:
     inline_tokenize_chars: int = 8192
     tokenize_threads: int = 2
     max_tokenizing: int = 32
+    # The key the gateway's requests carry to the router (serve passes auth.gateway_key): the
+    # router then trusts the namespaces the gateway derived from its HTTP tenants' keys.
+    router_key: str | None = None
 
 
 @dataclass
@@ -180,7 +183,7 @@ class Gateway:
         if self.client is None:
             from radixserve.client import AsyncClient
 
-            self.client = AsyncClient(self.config.router, timeout=None,
+            self.client = AsyncClient(self.config.router, timeout=None, api_key=self.config.router_key,
                                       max_frame_bytes=self.config.limits.max_frame_bytes)
         return self.client
 

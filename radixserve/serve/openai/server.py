@@ -13,7 +13,8 @@ from pathlib import Path
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
 from radixserve.serve.openai.app import Gateway, GatewayConfig
-from radixserve.serve.openai.tenants import Tenants, load_keys_file, tenant_for_key
+from radixserve.serve.openai.tenants import Tenants
+from radixserve.serve.tenants import configured_keys
 
 log = logging.getLogger("radixserve.http")
 
@@ -173,17 +174,14 @@ class GatewayServer:
 
 def _keys(args) -> dict[str, str]:
     """API keys -> tenants from ``--api-key`` (each its own tenant) and ``--api-keys-file``."""
-    keys = {key: tenant_for_key(key) for key in getattr(args, "api_key", None) or []}
-    if getattr(args, "api_keys_file", None):
-        try:
-            keys.update(load_keys_file(args.api_keys_file))
-        except (OSError, ValueError) as exc:
-            raise RadixServeError(f"--api-keys-file: {exc}") from None
-    return keys
+    return configured_keys(getattr(args, "api_key", None), getattr(args, "api_keys_file", None))
 
 
-def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None) -> GatewayServer:
-    """Start the gateway for ``radixserve serve`` (``args``: its parsed options)."""
+def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None, *, tenant_secret: bytes | None = None,
+                  router_key: str | None = None) -> GatewayServer:
+    """Start the gateway for ``radixserve serve`` (``args``: its parsed options). ``tenant_secret``:
+    the router's (so a tenant's namespace is the same over HTTP and ZMQ); ``router_key``: the key
+    the gateway's requests carry to the router (:func:`radixserve.serve.auth.gateway_key`)."""
     keys = _keys(args)
     if tokenizer is None:
         from radixserve.serve.router import load_tokenizer
@@ -192,9 +190,9 @@ def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None) -
     model = str(args.model)
     names = [Path(model).name or model, model]
     config = GatewayConfig(router=router_address, model_names=names, host=args.host, port=args.http_port,
-                           max_body_bytes=limits.max_frame_bytes, limits=limits)
+                           max_body_bytes=limits.max_frame_bytes, limits=limits, router_key=router_key)
     try:
-        server = GatewayServer(Gateway(config, tokenizer, Tenants(keys)), args.host, args.http_port,
+        server = GatewayServer(Gateway(config, tokenizer, Tenants(keys, tenant_secret)), args.host, args.http_port,
                                header_timeout_s=getattr(args, "http_header_timeout", 10.0),
                                body_timeout_s=getattr(args, "http_body_timeout", 30.0),
                                max_connections=getattr(args, "http_max_connections", 1024)).start()

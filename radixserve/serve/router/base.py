@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from radixserve.serve.metrics import Histogram
+    from radixserve.serve.router.fair_queue import FairQueue
+    from radixserve.serve.tenants import TenantKeys
     from radixserve.serve.router.state import Job, RouterConfig, WorkerState
     from radixserve.serve.routing import Policy
     from radixserve.serve.supervisor import Supervisor
@@ -32,7 +34,13 @@ class RouterBase:
     by_identity: dict[bytes, WorkerState]
     jobs: dict[tuple[bytes, str], Job]  # (client identity, client's id) -> job
     works: dict[str, Job]  # work id -> job on a worker
-    queue: collections.deque[Job]
+    queue: FairQueue
+    tenants: TenantKeys  # API keys -> tenants -> cache namespaces (empty: a keyless server)
+    gateway_key: str  # what the in-process HTTP gateway authenticates with (it authenticated its tenants)
+    _tokenizing_by: collections.Counter[str]  # tenant -> its prompts being tokenized
+    _backlog: dict[bytes, Any]  # client identity -> frames waiting for its connection (Sockets._send)
+    _flush_scheduled: bool
+    _trusted: set[bytes]  # connections that authenticated as the gateway (their replies are never dropped)
     counters: dict[str, int]
     registry: CollectorRegistry
     hist: dict[str, Histogram]

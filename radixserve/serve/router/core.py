@@ -19,8 +19,10 @@ from prometheus_client import CollectorRegistry
 from radixserve import protocol as P
 from radixserve.serve.metrics import DEPTH_BUCKETS, LATENCY_BUCKETS_S, Histogram, MetricsLog
 from radixserve.serve.routing import make_policy
+from radixserve.serve.tenants import TenantKeys
 from radixserve.serve.router.state import COUNTERS, Job, RouterConfig, WorkerState
 from radixserve.serve.router.dispatch import Dispatch
+from radixserve.serve.router.fair_queue import FairQueue
 from radixserve.serve.router.front import ClientFront, longest_token_chars
 from radixserve.serve.router.index_sync import IndexSync
 from radixserve.serve.router.registry import WorkerRegistry
@@ -48,7 +50,7 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         self.by_identity: dict[bytes, WorkerState] = {}
         self.jobs: dict[tuple[bytes, str], Job] = {}
         self.works: dict[str, Job] = {}
-        self.queue: collections.deque[Job] = collections.deque()
+        self.queue = FairQueue()
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.registry = CollectorRegistry()  # the router's own prometheus-client metrics
         self.hist = {key: Histogram(buckets, name=f"radixserve_router_{key}", registry=self.registry)
@@ -63,6 +65,12 @@ class Router(Sockets, ClientFront, Dispatch, WorkerRegistry, IndexSync):
         from radixserve.serve import auth
 
         self.secret = auth.check_secret(config.secret) if config.secret else auth.new_secret()
+        self.tenants = TenantKeys(config.api_keys)
+        self.gateway_key = auth.gateway_key(self.secret)
+        self._tokenizing_by = collections.Counter()
+        self._backlog = {}
+        self._flush_scheduled = False
+        self._trusted = set()
         self.local_procs: list[Any] = []
         self._stopped: asyncio.Event | None = None
         self.supervisor = None  # serve's Supervisor of local worker processes (restarts them)

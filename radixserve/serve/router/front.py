@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import logging
 import time
 
 from radixserve import protocol as P
-from radixserve.errors import RadixServeError
+from radixserve.errors import RadixServeError, TooLongError, UnauthorizedError
 from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import Job
 
@@ -29,7 +30,7 @@ class ClientFront(RouterBase):
         limit = cfg.limits.max_prompt_chars
         if cfg.max_prompt_chars is not None:
             return min(limit, cfg.max_prompt_chars)
-        context = cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
+        context = self._context()
         if context:
             limit = min(limit, context * self._token_chars)
         return limit
@@ -45,12 +46,39 @@ class ClientFront(RouterBase):
             return None
         return key
 
+    def _authorize(self, identity: bytes, msg: P.Generate | P.Choose | P.Stats) -> tuple[str, str | None]:
+        """``(tenant, namespace)`` of a client request; raises :class:`UnauthorizedError`.
+
+        ``tenant`` is whose share of the queue the request takes; ``namespace`` the cache
+        namespace it runs in. With keys configured it is the key's tenant's, derived here (a
+        client's own ``namespace`` only subdivides it: ``T/NAME``), so no client can reach
+        another tenant's cache. The in-process HTTP gateway authenticates with
+        :attr:`gateway_key`: it checked its tenants' keys itself and names their namespaces.
+        Without keys the namespace is the client's and its share is its connection's."""
+        key = msg.api_key
+        if key is not None and hmac.compare_digest(key.encode("utf-8", "surrogatepass"), self.gateway_key.encode()):
+            if identity not in self._trusted:
+                if len(self._trusted) >= 64:  # reconnects: forget the old ones
+                    self._trusted.clear()
+                self._trusted.add(identity)
+            return f"http:{msg.namespace or ''}", msg.namespace
+        if not self.tenants.required:
+            return f"conn:{identity.hex()}", msg.namespace
+        tenant = self.tenants.tenant(key)
+        if tenant is None:
+            raise UnauthorizedError(("this server requires an API key: pass Client(..., api_key=KEY) or set "
+                                     "RADIXSERVE_API_KEY") if not key else "unknown API key")
+        ns = self.tenants.namespace(tenant)
+        return f"key:{tenant}", f"{ns}/{msg.namespace}" if msg.namespace else ns
+
     def _on_generate(self, identity: bytes, worker, msg: P.Generate) -> None:
         key = self._accepting(identity, msg)
         if key is None:
             return
         try:
+            tenant, namespace = self._authorize(identity, msg)
             P.validate_generate(msg, self.config.limits)  # exactly one of prompt, token_ids
+            msg.namespace = namespace
             if msg.prompt is not None:
                 if self.tokenizer is None:
                     raise P.DecodeError("this router has no tokenizer; send token_ids", msg.id)
@@ -59,38 +87,44 @@ class ClientFront(RouterBase):
             self._reply_error(identity, msg.id, exc.code, str(exc))
             return
         if msg.token_ids is not None:
-            self._admit_generate(key, identity, msg, msg.token_ids)
+            self._admit_generate(key, identity, msg, msg.token_ids, tenant)
         else:
-            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(msg.prompt),),
-                           lambda ids: self._admit_generate(key, identity, msg, ids))
+            prompt = msg.prompt or ""  # validate_generate: exactly one of prompt, token_ids
+            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(prompt),),
+                           lambda ids: self._admit_generate(key, identity, msg, ids, tenant), len(prompt), tenant)
 
     def _check_prompt_chars(self, n: int) -> None:
         limit = self.prompt_char_limit()
         if n > limit:
-            from radixserve.errors import TooLongError
-
             raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit "
                                          f"the model's context")
 
-    def _tokenize(self, key, identity: bytes, msg, compute, then) -> None:
-        """Run ``compute()`` (tokenizer calls) off the loop when the prompt is long, then
-        ``then(*result)`` on the loop; answers overloaded when too many prompts are in the pool."""
-        if len(msg.prompt) <= self.config.inline_tokenize_chars:
+    def _tokenize(self, key, identity: bytes, msg, compute, then, chars: int, tenant: str) -> None:
+        """Run ``compute()`` (tokenizer calls on ``chars`` characters) off the loop when that is
+        long, then ``then(*result)`` on the loop; answers overloaded when too many are in the pool,
+        or when the pool is half full and ``tenant`` holds a quarter of it (others keep room)."""
+        if chars <= self.config.inline_tokenize_chars:
             then(*compute())
             return
-        if len(self._tokenizing) >= self.config.max_tokenizing:
+        cap = self.config.max_tokenizing
+        busy, mine = len(self._tokenizing), self._tokenizing_by[tenant]
+        if busy >= cap or (busy >= cap // 2 and mine >= max(1, cap // 4)):
             self.counters["overloaded"] += 1
             self._reply_error(identity, msg.id, P.OVERLOADED,
-                              f"{len(self._tokenizing)} long prompts are being tokenized; retry later")
+                              f"{busy} long prompts are being tokenized ({mine} of them yours); retry later")
             return
         if self._tok_pool is None:
             self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
                                                                    thread_name_prefix="tokenize")
         self._tokenizing[key] = False
+        self._tokenizing_by[tenant] += 1
         future = asyncio.get_running_loop().run_in_executor(self._tok_pool, compute)
 
         def done(fut) -> None:
             aborted = self._tokenizing.pop(key, False)
+            self._tokenizing_by[tenant] -= 1
+            if self._tokenizing_by[tenant] <= 0:
+                del self._tokenizing_by[tenant]
             try:
                 if fut.cancelled():
                     raise RuntimeError("tokenizing was cancelled")
@@ -111,7 +145,7 @@ class ClientFront(RouterBase):
 
         future.add_done_callback(done)
 
-    def _admit_generate(self, key, identity: bytes, msg: P.Generate, ids) -> None:
+    def _admit_generate(self, key, identity: bytes, msg: P.Generate, ids, tenant: str) -> None:
         try:
             if len(ids) > self.config.limits.max_prompt_tokens:
                 raise P._too_long(len(ids), self.config.limits)
@@ -123,7 +157,7 @@ class ClientFront(RouterBase):
         self.counters["requests"] += 1
         now = time.monotonic()
         job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=msg.params,
-                  namespace=msg.namespace, stream=msg.stream, arrival=now)
+                  namespace=msg.namespace, stream=msg.stream, arrival=now, tenant=tenant)
         self._admit(key, job)
 
     def _on_choose(self, identity: bytes, worker, msg: P.Choose) -> None:
@@ -131,7 +165,9 @@ class ClientFront(RouterBase):
         if key is None:
             return
         try:
+            tenant, namespace = self._authorize(identity, msg)
             P.validate_choose(msg, self.config.limits)
+            msg.namespace = namespace
             if self.tokenizer is None:
                 raise P.DecodeError("this router has no tokenizer; choose needs one", msg.id)
             if msg.prompt is not None:
@@ -145,17 +181,30 @@ class ClientFront(RouterBase):
             ids = msg.token_ids if msg.token_ids is not None else tok.encode(msg.prompt)
             return ids, [tok.encode(c, add_special_tokens=False) for c in msg.choices]
 
-        if msg.prompt is None:
-            self._admit_choose(key, identity, msg, *compute())
-        else:
-            self._tokenize(key, identity, msg, compute, lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids))
+        # The choices are tokenized with the prompt, off the loop when they are long together
+        # (token_ids or a short prompt with megabytes of choices stalled the loop for seconds).
+        chars = len(msg.prompt or "") + sum(map(len, msg.choices))
+        self._tokenize(key, identity, msg, compute,
+                       lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids, tenant), chars, tenant)
 
-    def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids) -> None:
+    def _context(self) -> int:
+        """The model's context in tokens (0 while no worker has told it)."""
+        cfg = self.config
+        return cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
+
+    def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids, tenant: str) -> None:
         try:
             if len(ids) > self.config.limits.max_prompt_tokens:
                 raise P._too_long(len(ids), self.config.limits)
             if not ids or not all(choice_ids):
                 raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
+            n = sum(map(len, choice_ids))
+            limit, name = self.config.limits.max_choice_tokens, "max_choice_tokens"
+            if 0 < self._context() < limit:
+                limit, name = self._context(), "the model's context"
+            if n > limit:  # every choice token is scored on top of the prompt: work like a prompt's
+                raise TooLongError("choices", f"have {n} tokens in all; the limit is {limit} ({name}): "
+                                              f"send fewer or shorter choices")
         except RadixServeError as exc:
             self._reply_error(identity, msg.id, exc.code, str(exc))
             return
@@ -163,7 +212,7 @@ class ClientFront(RouterBase):
         self.counters["choose_requests"] += 1
         now = time.monotonic()
         job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=None,
-                  namespace=msg.namespace, stream=False, arrival=now,
+                  namespace=msg.namespace, stream=False, arrival=now, tenant=tenant,
                   choose=dict(choices=msg.choices, choice_ids=choice_ids, normalize=msg.normalize,
                               temperature=msg.temperature, seed=msg.seed))
         self._admit(key, job)
@@ -175,7 +224,7 @@ class ClientFront(RouterBase):
         if candidates:
             self.jobs[key] = job
             self._dispatch(job, candidates)
-        elif len(self.queue) < self.config.max_queue:
+        elif len(self.queue) < self.config.max_queue or self._push_out(job.tenant):
             self.jobs[key] = job
             job.queued_at = job.arrival
             self.queue.append(job)
@@ -184,6 +233,20 @@ class ClientFront(RouterBase):
             self._reply_error(identity, job.cid, P.OVERLOADED,
                               f"all {len(self._alive())} workers are at their in-flight cap and the router queue "
                               f"is full ({self.config.max_queue}); retry later or add workers")
+
+    def _push_out(self, tenant: str) -> bool:
+        """Room in the full queue for a job of ``tenant``, by refusing the newest job of the tenant
+        holding the most of it (if that holds at least two more than ``tenant``)."""
+        out = self.queue.push_out(tenant)
+        if out is None:
+            return False
+        self.counters["overloaded"] += 1
+        self.counters["queue_pushed_out"] += 1
+        self.jobs.pop((out.client, out.cid), None)
+        self._reply_error(out.client, out.cid, P.OVERLOADED,
+                          f"the router queue is full ({self.config.max_queue}) and your requests hold the most of it; "
+                          f"retry later")
+        return True
 
     def _on_abort(self, identity: bytes, worker, msg: P.Abort) -> None:
         if (identity, msg.id) in self._tokenizing:
@@ -215,13 +278,20 @@ class ClientFront(RouterBase):
         self._send(identity, P.HealthReply(id=msg.id, status=status, workers=len(self.workers), workers_alive=alive))
 
     def _on_stats(self, identity: bytes, worker, msg: P.Stats) -> None:
+        try:
+            _, namespace = self._authorize(identity, msg)
+            if msg.namespace is not None and len(msg.namespace) > self.config.limits.max_namespace_chars:
+                raise P.BadRequestError("namespace", f"must be at most {self.config.limits.max_namespace_chars} characters")
+        except RadixServeError as exc:
+            self._reply_error(identity, msg.id, exc.code, str(exc))
+            return
         probe = None
         if msg.probe is not None:
             # a text probe is tokenized on the loop: only its first 65536 characters (milliseconds)
             text = msg.probe[: min(self.prompt_char_limit(), 65536)] if isinstance(msg.probe, str) else ""
             ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(text) if self.tokenizer else [])
             ids = ids[: self.config.limits.max_probe_tokens]
-            probe = {w.name: w.index.tree.peek(ids, msg.namespace) for w in self.workers.values()}
+            probe = {w.name: w.index.tree.peek(ids, namespace) for w in self.workers.values()}
         self._send(identity, P.StatsReply(id=msg.id, stats=self.stats(probe)))
 
 

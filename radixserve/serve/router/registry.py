@@ -182,8 +182,8 @@ class WorkerRegistry(RouterBase):
             if now - w.last_seen > cfg.forget_dead_s:  # remote and gone: forget it
                 del self.workers[w.name]
         if self.queue and not any(w.alive for w in self.workers.values()):
-            while self.queue and now - self.queue[0].queued_at > cfg.no_worker_wait_s:
-                job = self.queue.popleft()
+            for job in [j for j in self.queue if now - j.queued_at > cfg.no_worker_wait_s]:
+                self.queue.remove(job)
                 self.jobs.pop((job.client, job.cid), None)
                 self._reply_error(job.client, job.cid, P.WORKER_LOST,
                                   f"no worker joined within {cfg.no_worker_wait_s:.0f} s")

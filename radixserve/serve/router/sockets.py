@@ -3,8 +3,12 @@ message handlers (client requests on one socket, worker messages on the other)."
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -17,6 +21,16 @@ from radixserve.serve.router.base import RouterBase
 log = logging.getLogger("radixserve.router")
 
 MAX_CLIENTS = 16384  # client connections at most by default (also at most half the open-file limit)
+MAX_DROPPABLE_BACKLOG = 64  # stats/health replies waiting for a client whose connection is full; more are dropped
+_SENT, _FULL, _GONE = range(3)  # what a send to a client did
+
+
+@dataclass(eq=False)
+class _Backlog:
+    """Frames waiting for a client whose connection holds ``client_sndhwm`` unread ones."""
+
+    frames: collections.deque[tuple[bytes, bool]] = field(default_factory=collections.deque)  # (frame, droppable)
+    droppable: int = 0
 
 
 # Message type -> the name of its handler method, ``handler(identity, worker, msg)``.
@@ -50,11 +64,24 @@ class Sockets(RouterBase):
         from radixserve.serve import auth
 
         cfg = self.config
+        where = cfg.address or f"tcp://{cfg.host}:{cfg.port}"
+        if not self.tenants.required and not is_local_address(where):
+            raise RadixServeError(
+                f"refusing to open the client socket ({where}) beyond this host without API keys: anyone who "
+                f"reaches it could run requests and probe every namespace's cache. Pass --api-key KEY or "
+                f"--api-keys-file FILE (clients then send it: Client(..., api_key=KEY) or RADIXSERVE_API_KEY), or "
+                f"keep clients on 127.0.0.1 and open only the worker socket (--worker-address tcp://HOST:PORT)")
         self.max_clients = cfg.max_clients or min(MAX_CLIENTS, open_files_limit() // 2)
         self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters, self._admit_client)
         sock = self.sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
-        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's stream on a slow reader
+        # A client that reads nothing must not grow the router without bound (20k unread Stats
+        # replies took 43 MB), and a busy one (the HTTP gateway: one connection, many streams)
+        # must lose nothing. Past SNDHWM frames queued for one connection, libzmq refuses more
+        # (ROUTER_MANDATORY: EAGAIN, not a silent drop): the router then holds that connection's
+        # frames itself (_send) and drops only stats/health replies beyond a few.
+        sock.setsockopt(zmq.SNDHWM, cfg.client_sndhwm)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
         # still gets an error reply naming the limit.
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
@@ -129,10 +156,64 @@ class Sockets(RouterBase):
             self.clients = max(0, self.clients + (1 if accepted else -1))
 
     def _send(self, identity: bytes, msg) -> None:
-        try:
-            self.sock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # unreachable peer: ROUTER drops; never let it kill the loop
-            log.debug("send to %r failed: %s", identity, exc)
+        """Send to a client. When its connection already holds ``client_sndhwm`` unread frames,
+        the frame waits in a per-connection backlog (sent in order as the client reads), except
+        a stats or health reply beyond :data:`MAX_DROPPABLE_BACKLOG` waiting ones: dropped
+        (``dropped_replies``), unless the client is the trusted gateway. Request results are
+        never dropped (a busy client loses nothing); what a client that never reads can make the
+        router hold is its own requests' results and a few replies."""
+        frame = P.encode(msg)
+        backlog = self._backlog.get(identity)
+        if backlog is None:
+            if self._try_send(identity, frame) != _FULL:
+                return
+            backlog = self._backlog[identity] = _Backlog()
+            self._flush_later(0.005)
+        droppable = isinstance(msg, (P.StatsReply, P.HealthReply)) and identity not in self._trusted
+        if droppable:
+            if backlog.droppable >= MAX_DROPPABLE_BACKLOG:
+                self.counters["dropped_replies"] += 1
+                return
+            backlog.droppable += 1
+        backlog.frames.append((frame, droppable))
+
+    def _try_send(self, identity: bytes, frame: bytes) -> int:
+        # pyzmq's asyncio send with NOBLOCK returns a finished future holding any error
+        fut: Any = self.sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+        exc = fut.exception() if fut.done() else None
+        if exc is None:
+            return _SENT
+        if isinstance(exc, zmq.Again):
+            return _FULL
+        log.debug("send to %r failed: %s", identity, exc)  # EHOSTUNREACH: the client left
+        return _GONE
+
+    def _flush_later(self, delay: float) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_later(delay, self._flush_backlog, delay)
+
+    def _flush_backlog(self, delay: float) -> None:
+        """Send what waits for each client, in order, as far as its connection takes it; retry
+        soon after progress, less and less often (up to 0.5 s) without."""
+        self._flush_scheduled = False
+        progress = False
+        for identity, backlog in list(self._backlog.items()):
+            frames = backlog.frames
+            while frames:
+                frame, droppable = frames[0]
+                outcome = self._try_send(identity, frame)
+                if outcome == _FULL:
+                    break
+                frames.popleft()
+                backlog.droppable -= droppable
+                progress = True
+                if outcome == _GONE:
+                    frames.clear()
+            if not frames:
+                del self._backlog[identity]
+        if self._backlog:
+            self._flush_later(0.005 if progress else min(0.5, delay * 2))
 
     def _wsend(self, identity: bytes, msg) -> None:
         """Send to a worker (on the worker socket)."""
@@ -211,7 +292,31 @@ class Sockets(RouterBase):
             self._reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST,
                               f"type: {type(msg).__name__} is not a request a router accepts{hint}")
             return
-        getattr(self, handler)(identity, None, msg)
+        try:
+            getattr(self, handler)(identity, None, msg)
+        except Exception as exc:  # a bug must not leave a client call without any reply (a hang with timeout=None)
+            log.exception("router failed handling a %s", type(msg).__name__)
+            self._reply_error(identity, getattr(msg, "id", ""), P.INTERNAL,
+                              f"router error handling the request ({type(exc).__name__}); it was not run")
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a ZMQ address can only be reached from this host: ipc:// or inproc://, or tcp://
+    on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or interface (eth0, *): it may well be reachable from elsewhere
+        return False
 
 
 def _bind(sock, address: str | None, host: str, port: int, what: str) -> str:

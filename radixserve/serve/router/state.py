@@ -61,6 +61,12 @@ class RouterConfig(msgspec.Struct, kw_only=True):
     max_model_len: _Count | None = None  # the model's context (tokens); None: from registered workers
     # Client connections at most (each holds a file descriptor); None: half the open-file limit, at most 16384.
     max_clients: _Count | None = None
+    # API key -> tenant (serve's --api-key / --api-keys-file). When set, every Generate, Choose and
+    # Stats must carry a known key, and runs in its tenant's cache namespace; when empty, the
+    # client socket may only be bound to loopback (or ipc://).
+    api_keys: dict[str, str] = msgspec.field(default_factory=dict)
+    # Frames libzmq queues per client connection; past it the router holds them (Sockets._send).
+    client_sndhwm: _Count = 1000
 
     def check(self) -> None:
         """Raise :class:`~radixserve.errors.BadRequestError` naming the first field out of range."""
@@ -85,6 +91,7 @@ class Job:
     dispatched_at: float = 0.0
     queued_at: float = 0.0
     choose: Any = None  # a choose call: the ChooseWork fields other than id/token_ids/namespace
+    tenant: str = ""  # whose share of the queue it takes (FairQueue): its key's tenant, or its connection
 
 
 @dataclass(eq=False)
@@ -115,6 +122,7 @@ class WorkerState:
 COUNTERS = (
     "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
     "refused_workers", "workers_left", "index_resyncs", "rejoins_asked", "refused_clients", "task_errors",
+    "queue_pushed_out", "dropped_replies",
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)

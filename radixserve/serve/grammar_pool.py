@@ -1,0 +1,257 @@
+"""A worker's grammar compiles, in a child process that can be killed.
+
+Compiling a grammar (xgrammar) can take seconds to minutes (a 65 KB nested JSON schema ran past
+90 s) and cannot be interrupted in-process: an aborted request's compile kept running, and 48
+big choice grammars made another tenant's tiny one wait 32 s. Here every grammar the engine has
+not compiled yet is compiled in one child process (``python -m radixserve.serve.grammar_pool``,
+started at the first one), one at a time:
+
+- **bounded**: a compile that takes longer than ``timeout_s`` kills the child (the next compile
+  starts a fresh one) and its requests get ``bad_request`` naming the limit; the grammar is
+  remembered as too slow, so a repeat is refused at once;
+- **fair**: waiting compiles are queued per namespace (tenant) and taken in turn, and one
+  compile serves every request waiting for the same grammar;
+- **cancellable**: when every request waiting for a compile is aborted, it leaves the queue, or
+  the child is killed if it is running.
+
+The compiled grammar comes back serialized (xgrammar's JSON) and is rebuilt against the
+worker's own TokenizerInfo. Frames on the child's stdin/stdout: a 4-byte big-endian length,
+then msgpack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from radixserve.errors import BadRequestError
+from radixserve.sampling_params import StructuredOutput
+
+log = logging.getLogger("radixserve.grammar")
+
+COMPILE_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 120.0  # the compile process's start (it imports xgrammar, which imports torch)
+_LEN = struct.Struct(">I")
+
+
+class CompileAborted(Exception):
+    """Every request waiting for this compile was aborted."""
+
+
+@dataclass(eq=False)
+class _Compile:
+    spec: StructuredOutput
+    namespace: str
+    future: asyncio.Future
+    waiters: set[str] = field(default_factory=set)  # work ids
+
+
+class GrammarPool:
+    """Compiles grammars for one engine in a killable child process; see the module docstring."""
+
+    def __init__(self, tokenizer_info, *, timeout_s: float = COMPILE_TIMEOUT_S, remember: int = 256):
+        self._info = tokenizer_info
+        self.timeout_s = timeout_s
+        self._by_key: dict[tuple[str, str], _Compile] = {}
+        self._queues: dict[str, collections.deque[_Compile]] = {}  # namespace -> its compiles, in turn
+        self._served: dict[str, int] = {}  # namespace -> when it was last served (while it has compiles queued)
+        self._clock = 0
+        self._of_work: dict[str, _Compile] = {}
+        self._running: _Compile | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._runner: asyncio.Task | None = None
+        self._too_slow: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._remember = remember
+        self.stats = {"grammar_compiles": 0, "grammar_timeouts": 0, "grammar_kills": 0}
+
+    async def compile(self, spec: StructuredOutput, namespace: str | None, work_id: str):
+        """The compiled grammar of ``spec`` for request ``work_id``; raises
+        :class:`BadRequestError` (it does not compile, or not in time) or :class:`CompileAborted`."""
+        key = spec.key
+        if key in self._too_slow:
+            raise self._timeout_error(spec)
+        job = self._by_key.get(key)
+        if job is None:
+            job = self._by_key[key] = _Compile(spec, namespace or "", asyncio.get_running_loop().create_future())
+            self._queues.setdefault(job.namespace, collections.deque()).append(job)
+            if self._runner is None or self._runner.done():
+                self._runner = asyncio.ensure_future(self._run())
+        job.waiters.add(work_id)
+        self._of_work[work_id] = job
+        try:
+            return await asyncio.shield(job.future)
+        finally:
+            self._of_work.pop(work_id, None)
+
+    def abandon(self, work_id: str) -> None:
+        """Request ``work_id`` was aborted: it stops waiting; a compile nobody waits for any more
+        leaves the queue, or is stopped (the child killed) if it is running."""
+        job = self._of_work.pop(work_id, None)
+        if job is None:
+            return
+        job.waiters.discard(work_id)
+        if job.waiters or job.future.done():
+            return
+        job.future.set_exception(CompileAborted())
+        job.future.exception()  # retrieved: nobody else waits for it
+        if self._by_key.get(job.spec.key) is job:
+            del self._by_key[job.spec.key]
+        if job is self._running:
+            self._kill("its requests were aborted")
+
+    def _next(self) -> _Compile | None:
+        """The head of the queue of the namespace served the longest ago (one that had nothing
+        queued counts as never served: it goes before the one just served)."""
+        while self._queues:
+            ns = min(self._queues, key=lambda n: self._served.get(n, -1))
+            jobs = self._queues[ns]
+            job = jobs.popleft()
+            self._clock += 1
+            self._served[ns] = self._clock
+            if not jobs:
+                del self._queues[ns]
+                del self._served[ns]
+            if not job.future.done():
+                return job
+        return None
+
+    async def _run(self) -> None:
+        while (job := self._next()) is not None:
+            self._running = job
+            try:
+                compiled = await self._compile_in_child(job)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            else:
+                if not job.future.done():
+                    job.future.set_result(compiled)
+            finally:
+                self._running = None
+                if self._by_key.get(job.spec.key) is job:
+                    del self._by_key[job.spec.key]
+
+    async def _compile_in_child(self, job: _Compile):
+        proc = await self._child()
+        assert proc.stdin is not None and proc.stdout is not None
+        frame = msgspec.msgpack.encode(job.spec)
+        proc.stdin.write(_LEN.pack(len(frame)) + frame)
+        t0 = time.monotonic()
+        try:
+            reply = await asyncio.wait_for(_read_frame(proc.stdout), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.stats["grammar_timeouts"] += 1
+            self._too_slow[job.spec.key] = None
+            while len(self._too_slow) > self._remember:
+                self._too_slow.popitem(last=False)
+            self._kill(f"a grammar took longer than {self.timeout_s:g} s to compile")
+            raise self._timeout_error(job.spec) from None
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            self._kill("it stopped answering")
+            if job.future.done():  # killed because its requests were aborted
+                raise CompileAborted() from None
+            raise RuntimeError(f"the grammar compile process ended ({type(exc).__name__})") from None
+        self.stats["grammar_compiles"] += 1
+        ok, payload = msgspec.msgpack.decode(reply)
+        if not ok:
+            raise BadRequestError(f"structured.{job.spec.kind}", f"cannot be compiled into a grammar: {payload}")
+        log.debug("compiled a %s grammar in %.2f s", job.spec.kind, time.monotonic() - t0)
+        import xgrammar as xgr
+
+        return await asyncio.get_running_loop().run_in_executor(None, xgr.CompiledGrammar.deserialize_json, payload,
+                                                                self._info)
+
+    def _timeout_error(self, spec: StructuredOutput) -> BadRequestError:
+        return BadRequestError(f"structured.{spec.kind}", f"did not compile into a grammar within {self.timeout_s:g} s "
+                                                          f"(the worker's grammar compile limit); simplify it: fewer "
+                                                          f"alternatives, less nesting")
+
+    async def _child(self) -> asyncio.subprocess.Process:
+        if self._proc is None or self._proc.returncode is not None:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-P", "-m", "radixserve.serve.grammar_pool", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE)
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            info = self._info.serialize_json().encode()
+            self._proc.stdin.write(_LEN.pack(len(info)) + info)
+            try:  # it says when it is ready (imports take seconds): that is not compile time
+                await asyncio.wait_for(_read_frame(self._proc.stdout), START_TIMEOUT_S)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+                self._kill("it did not start")
+                raise RuntimeError(f"the grammar compile process did not start ({type(exc).__name__})") from None
+        return self._proc
+
+    def _kill(self, why: str) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            log.warning("killing the grammar compile process: %s", why)
+            self.stats["grammar_kills"] += 1
+            self._proc.kill()
+        self._proc = None
+
+    async def aclose(self) -> None:
+        """Stop the compile process (and wait for it, so its pipes close on this loop)."""
+        if self._runner is not None:
+            self._runner.cancel()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    return await reader.readexactly(n)
+
+
+# ------------------------------------------------------------------------------ the child process
+def _read_exactly(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise EOFError
+    return data
+
+
+def main() -> int:
+    """The compile process: TokenizerInfo first, then StructuredOutput specs; answers
+    ``[True, compiled grammar as JSON]`` or ``[False, why]`` for each."""
+    import xgrammar as xgr
+
+    from radixserve.engine.structured import GrammarCache
+
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        (n,) = _LEN.unpack(_read_exactly(inp, _LEN.size))
+        info = xgr.TokenizerInfo.deserialize_json(_read_exactly(inp, n).decode())
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        ready = msgspec.msgpack.encode([True, "ready"])
+        out.write(_LEN.pack(len(ready)) + ready)
+        out.flush()
+        while True:
+            (n,) = _LEN.unpack(_read_exactly(inp, _LEN.size))
+            spec = msgspec.msgpack.decode(_read_exactly(inp, n), type=StructuredOutput)
+            reply: Any
+            try:
+                reply = [True, GrammarCache._compile(compiler, spec).serialize_json()]
+            except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
+                reply = [False, f"{type(exc).__name__}: {exc}"]
+            frame = msgspec.msgpack.encode(reply)
+            out.write(_LEN.pack(len(frame)) + frame)
+            out.flush()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
