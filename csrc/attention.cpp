@@ -31,7 +31,9 @@
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "avx512_gemm.h"
 #include "avx512_math.h"
+#define RADIXSERVE_ATTENTION_GEMM_512 1
 #endif
 
 #include <algorithm>
@@ -142,16 +144,18 @@ inline void gemm(char ta, char tb, int m, int n, int k, const float* a, int lda,
   sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
-// Per-thread scratch of the GEMM-tiled path (640 KiB), sized on its first use: decode rows never
+// Per-thread scratch of the GEMM-tiled path (896 KiB), sized on its first use: decode rows never
 // need it, and zeroing it for each parallel chunk cost a batch-1 decode call ~30 us of its ~50.
+// kt: a K tile transposed ([dim][kBlockN]), for the AVX-512 products.
 struct Scratch {
-  std::vector<float> q, k, v, s;
+  std::vector<float> q, k, v, s, kt;
   void reserve() {
     if (!k.empty()) return;
     q.resize(kMaxRows * kMaxDim);
     k.resize(kBlockN * kMaxDim);
     v.resize(kBlockN * kMaxDim);
     s.resize(kMaxRows * kBlockN);
+    kt.resize(kMaxDim * kBlockN);
   }
 };
 
@@ -779,8 +783,46 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
 }
 #endif
 
+// The products of the GEMM-tiled path, on the calling thread: S [R][kBlockN] = Q [R][D] K^T for a
+// tile of n keys (K [n][D]), and O [R][D] += P [R][kBlockN] V (V [n][D]). With AVX-512, the
+// register-blocked micro-kernel of avx512_gemm.h over K transposed into kt (MKL's sgemm, which
+// these calls went to, runs its slow path on AMD CPUs, and each of its calls costs microseconds
+// of its own at these sizes); else sgemm.
+inline void scores(int R, int n, int D, const float* q, const float* k, float* s, float* kt) {
+#if defined(RADIXSERVE_ATTENTION_GEMM_512)
+  const int j16 = n / 16 * 16, d16 = D / 16 * 16;
+  for (int j = 0; j < j16; j += 16)
+    for (int d = 0; d < d16; d += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(k + (j + i) * D + d);
+      radixserve::transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d + i) * kBlockN + j, r[i]);
+    }
+  for (int j = 0; j < n; ++j)  // what the 16 x 16 blocks leave
+    for (int d = j < j16 ? d16 : 0; d < D; ++d) kt[d * kBlockN + j] = k[j * D + d];
+  for (int r0 = 0; r0 < R; r0 += 8)
+    for (int j0 = 0; j0 < n; j0 += 32)
+      radixserve::gemm_rows(std::min(8, R - r0), q + r0 * D, D, kt + j0, kBlockN, D, s + r0 * kBlockN + j0, kBlockN,
+                            std::min(32, n - j0), false);
+#else
+  (void)kt;
+  gemm('T', 'N', n, R, D, k, D, q, D, 0.0f, s, kBlockN);  // column-major S^T = K Q^T
+#endif
+}
+
+inline void add_pv(int R, int n, int D, const float* p, const float* v, float* out) {
+#if defined(RADIXSERVE_ATTENTION_GEMM_512)
+  for (int r0 = 0; r0 < R; r0 += 8)
+    for (int d0 = 0; d0 < D; d0 += 32)
+      radixserve::gemm_rows(std::min(8, R - r0), p + r0 * kBlockN, kBlockN, v + d0, D, n, out + r0 * D + d0, D,
+                            std::min(32, D - d0), true);
+#else
+  gemm('N', 'N', D, R, n, v, D, p, kBlockN, 1.0f, out, D);  // column-major O^T += V^T P^T
+#endif
+}
+
 // The same for many rows: K/V tiles of kBlockN keys are gathered (widened to fp32) once and
-// both products run as sgemm on the calling thread.
+// both products run on the calling thread (scores, add_pv).
 template <typename T>
 void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Scratch& w) {
   const int D = p.dim;
@@ -809,8 +851,7 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
       load_row(p.k + off, kb + j * D, D);
       load_row(p.v + off, vb + j * D, D);
     }
-    // S (row-major [R][kBlockN]) = Q K^T, i.e. column-major S^T = K Q^T.
-    gemm('T', 'N', n, R, D, kb, D, qb, D, 0.0f, sb, kBlockN);
+    scores(R, n, D, qb, kb, sb, w.kt.data());
     for (int r = 0; r < R; ++r) {
       float* sr = sb + r * kBlockN;
       const int valid = std::max(0, std::min(n, limit[r] - c + 1));
@@ -837,8 +878,7 @@ void attend_gemm(const Problem<T>& p, const Item& it, float* out, float* lse, Sc
       }
       std::fill(sr + valid, sr + n, 0.0f);
     }
-    // O += P V, i.e. column-major O^T += V^T P^T.
-    gemm('N', 'N', D, R, n, vb, D, sb, kBlockN, 1.0f, out, D);
+    add_pv(R, n, D, sb, vb, out);
   }
   finish_rows(R, D, m, l, out, lse);
 }

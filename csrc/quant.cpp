@@ -49,7 +49,7 @@
 #include "quant.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // (the intrinsics used need all three)
-#include <immintrin.h>
+#include "avx512_gemm.h"
 #define RADIXSERVE_QUANT_AVX512 1
 #endif
 
@@ -374,37 +374,6 @@ constexpr int kTileCols = 32;   // W rows (output columns) per tile: two vectors
 constexpr int64_t kKc = 2048;   // values of K per decoded block (K x 32 fp32: 256 KiB at most, in L2)
 constexpr int kMicroRows = 8;   // rows of x per micro-kernel call: 16 accumulators
 
-// In-register transpose of 16 vectors of 16 floats: r[i][j] -> r[j][i].
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  // 128-bit lanes: rows i and i+4 exchange lanes, then i and i+8
-  const __m512i lo4 = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi4 = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int i = 0; i < 16; ++i) t[i] = r[i];
-  for (int g = 0; g < 16; g += 8)
-    for (int i = 0; i < 4; ++i) {
-      const __m512d a = _mm512_castps_pd(t[g + i]), b = _mm512_castps_pd(t[g + i + 4]);
-      r[g + i] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, lo4, b));
-      r[g + i + 4] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, hi4, b));
-    }
-  const __m512i lo8 = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), hi8 = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 16; ++i) t[i] = r[i];
-  for (int i = 0; i < 8; ++i) {
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 8]);
-    r[i] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, lo8, b));
-    r[i + 8] = _mm512_castpd_ps(_mm512_permutex2var_pd(a, hi8, b));
-  }
-}
-
 // Decodes values [k0, k0 + kc) of `cols` (<= 32) output columns starting at n0 into
 // wt[(k - k0) * 32 + c]; columns past `cols` are zero.
 template <int64_t QT>
@@ -426,57 +395,14 @@ void decode_tile(const Part& p, int64_t n0, int cols, int64_t k0, int64_t kc, fl
           lo[i] = hi[i] = _mm512_setzero_ps();
         }
       }
-      transpose16(lo);
-      transpose16(hi);
+      radixserve::transpose16(lo);
+      radixserve::transpose16(hi);
       float* out = wt + (k - k0) * kTileCols + c0;
       for (int i = 0; i < 16; ++i) {
         _mm512_store_ps(out + i * kTileCols, lo[i]);
         _mm512_store_ps(out + (16 + i) * kTileCols, hi[i]);
       }
     }
-  }
-}
-
-// C[MB][32] (+)= x[MB][kc] . wt[kc][32]; cols: the columns of C stored (<= 32).
-template <int MB>
-void micro_kernel(const float* x, int64_t ldx, const float* wt, int64_t kc, float* y, int64_t ldy, int cols, bool add) {
-  __m512 c0[MB], c1[MB];
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m) c0[m] = c1[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_load_ps(wt + k * kTileCols), b1 = _mm512_load_ps(wt + k * kTileCols + 16);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
-      c0[m] = _mm512_fmadd_ps(a, b0, c0[m]);
-      c1[m] = _mm512_fmadd_ps(a, b1, c1[m]);
-    }
-  }
-  const __mmask16 k0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m) {
-    float* row = y + m * ldy;
-    if (add) {
-      c0[m] = _mm512_add_ps(c0[m], _mm512_maskz_loadu_ps(k0, row));
-      c1[m] = _mm512_add_ps(c1[m], _mm512_maskz_loadu_ps(k1, row + 16));
-    }
-    _mm512_mask_storeu_ps(row, k0, c0[m]);
-    _mm512_mask_storeu_ps(row + 16, k1, c1[m]);
-  }
-}
-
-void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* wt, int64_t kc, float* y, int64_t ldy, int cols,
-                bool add) {
-  switch (rows) {
-    case 1: return micro_kernel<1>(x, ldx, wt, kc, y, ldy, cols, add);
-    case 2: return micro_kernel<2>(x, ldx, wt, kc, y, ldy, cols, add);
-    case 3: return micro_kernel<3>(x, ldx, wt, kc, y, ldy, cols, add);
-    case 4: return micro_kernel<4>(x, ldx, wt, kc, y, ldy, cols, add);
-    case 5: return micro_kernel<5>(x, ldx, wt, kc, y, ldy, cols, add);
-    case 6: return micro_kernel<6>(x, ldx, wt, kc, y, ldy, cols, add);
-    case 7: return micro_kernel<7>(x, ldx, wt, kc, y, ldy, cols, add);
-    default: return micro_kernel<8>(x, ldx, wt, kc, y, ldy, cols, add);
   }
 }
 
@@ -488,7 +414,8 @@ void tile_gemm(const Part& p, int64_t n0, int cols, const float* x, int64_t ldx,
     const int64_t kc = std::min(kKc, K - k0);
     decode_tile<QT>(p, n0, cols, k0, kc, wt);
     for (int64_t m0 = 0; m0 < M; m0 += kMicroRows)
-      micro_rows(std::min<int64_t>(kMicroRows, M - m0), x + m0 * ldx + k0, ldx, wt, kc, y + m0 * ldy + n0, ldy, cols,
+      radixserve::gemm_rows(std::min<int64_t>(kMicroRows, M - m0), x + m0 * ldx + k0, ldx, wt, kTileCols, kc,
+                            y + m0 * ldy + n0, ldy, cols,
                  k0 > 0);
   }
 }

@@ -213,6 +213,18 @@ def test_cascade_level0_many_rows_equal_torch(dtype, path):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 256])
+def test_many_row_products_every_head_dim_equal_torch(head_dim):
+    """The GEMM-tiled path's products (AVX-512: keys transposed in 16 x 16 blocks, then 8 x 32
+    register tiles) at head dims that leave partial blocks and tiles: 37 grouped decodes x 4 heads
+    per KV head over a 300-key prefix (a partial key tile), and a 45-token extend."""
+    qo_kv = [(1, 333)] * 37 + [(45, 290)]
+    pool, meta, q, k, v = make_case(head_dim, 1, 8, 2, torch.float32, qo_kv=qo_kv, groups=((0, 37, 300),),
+                                    head_dim=head_dim)
+    got, want = both(pool, meta, q, k, v, dense_path="gemm")
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("path", ["gemm", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
