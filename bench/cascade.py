@@ -30,7 +30,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q and KV pool dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode (median reported)")
-    parser.add_argument("--json", action="store_true", help='print {"backend", "dtype", "flat_s", "cascade_s", "ratio"}')
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure the GEMM rate (bench floor's, same run) and print the cascade step's FLOPs "
+                             "at that rate, and the step against it")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"backend", "dtype", "flat_s", "cascade_s", "ratio"} (and the floor\'s fields)')
 
 
 def run(args) -> int:
@@ -80,6 +84,9 @@ def run(args) -> int:
     flat_s, cascade_s = statistics.median(times["flat"]), statistics.median(times["cascade"])
     result = {"backend": type(backend).__name__, "dtype": args.dtype, "flat_s": flat_s, "cascade_s": cascade_s,
               "ratio": flat_s / cascade_s}
+    if args.floor:
+        result.update(floor(args, kv_lens[0]))
+        result["cascade_over_floor"] = cascade_s / result["floor_s"]
     if args.json:
         print(json.dumps(result))
         return 0
@@ -89,4 +96,25 @@ def run(args) -> int:
     print(f"flat     {flat_s * 1e3:9.1f} ms/step")
     print(f"cascade  {cascade_s * 1e3:9.1f} ms/step")
     print(f"ratio    {result['ratio']:9.2f} x (flat / cascade)")
+    if args.floor:
+        print(f"floor    {result['floor_s'] * 1e3:9.1f} ms/step: {result['gflop']:.2f} GFLOP (QK^T and PV over every "
+              f"visible key) at {result['gemm_gflop_per_s']:.0f} GFLOP/s (bench floor's GEMM rate, {args.batch} rows, "
+              f"this run); cascade {result['cascade_over_floor']:.2f}x it")
     return 0
+
+
+def floor(args, visible_keys: int) -> dict:
+    """The step's attention FLOPs (QK^T and PV: 4 x keys x head_dim per query head and request,
+    every layer) and the time they take at the GEMM rate of ``bench floor``, measured now on a
+    model of this attention's width (hidden = heads x head_dim, 4x that for the MLP)."""
+    from bench.floor import Shape, gemm_rate
+
+    hidden = args.heads * args.head_dim
+    shape = Shape(dict(hidden_size=hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * hidden,
+                       vocab_size=32000))
+    import torch
+
+    rate = gemm_rate(shape, args.batch, args.dtype, args.threads or torch.get_num_threads())
+    flops = 4 * args.batch * visible_keys * args.head_dim * args.heads * args.layers
+    return {"gflop": flops / 1e9, "gemm_gflop_per_s": rate / 1e9, "floor_s": flops / rate}

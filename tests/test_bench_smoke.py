@@ -108,6 +108,14 @@ def test_kernels_cold_and_shuffled():
         assert timing["ms"] > 0 and timing["gflops"] > 0
 
 
+def test_cascade_with_its_floor():
+    out = run_bench("cascade", "--batch", "4", "--prefix", "64", "--suffix", "8", "--layers", "1", "--repeats", "1",
+                    "--floor")
+    assert out["flat_s"] > 0 and out["cascade_s"] > 0 and out["gemm_gflop_per_s"] > 0
+    assert out["gflop"] == pytest.approx(4 * 4 * (64 + 8 + 1) * 64 * 8 * 1 / 1e9)  # 4 x requests x keys x dim x heads x layers
+    assert out["cascade_over_floor"] == pytest.approx(out["cascade_s"] / out["floor_s"])
+
+
 def test_kernels_against_another_build():
     # --against: another csrc/ (here this checkout's own, built again under a name of its own) timed
     # next to these kernels in one process; each mode but torch gets an @against column and a ratio
