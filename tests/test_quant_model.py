@@ -145,6 +145,20 @@ def test_weights_quantized_is_refused_where_it_cannot_run(llama_dir):
         Engine(llama_dir, weights="quantized", tensor_parallel=2, kv_cache_tokens=256)
 
 
+def test_quant_compute_int8_is_refused_where_the_cpu_lacks_it(quant_ggufs, tmp_path, monkeypatch):
+    from radixserve.errors import BadRequestError
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(quant, "has_int8", lambda: False)
+    path = str(quant_ggufs["llama"])
+    with pytest.raises(BadRequestError, match="quant_compute=int8 needs a CPU with AVX-512 VNNI"):
+        Engine(path, weights="quantized", quant_compute="int8", kv_cache_tokens=256)
+    engine = Engine(path, weights="quantized", kv_cache_tokens=256)  # auto: fp32 there
+    assert engine.info()["quant_compute"] == "fp32"
+    assert engine.loaded.model.model.layers[0].mlp.down_proj.impl == quant.IMPL_FP32
+    assert Engine(path, weights="dequantize", kv_cache_tokens=256).info()["quant_compute"] is None
+
+
 SMOLLM2 = smollm2_gguf()
 
 
