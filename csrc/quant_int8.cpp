@@ -308,74 +308,61 @@ struct Decoder<kQ6_K> {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8
   }
 };
 
-// y[m][n] for MB rows of the arranged activations (starting at row m0) and NR columns from n: the
-// NR rows of W are read side by side (more loads in flight), and each activation vector loaded
-// serves all NR.
-template <int64_t QT, int MB, int NR>
-void columns_int8(const Part& p, int64_t n, const Arranged& a, int64_t m0, int64_t K, float* y, int64_t ldy) {
+// y[m][n] for MB rows of the arranged activations (starting at row m0) and columns [n0, n1).
+template <int64_t QT, int MB>
+void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t m0, int64_t K, float* y, int64_t ldy) {
   constexpr Format f = format_of(QT);
   constexpr bool k_quant = f.block == 256;
   constexpr LayoutShape s = shape_of(QT == kQ4_0 || QT == kQ4_1 ? kNibbles32 : QT == kQ8_0 ? kBytes : QT == kQ4_K ? kNibblesK : kSixBit);
   constexpr int64_t blocks_per_chunk = k_quant ? 1 : s.chunk / 32;
-  static const Decoder<QT> decode;
+  const Decoder<QT> decode;
   const int64_t chunks = a.chunks, blocks = K / f.block;
   const int8_t* xb = a.bytes.data() + m0 * chunks * s.vectors * 64;
   const float* xd = a.d.data() + m0 * chunks * s.accs * 16;
   const float* xs = a.xs.data() + m0 * chunks * s.accs * 16;
   const int32_t* nq = a.nq.data() + m0 * chunks * s.accs * 16;
   const int64_t bstride = chunks * s.vectors * 64, lstride = chunks * s.accs * 16;  // per row of x
-  const uint8_t* rows[NR];
-  for (int r = 0; r < NR; ++r) rows[r] = row_of(p, n + r);
-  __m512 acc[NR][MB];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = row_of(p, n);
+    __m512 acc[MB];
 #pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  WChunk w[NR];
-  __m512 scales[NR];
-  for (int64_t c = 0; c < chunks; ++c) {
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    WChunk w;
+    __m512 scales = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
       if constexpr (k_quant) {
-        decode(rows[r] + (c / 2) * f.bytes, static_cast<int>(c % 2), w[r], scales[r]);
+        decode(row + (c / 2) * f.bytes, static_cast<int>(c % 2), w, scales);
       } else {
-        decode(rows[r] + c * blocks_per_chunk * f.bytes, std::min(blocks_per_chunk, blocks - c * blocks_per_chunk), w[r]);
+        decode(row + c * blocks_per_chunk * f.bytes, std::min(blocks_per_chunk, blocks - c * blocks_per_chunk), w);
       }
-    }
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const int8_t* xv = xb + m * bstride + c * s.vectors * 64;
-      const int64_t l = m * lstride + c * s.accs * 16;
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xv = xb + m * bstride + c * s.vectors * 64;
+        const int64_t l = m * lstride + c * s.accs * 16;
+        if constexpr (s.accs == 1) {
+          __m512i sum;
+          if constexpr (QT == kQ4_1) sum = _mm512_setzero_si512();
+          else sum = _mm512_slli_epi32(_mm512_load_si512(nq + l), Decoder<QT>::kShift);
 #pragma GCC unroll 2
-      for (int v = 0; v < s.accs; ++v) {  // accumulator v: vector v, or (one accumulator) both
-        const __m512 dx = _mm512_load_ps(xd + l + 16 * v);
-        __m512i init;
-        if constexpr (QT == kQ4_1 || QT == kQ4_K) init = _mm512_setzero_si512();
-        else init = _mm512_slli_epi32(_mm512_load_si512(nq + l + 16 * v), Decoder<QT>::kShift);
-        const __m512i x0 = _mm512_load_si512(xv + 64 * v);
-        const __m512i x1 = s.accs == 1 && s.vectors == 2 ? _mm512_load_si512(xv + 64) : x0;
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) {
-          __m512i sum = _mm512_dpbusd_epi32(init, w[r].u[v], x0);
-          if constexpr (s.accs == 1 && s.vectors == 2) sum = _mm512_dpbusd_epi32(sum, w[r].u[1], x1);
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w[r].s[v], dx), acc[r][m]);
-          if constexpr (QT == kQ4_1 || QT == kQ4_K) acc[r][m] = _mm512_fmadd_ps(w[r].o[v], _mm512_load_ps(xs + l + 16 * v), acc[r][m]);
+          for (int v = 0; v < s.vectors; ++v) sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[0], _mm512_load_ps(xd + l)), acc[m]);
+          if constexpr (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(w.o[0], _mm512_load_ps(xs + l), acc[m]);
+        } else {
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v) {
+            __m512i sum;
+            if constexpr (QT == kQ4_K) sum = _mm512_setzero_si512();
+            else sum = _mm512_slli_epi32(_mm512_load_si512(nq + l + 16 * v), Decoder<QT>::kShift);
+            sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[v], _mm512_load_ps(xd + l + 16 * v)), acc[m]);
+            if constexpr (QT == kQ4_K) acc[m] = _mm512_fmadd_ps(w.o[v], _mm512_load_ps(xs + l + 16 * v), acc[m]);
+          }
         }
       }
     }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) y[m * ldy + n + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-template <int64_t QT, int MB>
-void columns_int8_block(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t m0, int64_t K, float* y, int64_t ldy) {
-  constexpr int NR = MB <= 4 ? 2 : 1;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) columns_int8<QT, MB, NR>(p, n, a, m0, K, y, ldy);
-  for (; n < n1; ++n) columns_int8<QT, MB, 1>(p, n, a, m0, K, y, ldy);
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
+  }
 }
 
 template <int64_t QT>
@@ -383,14 +370,14 @@ void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a,
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     float* ym = y + m0 * ldy;
     switch (std::min<int64_t>(M - m0, 8)) {
-      case 1: columns_int8_block<QT, 1>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 2: columns_int8_block<QT, 2>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 3: columns_int8_block<QT, 3>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 4: columns_int8_block<QT, 4>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 5: columns_int8_block<QT, 5>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 6: columns_int8_block<QT, 6>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 7: columns_int8_block<QT, 7>(p, n0, n1, a, m0, K, ym, ldy); break;
-      default: columns_int8_block<QT, 8>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 1: columns_int8<QT, 1>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 2: columns_int8<QT, 2>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 3: columns_int8<QT, 3>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 4: columns_int8<QT, 4>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 5: columns_int8<QT, 5>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 6: columns_int8<QT, 6>(p, n0, n1, a, m0, K, ym, ldy); break;
+      case 7: columns_int8<QT, 7>(p, n0, n1, a, m0, K, ym, ldy); break;
+      default: columns_int8<QT, 8>(p, n0, n1, a, m0, K, ym, ldy); break;
     }
   }
 }
