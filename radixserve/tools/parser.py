@@ -9,7 +9,9 @@ re-serialized (``json.dumps``).
 
 Content is the text outside the calls, joined; text made only of whitespace and the format's
 separator (what stands between calls) is no content (None). A call cut off before its arguments'
-JSON object closes (``finish_reason: "length"``) is not a call: its text stays in the content.
+JSON object closes (``finish_reason: "length"``) is not a call: its text stays in the content. (A
+stream has sent that call's name and argument fragments by then and cannot take them back: the one
+case where the deltas differ from the whole parse.)
 """
 
 from __future__ import annotations
@@ -138,28 +140,35 @@ def _read_group(fmt: CallFormat, text: str, pos: int, final: bool, calls: list[S
 
 def scan(fmt: CallFormat, text: str, final: bool) -> tuple[str, list[ScannedCall]]:
     """The content and calls of ``text``. Not ``final`` (a stream's text so far): text that may
-    still become part of a call is held back from the content, and the last call may be partial."""
+    still become part of a call is held back from the content, and the last call may be partial.
+    Content right after a call is dropped while it is blank (the separator between calls)."""
     content: list[str] = []
     calls: list[ScannedCall] = []
-    pos = 0
-    while pos < len(text):
+    pos = start = 0  # pos: where to look for the next call; start: where the current piece of content began
+    after_call = False
+
+    def add(piece: str) -> None:
+        if not (after_call and _blank(fmt, piece)):
+            content.append(piece)
+
+    while True:
         i = text.find(fmt.trigger, pos)
         if i < 0:
-            tail = text[pos:]
-            content.append(tail if final else tail[:len(tail) - _held(tail, fmt.trigger)])
+            tail = text[start:]
+            add(tail if final else tail[:len(tail) - _held(tail, fmt.trigger)])
             break
-        content.append(text[pos:i])
         before = len(calls)
-        start = i + len(fmt.opener)
-        end = _read_group(fmt, text, start, final, calls) if fmt.group else _read_call(fmt, text, start, final, calls)
-        if end == PENDING:
-            break
-        if end == NOT_A_CALL:
+        at = i + len(fmt.opener)
+        end = _read_group(fmt, text, at, final, calls) if fmt.group else _read_call(fmt, text, at, final, calls)
+        if end == NOT_A_CALL:  # the trigger is text: the piece goes on
             del calls[before:]
-            content.append(fmt.trigger)
             pos = i + len(fmt.trigger)
             continue
-        pos = end
+        add(text[start:i])
+        if end == PENDING:
+            break
+        pos = start = end
+        after_call = True
     return "".join(content), calls
 
 
@@ -196,6 +205,8 @@ class CallStream:
         content, calls = scan(self.fmt, self.text, final)
         if final:
             calls = [c for c in calls if c.done]
+            if len(calls) < len(self._sent):  # a call it opened was cut off: sent as a call, not content
+                content = scan(self.fmt, self.text, False)[0]
         delta = None
         if not _blank(self.fmt, content) and len(content) > self._content_sent:
             delta, self._content_sent = content[self._content_sent:], len(content)
