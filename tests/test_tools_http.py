@@ -133,6 +133,7 @@ def test_streamed_deltas_reassemble_to_the_response(client, model, choice, paral
         assert expected
 
 
+@pytest.mark.timeout(max(300, 4 * N_RANDOM))  # 200: ~4-5 minutes on 2 busy cores
 def test_random_schemas_every_call_validates(server, model):
     """N_RANDOM random tool sets (1-3 tools, nested objects, enums, bounded strings, integer ranges,
     arrays), ``required`` or a named tool, sent 32 at a time: every call's arguments validate."""
