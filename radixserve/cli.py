@@ -146,7 +146,8 @@ def cmd_demo(args) -> int:
     from radixserve.model.default import default_model_name
 
     how = {"choose": "choice scoring over the legal moves",
-           "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)"}[args.mode]
+           "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)",
+           "tools": "make_move tool calls (enum: the legal moves) over the OpenAI HTTP API"}[args.mode]
     print(f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker); "
           f"playing {args.chess} chess + {args.janggi} janggi games, {args.moves} plies each, LLM moves by {how} ...",
           flush=True)
@@ -255,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--chess", type=int, default=2, help="chess games (default: 2)")
     demo.add_argument("--janggi", type=int, default=2, help="janggi games (default: 2)")
     demo.add_argument("--moves", type=int, default=10, help="plies per game at most (default: 10)")
-    demo.add_argument("--mode", default="choose", choices=["choose", "generate"],
-                      help="LLM moves by choice scoring over the legal moves (default) or free generation, parsed")
+    demo.add_argument("--mode", default="choose", choices=["choose", "generate", "tools"],
+                      help="LLM moves by choice scoring over the legal moves (default), free generation, parsed, or "
+                           "make_move tool calls through the OpenAI HTTP API (the openai client)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default=None, help="write PGN / JSON game records and report.json here")
     demo.set_defaults(func=cmd_demo)

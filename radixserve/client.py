@@ -9,6 +9,10 @@ with Client("tcp://127.0.0.1:7700") as c:   # api_key="KEY" when serve has --api
     for chunk in c.stream("Tell me a story", max_tokens=32):
         print(chunk.text, end="", flush=True)
     move = c.generate("Your move:", structured={"choice": ["e2e4", "d2d4"]})  # or StructuredOutput(...)
+    tok = radixserve.serve.router.load_tokenizer(None)  # the served model's tokenizer (chat template)
+    out = c.chat([{"role": "user", "content": "Weather in Paris?"}], tokenizer=tok, tools=TOOLS,
+                 tool_choice="required", max_tokens=64)
+    print(out.tool_calls[0].name, out.tool_calls[0].arguments, out.finish_reason)  # ... "tool_calls"
 ```
 
 :class:`AsyncClient` has the same methods as coroutines (``stream`` is an async iterator).
@@ -44,7 +48,9 @@ import zmq.asyncio
 from radixserve import protocol as P
 from radixserve.errors import ROUTER_LOST, BadRequestError, RadixServeError, RequestTimeoutError, error_from_code
 from radixserve.protocol import ChoiceUsage, Chunk, RankedChoice, Timings, Usage
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, StructuredOutput
+from radixserve.tools.chat import render_chat
+from radixserve.tools.parser import ToolCall
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7700"
 API_KEY_ENV = "RADIXSERVE_API_KEY"  # the api_key of a client made without one
@@ -79,6 +85,18 @@ class Choice(msgspec.Struct, kw_only=True):
     usage: ChoiceUsage
     timings: Timings
     worker: str = ""
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """The result of one chat call: ``content`` (None when the model wrote only tool calls),
+    ``tool_calls`` (parsed, each with an ``id``, ``name`` and ``arguments`` JSON text),
+    ``finish_reason`` (``tool_calls`` when it called tools and stopped by itself) and the
+    underlying ``completion`` (raw text, token ids, usage, timings)."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+    completion: Completion
 
 
 _SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
@@ -255,6 +273,27 @@ class AsyncClient:
                           finish_reason=final.finish_reason, usage=final.usage, timings=final.timings,
                           worker=final.worker, logprobs=final.logprobs)
 
+    async def chat(self, messages: list[dict], *, tokenizer, tools: list[dict] | None = None, tool_choice=None,
+                   parallel_tool_calls: bool | None = None, namespace: str | None = None, timeout: Timeout = ...,
+                   **sampling) -> ChatCompletion:
+        """One chat turn with OpenAI-style ``messages``, ``tools``, ``tool_choice`` (``none``,
+        ``auto``, ``required`` or ``{"type": "function", "function": {"name": ...}}``) and
+        ``parallel_tool_calls``, as the HTTP gateway serves them: rendered here with ``tokenizer``'s
+        chat template (the served model's, e.g. ``radixserve.serve.router.load_tokenizer(model)``),
+        generated under the tools' grammar, the calls parsed out (:mod:`radixserve.tools`).
+        ``sampling``: SamplingParams fields; a ``structured`` grammar goes only with
+        ``tool_choice="none"``."""
+        prompt, req = render_chat(tokenizer, messages, tools, tool_choice, parallel_tool_calls)
+        if req is not None and req.parses:
+            if sampling.get("structured") is not None:
+                raise BadRequestError("structured", "cannot be combined with tools unless tool_choice is \"none\"")
+            sampling["structured"] = StructuredOutput(tool_calls=req.spec)
+        out = await self.generate(prompt, namespace=namespace, timeout=timeout, **sampling)
+        if req is None:
+            return ChatCompletion(content=out.text, tool_calls=[], finish_reason=out.finish_reason, completion=out)
+        content, calls, reason = req.parse(out.text, out.finish_reason)
+        return ChatCompletion(content=content, tool_calls=calls, finish_reason=reason, completion=out)
+
     async def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum",
                      temperature: float = 0.0, seed: int | None = None, namespace: str | None = None,
                      timeout: Timeout = ...) -> Choice:
@@ -368,6 +407,13 @@ class Client:
                  **sampling) -> Completion:
         return self._run(self._async.generate(prompt, namespace=namespace, timeout=timeout, **sampling))
 
+    def chat(self, messages: list[dict], *, tokenizer, tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool | None = None, namespace: str | None = None, timeout: Timeout = ...,
+             **sampling) -> ChatCompletion:
+        return self._run(self._async.chat(messages, tokenizer=tokenizer, tools=tools, tool_choice=tool_choice,
+                                          parallel_tool_calls=parallel_tool_calls, namespace=namespace,
+                                          timeout=timeout, **sampling))
+
     def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum", temperature: float = 0.0,
                seed: int | None = None, namespace: str | None = None, timeout: Timeout = ...) -> Choice:
         return self._run(self._async.choose(prompt, choices, normalize=normalize, temperature=temperature, seed=seed,
@@ -424,4 +470,5 @@ class Client:
             pass
 
 
-__all__ = ["Client", "AsyncClient", "Completion", "Choice", "Chunk", "Usage", "Timings", "RadixServeError"]
+__all__ = ["Client", "AsyncClient", "ChatCompletion", "Completion", "Choice", "Chunk", "ToolCall", "Usage", "Timings",
+           "RadixServeError"]

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from radixserve.errors import BadRequestError
+from radixserve.tools.spec import ToolCallsSpec
 from radixserve.validation import check
 
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -33,6 +34,9 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     * ``json_object=True``: any JSON object.
     * ``regex``: the whole output matches this regular expression.
     * ``choice``: the output is exactly one of these strings.
+    * ``tool_calls``: tool calls in a model family's format, each call's arguments valid against its
+      tool's schema (:class:`~radixserve.tools.spec.ToolCallsSpec`; built by
+      :mod:`radixserve.tools.chat` from OpenAI's ``tools`` / ``tool_choice``).
 
     This is the request's spec only; :mod:`radixserve.engine.structured` compiles it.
     """
@@ -41,20 +45,22 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    tool_calls: ToolCallsSpec | None = None
 
     @property
     def kind(self) -> str:
-        for name in ("json_schema", "regex", "choice"):
+        for name in ("json_schema", "regex", "choice", "tool_calls"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"
 
     def validate(self) -> None:
         """Shape and size checks (the grammar itself is checked when it is compiled)."""
-        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        given = [n for n in ("json_schema", "regex", "choice", "tool_calls") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise BadRequestError("structured", "give exactly one of json_schema, json_object=True, regex or choice"
+            raise BadRequestError("structured", "give exactly one of json_schema, json_object=True, regex, choice "
+                                  "or tool_calls"
                                   + (f", got {', '.join(given)}" if given else ""))
         if self.json_schema is not None:
             depth = json_depth(self.json_schema)
@@ -71,6 +77,8 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
                 raise BadRequestError("structured.choice", f"must hold 1..{MAX_GRAMMAR_CHOICES} strings of 1..{MAX_GRAMMAR_CHOICE_CHARS} characters")
             if sum(map(len, c)) > MAX_GRAMMAR_CHOICES_CHARS:
                 raise BadRequestError("structured.choice", f"must be at most {MAX_GRAMMAR_CHOICES_CHARS} characters in all")
+        if self.tool_calls is not None:
+            self.tool_calls.validate()
 
     @property
     def schema_text(self) -> str:
@@ -86,6 +94,8 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
             return "regex", self.regex
         if self.choice is not None:
             return "choice", "\x00".join(self.choice)
+        if self.tool_calls is not None:
+            return "tool_calls", self.tool_calls.text
         return self.kind, ""
 
 

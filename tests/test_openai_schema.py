@@ -7,7 +7,7 @@ import pytest
 
 from radixserve import protocol as P
 from radixserve.serve.openai.errors import APIError
-from radixserve.serve.openai.schema import (ChatRequest, CompletionRequest, known_fields, parse_request,
+from radixserve.serve.openai.schema import (ChatRequest, CompletionRequest, chat_tools, known_fields, parse_request,
                                             refuse_unsupported, sampling_params)
 
 LIMITS = P.Limits()
@@ -16,6 +16,8 @@ LIMITS = P.Limits()
 def _params(body: dict, chat: bool = False):
     req = parse_request(body, chat)
     refuse_unsupported(req)
+    if isinstance(req, ChatRequest):
+        chat_tools(req, None)  # tools are checked against the chat template (None: the fallback's format)
     return sampling_params(req, LIMITS)
 
 
@@ -48,7 +50,7 @@ def test_completion_fields_are_400_naming_the_field(body, param):
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"), ({"tools": [{}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"), ({"tools": [{}]}, "tools[0]"),
     ({"tool_choice": "required"}, "tool_choice"), ({"modalities": ["audio"]}, "modalities"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),

@@ -16,12 +16,19 @@ Move selection (``mode``):
   is counted;
 * ``constrained``: generation under a grammar that admits exactly the legal moves
   (:func:`legal_move_constraint`, xgrammar token masks on the server): legal by construction,
-  one call per move, no retries.
+  one call per move, no retries;
+* ``tools``: an OpenAI tool call through the official ``openai`` client and the HTTP gateway: the
+  agent gets the position and one tool, ``make_move(move)``, whose ``move`` is an ``enum`` of the
+  legal moves (:func:`make_move_tool`), and ``tool_choice`` names it; the server's tool grammar
+  makes the call's arguments valid, so the move is legal by construction. The worked example is a
+  tool call too (:func:`tool_messages`). A call that is missing or illegal counts as an illegal
+  attempt and falls back to ``choose``.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -120,6 +127,29 @@ def move_messages(game: Game, recent: int = 8) -> list[dict]:
             {"role": "user", "content": position_text(game, recent) + "\nYour move:"}]
 
 
+def make_move_tool(game: Game) -> dict:
+    """The ``make_move`` function tool of a position: its one argument an ``enum`` of the legal moves."""
+    return {"type": "function", "function": {
+        "name": "make_move", "description": "Play one legal move, in UCI notation.",
+        "parameters": {"type": "object", "properties": {"move": {"type": "string", "enum": game.legal_moves()}},
+                       "required": ["move"], "additionalProperties": False}}}
+
+
+def tool_messages(game: Game, recent: int = 8) -> list[dict]:
+    """Chat form for tool calling: the shared system prompt, the worked example as a ``make_move``
+    call and its result, then this position."""
+    from examples.chess_janggi.rules import ChessGame, JanggiGame
+
+    start = ChessGame() if game.kind == "chess" else JanggiGame()
+    example = {"id": "call_example", "type": "function",
+               "function": {"name": "make_move", "arguments": json.dumps({"move": EXAMPLE_MOVES[game.kind]})}}
+    return [{"role": "system", "content": SYSTEM_PROMPTS[game.kind]},
+            {"role": "user", "content": position_text(start) + "\nYour move:"},
+            {"role": "assistant", "content": None, "tool_calls": [example]},
+            {"role": "tool", "tool_call_id": "call_example", "content": "played " + EXAMPLE_MOVES[game.kind]},
+            {"role": "user", "content": position_text(game, recent) + "\nYour move:"}]
+
+
 def chat_renderer(tokenizer) -> Callable[[list[dict]], str] | None:
     """``messages -> prompt text`` through the tokenizer's chat template (None if it has none)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -139,6 +169,7 @@ class MoveStats:
     cached_tokens: int = 0
     illegal_attempts: int = 0
     fallbacks: int = 0
+    tool_calls: int = 0  # mode tools: the calls the model made
     requests: list[tuple] = field(default_factory=list)  # (seq, "choose", prompt, choices) | (seq, "generate", prompt, completion ids)
 
 
@@ -178,9 +209,12 @@ class LLMAgent:
 
     def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
                  seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
-                 record: bool = False, render: Callable[[list[dict]], str] | None = None):
-        if mode not in ("choose", "generate", "constrained"):
-            raise ValueError(f"mode must be choose, generate or constrained, got {mode!r}")
+                 record: bool = False, render: Callable[[list[dict]], str] | None = None, openai=None,
+                 model: str | None = None):
+        if mode not in ("choose", "generate", "constrained", "tools"):
+            raise ValueError(f"mode must be choose, generate, constrained or tools, got {mode!r}")
+        if mode == "tools" and (openai is None or model is None):
+            raise ValueError("mode tools needs openai (an openai.AsyncOpenAI on the server's HTTP API) and model")
         self.client = client
         self.mode = mode
         self.max_retries = max_retries
@@ -191,6 +225,7 @@ class LLMAgent:
         self.namespace = namespace
         self.record = record
         self.render = render  # chat template: prompts are messages rendered by it; None: plain text
+        self.openai, self.model = openai, model
         self.stats = MoveStats()
 
     def _prompt(self, game: Game) -> str:
@@ -202,6 +237,10 @@ class LLMAgent:
         move = None
         if self.mode == "constrained":
             move = await self._constrained(game, prompt)
+        elif self.mode == "tools":
+            move = await self._tool_call(game)
+            if move is None:
+                self.stats.fallbacks += 1
         elif self.mode == "generate":
             move = await self._generate(game, prompt)
             if move is None:
@@ -265,9 +304,30 @@ class LLMAgent:
             return None
         return move
 
-    def _account(self, ttft: float, query: int, cached: int) -> None:
+    async def _tool_call(self, game: Game) -> str | None:
+        """One chat completion with the ``make_move`` tool forced; the move of its call, or None."""
+        seed = None if self.seed is None else self.seed * 1000 + game.ply * 10
+        resp = await self.openai.chat.completions.create(
+            model=self.model, messages=tool_messages(game), tools=[make_move_tool(game)], parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "make_move"}}, max_tokens=max(self.max_tokens, 32),
+            temperature=self.temperature, seed=seed)
+        details = resp.usage.prompt_tokens_details
+        self._account(None, resp.usage.prompt_tokens, details.cached_tokens if details else 0)  # HTTP: no TTFT
+        calls = resp.choices[0].message.tool_calls or []
+        self.stats.tool_calls += len(calls)
+        try:
+            move = json.loads(calls[0].function.arguments)["move"] if calls else None
+        except (ValueError, KeyError, TypeError):
+            move = None
+        if move not in game.legal_moves():
+            self.stats.illegal_attempts += 1
+            return None
+        return move
+
+    def _account(self, ttft: float | None, query: int, cached: int) -> None:
         self.stats.calls += 1
-        self.stats.ttft_s.append(ttft)
+        if ttft is not None:
+            self.stats.ttft_s.append(ttft)
         self.stats.query_tokens += query
         self.stats.cached_tokens += cached
 

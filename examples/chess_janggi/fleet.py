@@ -83,7 +83,8 @@ class Match:
 
 
 def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, record: bool,
-                 temperature: float = 0.5, render=None, namespace: str | None = None) -> list[Match]:
+                 temperature: float = 0.5, render=None, namespace: str | None = None, openai=None,
+                 model: str | None = None) -> list[Match]:
     matches = []
     k = 0
     for kind, n in (("chess", n_chess), ("janggi", n_janggi)):
@@ -93,10 +94,10 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
             llm_side = sides[(i // len(OPPONENTS)) % 2] if opponent != "llm" else sides[0]
             other = sides[1] if llm_side == sides[0] else sides[0]
             agents = {llm_side: LLMAgent(client, mode=mode, seed=seed + k, record=record, temperature=temperature,
-                                        render=render, namespace=namespace)}
+                                        render=render, namespace=namespace, openai=openai, model=model)}
             if opponent == "llm":
                 agents[other] = LLMAgent(client, mode=mode, seed=seed + k + 1, record=record, temperature=temperature,
-                                          render=render, namespace=namespace)
+                                          render=render, namespace=namespace, openai=openai, model=model)
             elif opponent == "random":
                 agents[other] = RandomAgent(seed + k)
             else:
@@ -109,8 +110,12 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
 async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *, mode: str = "choose",
                     seed: int = 0, out: str | None = None, show_progress: bool = True,
                     ideal_tokenizer=None, timeout: float = 600.0, temperature: float = 0.5,
-                    chat_tokenizer=None, namespace: str | None = None) -> dict:
+                    chat_tokenizer=None, namespace: str | None = None, http_url: str | None = None) -> dict:
     """Play the games; return the report (a dict, every number with its unit in its key).
+
+    ``mode="tools"`` plays through the server's OpenAI HTTP API at ``http_url`` (``.../v1``) with
+    the official ``openai`` client (its requests run in the HTTP default tenant's namespace, not
+    ``namespace``).
 
     ``chat_tokenizer``: prompts go through its chat template (the server's model's); None: plain text.
     ``namespace``: the cache namespace of the run's requests; None: a fresh one, so that what the
@@ -119,10 +124,20 @@ async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *
     from radixserve.client import AsyncClient
 
     namespace = namespace or f"fleet-{uuid.uuid4().hex[:12]}"
+    oai, model = None, None
+    if mode == "tools":
+        import openai
+
+        if http_url is None:
+            raise ValueError("mode tools needs the server's HTTP API (http_url)")
+        oai = openai.AsyncOpenAI(base_url=http_url, api_key="none", max_retries=0, timeout=timeout)
+        model = (await oai.models.list()).data[0].id
+        ideal_tokenizer = None  # its requests carry no token ids to replay
     async with AsyncClient(address, timeout=timeout) as client:
         await client.wait_ready(1, timeout=120)
         matches = make_matches(client, n_chess, n_janggi, mode=mode, seed=seed, record=ideal_tokenizer is not None,
-                               temperature=temperature, render=chat_renderer(chat_tokenizer), namespace=namespace)
+                               temperature=temperature, render=chat_renderer(chat_tokenizer), namespace=namespace,
+                               openai=oai, model=model)
         progress = {"plies": 0}
         total = max_plies * len(matches)
         start = time.monotonic()
@@ -136,6 +151,8 @@ async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *
                       f"{progress['plies'] / max(el, 1e-9):.1f} plies/s", file=sys.stderr, flush=True)
         wall = time.monotonic() - start
         server = await client.stats()
+    if oai is not None:
+        await oai.close()
     report = build_report(matches, wall, server, ideal_tokenizer)
     if out:
         path = Path(out)
@@ -185,6 +202,7 @@ def build_report(matches: list[Match], wall: float, server: dict | None, tokeniz
         "illegal_attempts_per_1000_moves": round(sum(a.stats.illegal_attempts for a in llms) * per_k, 1),
         "fallbacks_per_1000_moves": round(sum(a.stats.fallbacks for a in llms) * per_k, 1),
         "illegal_moves_applied": sum(m.illegal_applied for m in matches),
+        "tool_calls_per_llm_move": round(sum(a.stats.tool_calls for a in llms) / max(llm_moves, 1), 3),
         "errors": [f"{m.name}: {m.error}" for m in matches if m.error],
     }
     if tokenizer is not None:
@@ -239,13 +257,16 @@ def format_report(r: dict) -> str:
     lines += [
         f"moves: {r['plies']} plies ({r['plies_per_s']} plies/s), {r['llm_moves']} by LLM agents ({r['llm_moves_per_s']} LLM moves/s)",
         f"per-move latency (LLM): p50 {r['move_latency_p50_ms']} ms, p99 {r['move_latency_p99_ms']} ms",
-        f"TTFT (per SDK call): p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms",
+        f"TTFT (per SDK call): p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms" if r["ttft_p50_ms"] == r["ttft_p50_ms"]
+        else "TTFT: not measured (mode tools: calls over HTTP)",
         f"prefix hit rate (from usage): {r['prefix_hit_rate'] * 100:.1f} % of {r['query_tokens']} query tokens"
         + (f"; ideal for this request sequence: {r['ideal_prefix_hit_rate'] * 100:.1f} %" if "ideal_prefix_hit_rate" in r else "")
         + f"; {r['computed_tokens_per_llm_move']} tokens computed per LLM move",
         f"illegal-move attempts: {r['illegal_attempts_per_1000_moves']} per 1000 LLM moves; "
         f"fallbacks to choose: {r['fallbacks_per_1000_moves']} per 1000 LLM moves; illegal moves applied: {r['illegal_moves_applied']}",
     ]
+    if r["tool_calls_per_llm_move"]:
+        lines.append(f"tool calls: {r['tool_calls_per_llm_move']} make_move calls per LLM move")
     for e in r["errors"]:
         lines.append(f"  error: {e}")
     return "\n".join(lines)
@@ -269,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
     ap.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
     ap.add_argument("--moves", type=int, default=20, help="plies per game at most (default: 20)")
-    ap.add_argument("--mode", default="choose", choices=["choose", "generate", "constrained"],
-                    help="LLM move selection: choose (scored legal moves), generate (parse, retry, fall back) "
-                         "or constrained (generation masked to the legal moves)")
+    ap.add_argument("--mode", default="choose", choices=["choose", "generate", "constrained", "tools"],
+                    help="LLM move selection: choose (scored legal moves), generate (parse, retry, fall back), "
+                         "constrained (generation masked to the legal moves) or tools (a make_move tool call "
+                         "through the OpenAI HTTP API and the openai client)")
+    ap.add_argument("--http-url", default=None, help="with --server and --mode tools: the server's OpenAI API base "
+                    "(http://HOST:PORT/v1)")
     ap.add_argument("--temperature", type=float, default=0.5,
                     help="LLM agents sample their move from softmax(score / T) over the legal moves, seeded per agent "
                          "(default: 0.5; 0 is greedy, and then identical pairings replay identical games)")
@@ -289,15 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.testing import spawn_server
 
         # serve divides the cores among the workers
-        server = spawn_server(args.model, workers=args.workers, wait_workers=False)
+        server = spawn_server(args.model, workers=args.workers, wait_workers=False, http=args.mode == "tools")
         address = server.address
+        args.http_url = server.http_url
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
         tokenizer = _tokenizer_for(args.model)
         report = asyncio.run(run_fleet(address, args.chess, args.janggi, args.moves, mode=args.mode, seed=args.seed,
                                        out=args.out, show_progress=not args.quiet,
                                        ideal_tokenizer=None if args.no_ideal else tokenizer,
-                                       temperature=args.temperature, chat_tokenizer=None if args.plain else tokenizer))
+                                       temperature=args.temperature, chat_tokenizer=None if args.plain else tokenizer,
+                                       http_url=args.http_url))
     finally:
         if server is not None:
             server.stop(20)

@@ -1,5 +1,5 @@
-"""Structured output: grammars (JSON schema, any JSON, regex, a list of choices) compiled by
-xgrammar into per-step token masks.
+"""Structured output: grammars (JSON schema, any JSON, regex, a list of choices, tool calls)
+compiled by xgrammar into per-step token masks.
 
 One :class:`GrammarCache` per engine (per tokenizer) compiles each distinct grammar once and keeps
 the compiled form in a bounded LRU; every request gets its own :class:`xgrammar.GrammarMatcher`
@@ -133,6 +133,10 @@ class GrammarCache:
             return compiler.compile_grammar(json_schema_ebnf('{"type": "object"}'))
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
+        if spec.tool_calls is not None:  # kind "tool_calls"
+            from radixserve.tools.formats import structural_tag
+
+            return compiler.compile_structural_tag(structural_tag(spec.tool_calls))
         return compiler.compile_grammar(choice_ebnf(spec.choice or []))  # kind "choice": choice is set
 
     def matcher(self, spec: StructuredOutput):

@@ -16,8 +16,12 @@ Decisions (see the README's "HTTP API" section):
   speak to many providers send extras) — each ignored name is logged once and listed in the
   ``X-Radixserve-Ignored-Fields`` response header (so their names must be printable ASCII: else
   400). Known OpenAI fields this server cannot honour
-  (``logit_bias``, ``tools``, ``suffix``, ``echo``, ``best_of > n``, ...) are refused with 400
+  (``logit_bias``, ``suffix``, ``echo``, ``best_of > n``, ...) are refused with 400
   naming the field rather than silently dropped.
+- Tool calling: chat ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (and the deprecated
+  ``functions`` / ``function_call``), checked, rendered, constrained and parsed by
+  :mod:`radixserve.tools` (shared with the SDK); responses carry ``tool_calls``, streams OpenAI's
+  tool-call deltas.
 - Structured output: chat's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` (both endpoints) become
   ``SamplingParams.structured`` (xgrammar token masks in the worker's sampler).

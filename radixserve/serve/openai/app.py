@@ -20,14 +20,17 @@ import msgspec
 
 from radixserve import protocol as P
 from radixserve.errors import OverloadedError, RadixServeError
+from radixserve.sampling_params import StructuredOutput
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
-from radixserve.serve.openai.prompts import chat_ids, chat_messages, completion_prompts
-from radixserve.serve.openai.schema import ChatRequest, known_fields, parse_request, refuse_unsupported, sampling_params
+from radixserve.serve.openai.prompts import chat_chars, chat_ids, chat_messages, completion_prompts
+from radixserve.serve.openai.schema import (ChatRequest, chat_tools, known_fields, parse_request, refuse_unsupported,
+                                            sampling_params, structured_field)
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.router.core import shareable
+from radixserve.tools.chat import ToolRequest
 
 log = logging.getLogger("radixserve.http")
 
@@ -66,6 +69,7 @@ class Prepared:
     namespace: str | None
     headers: dict[str, str]
     return_token_ids: bool = False
+    tools: ToolRequest | None = None  # chat with tools: the output is parsed for calls
 
     @property
     def route(self) -> str:
@@ -202,8 +206,12 @@ class Gateway:
         if n > self.config.max_n:
             raise bad("n", f"must be at most {self.config.max_n}, got {n}")
         prompts: list[str | list[int]]
+        tools = None
         if isinstance(req, ChatRequest):  # parse_request gave a ChatRequest: chat
-            prompts = [await self._chat_prompt(req)]
+            tools = chat_tools(req, getattr(self.tokenizer, "chat_template", None))
+            if tools is not None:
+                params = self._with_tool_grammar(req, params, tools)
+            prompts = [await self._chat_prompt(req, tools)]
         else:
             prompts = completion_prompts(req)
         if len(prompts) * n > MAX_CHOICES:
@@ -212,20 +220,31 @@ class Gateway:
         return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
                         namespace=self.tenants.namespace(tenant), headers=headers,
-                        return_token_ids=req.return_token_ids)
+                        return_token_ids=req.return_token_ids, tools=tools)
 
-    async def _chat_prompt(self, req: ChatRequest) -> list[int]:
+    @staticmethod
+    def _with_tool_grammar(req: ChatRequest, params, tools: ToolRequest):
+        """``params`` with the tools' grammar. Another grammar (``response_format``, ``guided_*``)
+        goes only with ``tool_choice: "none"``, and then it alone applies."""
+        other = structured_field(req)
+        if other is not None:
+            if tools.parses:
+                raise bad(other, "cannot be combined with tools unless tool_choice is \"none\"")
+            return params
+        return msgspec.structs.replace(params, structured=StructuredOutput(tool_calls=tools.spec))
+
+    async def _chat_prompt(self, req: ChatRequest, tools: ToolRequest | None = None) -> list[int]:
         """The chat's token ids. A chat longer (in characters) than any prompt that fits the context
         is refused untokenized; a short one is tokenized on the loop, a longer one in the pool, so
         that one tenant's long chats never hold up another's short one."""
-        messages = chat_messages(req, self.tokenizer)
-        chars = sum(len(m["content"]) for m in messages)
+        messages, template_kwargs = chat_messages(req, self.tokenizer, tools)
+        chars = chat_chars(messages, template_kwargs)
         limit = (await self._router_limits())[1]
         if chars > limit:
             raise APIError(400, f"messages: have {chars} characters; no prompt longer than {limit} characters can fit "
                                 f"the model's context", param="messages", code="context_length_exceeded")
         if chars <= self.config.inline_tokenize_chars:
-            return chat_ids(messages, self.tokenizer, self.config.limits)
+            return chat_ids(messages, self.tokenizer, self.config.limits, template_kwargs)
         if self._tokenizing >= self.config.max_tokenizing:
             raise OverloadedError(f"{self._tokenizing} long chats are being tokenized; retry later")
         if self._tok_pool is None:
@@ -234,7 +253,7 @@ class Gateway:
         self._tokenizing += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tok_pool, chat_ids, messages,
-                                                                    self.tokenizer, self.config.limits)
+                                                                    self.tokenizer, self.config.limits, template_kwargs)
         finally:
             self._tokenizing -= 1
 
@@ -273,7 +292,7 @@ class Gateway:
         choices x their tokens x 21 alternatives: too long to keep other requests waiting)."""
         def build() -> msgspec.Raw:
             choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), prep.chat), prep.chat,
-                                      out.token_ids if prep.return_token_ids else None)
+                                      out.token_ids if prep.return_token_ids else None, prep.tools)
                        for (index, _, _), out in zip(prep.jobs, outs)]
             return msgspec.Raw(msgspec.json.encode(prep.response(choices, R.usage(outs, prep.n))))
 

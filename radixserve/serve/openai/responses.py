@@ -27,8 +27,9 @@ class TextChoice(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
-    content: str = ""
+    content: str | None = ""
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | msgspec.UnsetType = UNSET  # with tools, when the model called some
 
 
 class ChatChoice(msgspec.Struct):
@@ -41,7 +42,7 @@ class ChatChoice(msgspec.Struct):
 
 class DeltaChoice(msgspec.Struct):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: Any
     finish_reason: str | None
     token_ids: list[int] | msgspec.UnsetType = UNSET
@@ -130,20 +131,31 @@ def _ids(token_ids) -> list[int] | msgspec.UnsetType:
     return UNSET if token_ids is None else list(token_ids)
 
 
-def final_choice(index: int, out, lps, chat: bool, token_ids=None):
-    """The choice of a finished (non-streamed) completion (``token_ids``: with return_token_ids)."""
+def final_choice(index: int, out, lps, chat: bool, token_ids=None, tools=None):
+    """The choice of a finished (non-streamed) completion (``token_ids``: with return_token_ids;
+    ``tools``: a chat's :class:`~radixserve.tools.chat.ToolRequest`, whose calls are parsed out of
+    the text: then ``content`` is None when the text held only calls, and ``finish_reason`` is
+    ``tool_calls`` when it made some and stopped by itself)."""
     if chat:
-        return ChatChoice(index=index, message=AssistantMessage(content=out.text), logprobs=lps,
-                          finish_reason=out.finish_reason, token_ids=_ids(token_ids))
+        if tools is None:
+            message = AssistantMessage(content=out.text)
+            reason = out.finish_reason
+        else:
+            content, calls, reason = tools.parse(out.text, out.finish_reason)
+            message = AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] if calls else UNSET)
+        return ChatChoice(index=index, message=message, logprobs=lps, finish_reason=reason, token_ids=_ids(token_ids))
     return TextChoice(index=index, text=out.text, logprobs=lps, finish_reason=out.finish_reason, token_ids=_ids(token_ids))
 
 
-def chunk_choice(index: int, text: str | None, lps, finish_reason: str | None, chat: bool, token_ids=None):
-    """A streamed choice: new text (``text``) and, with return_token_ids, its new ``token_ids``;
-    or the end (``finish_reason``, ``text`` None)."""
+def chunk_choice(index: int, text: str | None, lps, finish_reason: str | None, chat: bool, token_ids=None,
+                 tool_calls: list[dict[str, Any]] | None = None):
+    """A streamed choice: new text (``text``), new ``tool_calls`` deltas (chat with tools) and, with
+    return_token_ids, its new ``token_ids``; or the end (``finish_reason``)."""
     if chat:
-        return DeltaChoice(index=index, delta={} if text is None else {"content": text}, logprobs=lps,
-                           finish_reason=finish_reason, token_ids=_ids(token_ids))
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return DeltaChoice(index=index, delta=delta, logprobs=lps, finish_reason=finish_reason, token_ids=_ids(token_ids))
     return TextChoice(index=index, text=text or "", logprobs=lps, finish_reason=finish_reason, token_ids=_ids(token_ids))
 
 

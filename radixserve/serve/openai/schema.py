@@ -9,8 +9,11 @@ spans fields (``best_of`` against ``n``, ``top_logprobs`` needing ``logprobs``) 
 :func:`sampling_params`; the result is validated once more by :meth:`SamplingParams.validate`.
 
 Unknown top-level fields are ignored (like vLLM; each is listed in a response header by the app).
-Known OpenAI fields this server cannot honour (``logit_bias``, ``tools``, ``suffix``, ``echo``,
+Known OpenAI fields this server cannot honour (``logit_bias``, ``suffix``, ``echo``,
 ``best_of != n``, ...) are refused with 400 naming the field rather than silently dropped.
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (and the deprecated ``functions`` /
+``function_call``) are checked by :func:`radixserve.tools.chat.tool_request`, against the model's
+chat template, in the app.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from radixserve import protocol as P
 from radixserve.errors import BadRequestError
 from radixserve.sampling_params import SamplingParams, StructuredOutput  # the type of SamplingParams.structured
 from radixserve.serve.openai.errors import bad
+from radixserve.tools.chat import ToolRequest, tool_request
 from radixserve.validation import convert
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -86,6 +90,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 class Message(msgspec.Struct):
     role: Role
     content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None  # assistant: checked by radixserve.tools.chat.check_history
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None  # accepted and ignored (a tool message's name comes from its call)
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -96,13 +103,13 @@ class ChatRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: Any = None  # checked by structured_output
-    tools: Any = None
+    tools: Any = None  # these five: checked by radixserve.tools.chat.tool_request
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    parallel_tool_calls: Any = None
     modalities: Any = None
-    parallel_tool_calls: Any = None  # the rest: accepted, nothing to do
-    metadata: Any = None
+    metadata: Any = None  # the rest: accepted, nothing to do
     store: Any = None
     service_tier: Any = None
     reasoning_effort: Any = None
@@ -110,7 +117,7 @@ class ChatRequest(_Common, kw_only=True):
 
 Request = CompletionRequest | ChatRequest
 _AT = re.compile(r"(.*) - at `\$(.*)`$", re.S)
-_MESSAGE_PARAM = re.compile(r"messages\[\d+\](?:\.(?:role|content))?")
+_MESSAGE_PARAM = re.compile(r"messages\[\d+\](?:\.(?:role|content|tool_calls|tool_call_id))?")
 
 
 def _param(path: str) -> str | None:
@@ -142,18 +149,21 @@ def refuse_unsupported(req: Request) -> None:
     if req.logit_bias:
         raise bad("logit_bias", "is not supported by this server")
     if isinstance(req, ChatRequest):
-        for name, what in (("tools", "tool"), ("functions", "function")):
-            if getattr(req, name):
-                raise bad(name, f"{what} calling is not supported by this server")
-        for name, what in (("tool_choice", "tool"), ("function_call", "function")):
-            if getattr(req, name) not in (None, "none", "auto"):
-                raise bad(name, f"{what} calling is not supported by this server")
         if req.modalities is not None and req.modalities != ["text"]:
             raise bad("modalities", "only [\"text\"] is supported")
         return
     for name in ("suffix", "echo"):
         if getattr(req, name):
             raise bad(name, "is not supported by this server")
+
+
+def chat_tools(req: ChatRequest, template: str | None) -> ToolRequest | None:
+    """The request's tools, checked against the model's chat template (400 naming the field)."""
+    try:
+        return tool_request(template, req.tools, req.tool_choice, req.parallel_tool_calls, req.functions,
+                            req.function_call)
+    except BadRequestError as exc:
+        raise bad(exc.field, exc.message.split(": ", 1)[-1]) from None
 
 
 def _response_format(rf: Any):
@@ -169,6 +179,14 @@ def _response_format(rf: Any):
     if kind != "text":
         raise bad("response_format", "type must be text, json_object or json_schema")
     return None
+
+
+def structured_field(req: Request) -> str | None:
+    """The name of the field that asked for structured output, if any."""
+    if isinstance(req, ChatRequest) and req.response_format is not None and structured_output(req) is not None:
+        return "response_format"
+    return next((name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(req, name) is not None),
+                None)
 
 
 def structured_output(req: Request):

@@ -37,6 +37,8 @@ async def sse_events(prep, first, queue: asyncio.Queue, logprobs: Callable[[Any,
 
     chat, rid, created = prep.chat, prep.new_id(), int(time.time())
     finals: dict[int, Any] = {}
+    tools = prep.tools if prep.tools is not None and prep.tools.parses else None
+    calls = {i: tools.stream() for i, _, _ in prep.jobs} if tools is not None else {}
 
     def event(choices, usage=None) -> bytes:
         return R.sse(prep.response(choices, usage, chunk=True, rid=rid, created=created))
@@ -52,14 +54,23 @@ async def sse_events(prep, first, queue: asyncio.Queue, logprobs: Callable[[Any,
             break
         if isinstance(msg, Completion):
             finals[index] = msg
-            yield event([R.chunk_choice(index, None, None, msg.finish_reason, chat)])
+            reason = msg.finish_reason
+            if index in calls:  # the calls' last pieces, then finish_reason tool_calls if it made some
+                text, deltas = calls[index].finish()
+                if text or deltas:
+                    yield event([R.chunk_choice(index, text, None, None, chat, tool_calls=deltas)])
+                if calls[index].calls and reason == "stop":
+                    reason = "tool_calls"
+            yield event([R.chunk_choice(index, None, None, reason, chat)])
             if len(finals) == len(prep.jobs):
                 if prep.include_usage:
                     yield event([], R.usage([finals[i] for i, _, _ in prep.jobs], prep.n))
                 break
-        elif msg.text or getattr(msg, "logprobs", None) or (prep.return_token_ids and msg.token_ids):
-            lps = logprobs(getattr(msg, "logprobs", None), chat)
-            ids = msg.token_ids if prep.return_token_ids else None
-            yield event([R.chunk_choice(index, msg.text, lps, None, chat, ids)])
+        else:
+            text, deltas = calls[index].feed(msg.text) if index in calls else (msg.text, None)
+            if text or deltas or getattr(msg, "logprobs", None) or (prep.return_token_ids and msg.token_ids):
+                lps = logprobs(getattr(msg, "logprobs", None), chat)
+                ids = msg.token_ids if prep.return_token_ids else None
+                yield event([R.chunk_choice(index, text, lps, None, chat, ids, deltas)])
         item = await queue.get()
     yield b"data: [DONE]\n\n"
