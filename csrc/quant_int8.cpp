@@ -107,56 +107,6 @@ struct Int8Activations::Impl {
 namespace {
 
 #if defined(RADIXSERVE_QUANT_INT8)
-// Row x [K] quantized per 32 values into q [K] and d [K / 32].
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float db = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    d[b] = db;
-    const __m512 s = _mm512_set1_ps(inv);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, s))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, s))));
-  }
-}
-
-void arrange(Layout l, const int8_t* q, const float* d, const float* x, int64_t ldx, int64_t M, int64_t K, Arranged& a) {
-  a.s = shape_of(l);
-  a.chunks = (K + a.s.chunk - 1) / a.s.chunk;
-  const int64_t units = M * a.chunks;
-  a.bytes.assign(static_cast<size_t>(units * a.s.vectors * 64), 0);
-  a.d.assign(static_cast<size_t>(units * a.s.accs * 16), 0.0f);
-  a.xs.assign(a.d.size(), 0.0f);
-  a.nq.assign(a.d.size(), 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < a.chunks; ++c) {
-      const int64_t u = m * a.chunks + c;
-      for (int v = 0; v < a.s.vectors; ++v) {
-        const int64_t lanes = (u * a.s.accs + (a.s.accs == 1 ? 0 : v)) * 16;
-        for (int i = 0; i < 64; ++i) {
-          const int64_t k = c * a.s.chunk + offset_of(l, v, i);
-          if (k >= K) continue;
-          const int8_t qk = q[m * K + k];
-          a.bytes[(u * a.s.vectors + v) * 64 + i] = qk;
-          a.d[lanes + i / 4] = d[m * (K / 32) + k / 32];
-          a.nq[lanes + i / 4] -= qk;
-          a.xs[lanes + i / 4] += x[m * ldx + k];
-        }
-      }
-    }
-}
-
-// ---- the kernels ---------------------------------------------------------------------------------
-inline __m512i nibbles_low(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-inline __m512i nibbles_high(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
-
-// The first n (<= 64) bytes at p, the rest zero.
-inline __m512i load_first(const uint8_t* p, int64_t n) {
-  if (n <= 0) return _mm512_setzero_si512();
-  return _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, p);
-}
-
 // A byte (or word) index vector: idx[i] = f(i).
 template <typename F>
 inline __m512i byte_index(F f) {
@@ -175,6 +125,101 @@ inline __m512i dword_index(F f) {
   alignas(64) int32_t idx[16];
   for (int i = 0; i < 16; ++i) idx[i] = f(i);
   return _mm512_load_si512(idx);
+}
+
+// The activations quantized, row by row in their own order, each row padded with zeros to Kp (a
+// multiple of 128 values): q, d per 32 values (16 floats of slack at the end, for the lane picks),
+// and per 4 values: -sum q and sum x.
+struct Natural {
+  int64_t Kp;
+  radixserve::AlignedVector<int8_t> q;
+  radixserve::AlignedVector<float> d, xs4;
+  radixserve::AlignedVector<int32_t> nq4;
+};
+
+void quantize(const float* x, int64_t ldx, int64_t M, int64_t K, Natural& n) {
+  n.Kp = (K + 127) / 128 * 128;
+  n.q.assign(static_cast<size_t>(M * n.Kp), 0);
+  n.d.assign(static_cast<size_t>(M * n.Kp / 32 + 16), 0.0f);
+  n.xs4.assign(static_cast<size_t>(M * n.Kp / 4), 0.0f);
+  n.nq4.assign(n.xs4.size(), 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    int8_t* q = n.q.data() + m * n.Kp;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const __m512 v[2] = {_mm512_loadu_ps(xr + 32 * b), _mm512_loadu_ps(xr + 32 * b + 16)};
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      n.d[m * n.Kp / 32 + b] = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i qh = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16 * h), qh);
+        // sums of 4: q by a dot product with ones, x by two in-lane swaps (each 4's sum in all 4 lanes)
+        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_castsi128_si512(qh));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(n.nq4.data() + (m * n.Kp + 32 * b + 16 * h) / 4),
+                         _mm_sub_epi32(_mm_setzero_si128(), _mm512_castsi512_si128(s4)));
+        __m512 t = _mm512_add_ps(v[h], _mm512_permute_ps(v[h], _MM_SHUFFLE(2, 3, 0, 1)));
+        t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+        _mm_storeu_ps(n.xs4.data() + (m * n.Kp + 32 * b + 16 * h) / 4, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, t)));
+      }
+    }
+  }
+}
+
+// The natural arrays arranged in layout l: each vector's bytes by a byte permute of the chunk's
+// (vpermb), each accumulator's lanes picked from the chunk's sums of 4 (its vectors' added).
+void arrange(Layout l, const Natural& n, int64_t M, Arranged& a) {
+  a.s = shape_of(l);
+  a.chunks = n.Kp / a.s.chunk;
+  const int64_t units = M * a.chunks;
+  a.bytes.resize(static_cast<size_t>(units * a.s.vectors * 64));
+  a.d.resize(static_cast<size_t>(units * a.s.accs * 16));
+  a.xs.resize(a.d.size());
+  a.nq.resize(a.d.size());
+  __m512i bytes[2], group[2];  // per vector: its byte i's chunk offset; its lane's chunk group of 4
+  for (int v = 0; v < a.s.vectors; ++v) {
+    bytes[v] = byte_index([&](int i) { return offset_of(l, v, i); });
+    group[v] = dword_index([&](int i) { return static_cast<int>(offset_of(l, v, 4 * i) / 4); });
+  }
+  const bool permute = l == kNibbles32 || l == kNibblesK;
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t k0 = (u / a.chunks) * n.Kp + (u % a.chunks) * a.s.chunk;  // the chunk's first value in n
+    const int8_t* q = n.q.data() + k0;
+    int8_t* out = a.bytes.data() + u * a.s.vectors * 64;
+    if (permute) {
+      const __m512i lo = _mm512_load_si512(q), hi = _mm512_load_si512(q + 64);
+      for (int v = 0; v < 2; ++v) _mm512_store_si512(out + 64 * v, _mm512_permutex2var_epi8(lo, bytes[v], hi));
+    } else {
+      std::memcpy(out, q, static_cast<size_t>(a.s.vectors * 64));
+    }
+    const bool two = a.s.chunk == 128;  // the chunk's 32 groups of 4 in two vectors, else 16 in one
+    const __m512i nq0 = _mm512_loadu_si512(n.nq4.data() + k0 / 4), nq1 = two ? _mm512_loadu_si512(n.nq4.data() + k0 / 4 + 16) : nq0;
+    const __m512 xs0 = _mm512_loadu_ps(n.xs4.data() + k0 / 4), xs1 = two ? _mm512_loadu_ps(n.xs4.data() + k0 / 4 + 16) : xs0;
+    const __m512 dv = _mm512_loadu_ps(n.d.data() + k0 / 32);
+    for (int acc = 0; acc < a.s.accs; ++acc) {
+      const int64_t lanes = (u * a.s.accs + acc) * 16;
+      __m512i nq = _mm512_setzero_si512();
+      __m512 xs = _mm512_setzero_ps();
+      for (int v = acc; v < (a.s.accs == 1 ? a.s.vectors : acc + 1); ++v) {
+        nq = _mm512_add_epi32(nq, _mm512_permutex2var_epi32(nq0, group[v], nq1));
+        xs = _mm512_add_ps(xs, _mm512_permutex2var_ps(xs0, group[v], xs1));
+      }
+      _mm512_store_si512(a.nq.data() + lanes, nq);
+      _mm512_store_ps(a.xs.data() + lanes, xs);
+      _mm512_store_ps(a.d.data() + lanes, _mm512_permutexvar_ps(_mm512_srli_epi32(group[acc], 3), dv));
+    }
+  }
+}
+
+// ---- the kernels ---------------------------------------------------------------------------------
+inline __m512i nibbles_low(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline __m512i nibbles_high(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+
+// The first n (<= 64) bytes at p, the rest zero.
+inline __m512i load_first(const uint8_t* p, int64_t n) {
+  if (n <= 0) return _mm512_setzero_si512();
+  return _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, p);
 }
 
 // fp16 words of v picked by a word index: 16 floats (lane l: word idx[l]).
@@ -389,14 +434,13 @@ Int8Activations::Int8Activations(const float* x, int64_t ldx, int64_t M, int64_t
     : impl_(new Impl{M, K, {}}) {
 #if defined(RADIXSERVE_QUANT_INT8)
   TORCH_CHECK(K % 32 == 0, "int8 activations: K=", K, " is not a multiple of 32");
-  radixserve::AlignedVector<int8_t> q(static_cast<size_t>(M * K));
-  std::vector<float> d(static_cast<size_t>(M * (K / 32)));
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, q.data() + m * K, d.data() + m * (K / 32));
+  Natural natural;
+  quantize(x, ldx, M, K, natural);
   bool done[kLayouts] = {};
   for (const Part& p : parts) {
     if (!int8_supports(p.qtype)) continue;
     const Layout l = layout_of(p.qtype);
-    if (!done[l]) arrange(l, q.data(), d.data(), x, ldx, M, K, impl_->layouts[l]);
+    if (!done[l]) arrange(l, natural, M, impl_->layouts[l]);
     done[l] = true;
   }
 #else
