@@ -5,7 +5,10 @@ steps are timed one by one (``Engine.step``: forward, mask, sample, advance the 
 sampler's share is timed separately. Modes: ``plain`` (no grammar), ``regex`` (``[a-z0-9 ]*``,
 never completes), ``json`` (a schema with one free string, which a random model does not close
 within the window) and ``choice`` (one of 40 chess moves, re-admitted as requests finish, so the
-masks are the short-lived, branching kind). Modes are interleaved per batch size, so drift on a
+masks are the short-lived, branching kind) and ``tools`` (``tool_choice: "required"`` over two
+tools in the Hermes format, a ``make_move`` whose ``move`` is one of those 40 and a ``say`` with a
+free string: the grammar a tool-calling agent's turn runs under, re-admitted like ``choice``).
+Modes are interleaved per batch size, so drift on a
 shared machine hits all alike; medians are reported, in ms per decode step.
 
 The mask step alone (``--mask-reps`` times per mode and batch size: fill each row's bitmask,
@@ -24,6 +27,12 @@ HELP = "decode step time with vs without structured-output (xgrammar) masks"
 
 JSON_SCHEMA = {"type": "object", "properties": {"thought": {"type": "string"}}, "required": ["thought"]}
 MOVES = [f"{a}{r}{b}{s}" for a, b in zip("abcdefgh", "hgfedcba") for r, s in ((2, 4), (1, 3), (7, 5), (8, 6), (2, 3))]
+TOOLS = [
+    {"type": "function", "function": {"name": "make_move", "description": "Play a move.", "parameters": {
+        "type": "object", "properties": {"move": {"type": "string", "enum": MOVES}}, "required": ["move"]}}},
+    {"type": "function", "function": {"name": "say", "description": "Say something to the opponent.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 40}}, "required": ["text"]}}},
+]
 
 
 def add_arguments(parser) -> None:
@@ -39,6 +48,11 @@ def add_arguments(parser) -> None:
 def _spec(mode: str):
     from radixserve.engine.structured import StructuredOutput
 
+    if mode == "tools":
+        from radixserve.tools.spec import check_tool_choice, check_tools, tool_calls_spec
+
+        tools = check_tools(TOOLS)
+        return StructuredOutput(tool_calls=tool_calls_spec("hermes", tools, check_tool_choice("required", tools)))
     return {"plain": None, "regex": StructuredOutput(regex="[a-z0-9 ]*"),
             "json": StructuredOutput(json_schema=JSON_SCHEMA), "choice": StructuredOutput(choice=MOVES)}[mode]
 
@@ -135,7 +149,7 @@ def run(args) -> int:
     if not xgrammar_available():
         log("xgrammar is not installed: pip install 'radixserve[structured]'")
         return 2
-    modes = ["plain", "regex", "json", "choice"]
+    modes = ["plain", "regex", "json", "choice", "tools"]
     engine = Engine(model, device=args.device, kv_cache_tokens=max(args.batch) * (args.prompt_tokens + 4 * args.steps + 16) * 2,
                     max_running=max(args.batch), enable_prefix_cache=False)
     for mode in modes[1:]:  # compile once, outside the timings (the cache keeps them)

@@ -116,6 +116,13 @@ def test_cascade_with_its_floor():
     assert out["cascade_over_floor"] == pytest.approx(out["cascade_s"] / out["floor_s"])
 
 
+def test_structured_mask_steps_every_mode(tiny_model):
+    out = run_bench("structured", "--model", tiny_model, "--batch", "2", "--skip-steps", "--mask-reps", "3")
+    modes = out["batches"]["2"]
+    assert set(modes) == {"plain", "regex", "json", "choice", "tools"}
+    assert all(modes[m]["mask_ms"] > 0 for m in ("regex", "json", "choice", "tools"))
+
+
 def test_kernels_against_another_build():
     # --against: another csrc/ (here this checkout's own, built again under a name of its own) timed
     # next to these kernels in one process; each mode but torch gets an @against column and a ratio
