@@ -27,9 +27,12 @@
 //     rows of x. Tiles are handed out one at a time (radixserve::parallel_tasks).
 //   impl 1, and builds without AVX-512: a portable path (each group decoded into 32 floats, then
 //   `omp simd` loops the compiler vectorises for the target, AVX2 included).
-//   impl 4: as 0, except that up to kGemvMaxRows rows, the parts of a type with int8 kernels
-//   (csrc/quant_int8.cpp: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, on CPUs with AVX-512 VNNI and VBMI) multiply
-//   x quantized to int8 per 32 values: not fp32 arithmetic, ggml's (about 1e-2 relative error).
+//   impl 4: as 0, except that up to kGemvMaxRows rows (decode batches), the parts of a type with
+//   int8 kernels (csrc/quant_int8.cpp: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, on CPUs with AVX-512 VNNI and
+//   VBMI) multiply x quantized to int8 per 32 values: not fp32 arithmetic but ggml's (about 1e-2
+//   relative error). Prefill chunks stay fp32: per-32 int8 levels cannot hold a sink token's
+//   massive activations, and a prompt's keys and values through int8 cost SmolLM2 most of its
+//   greedy agreement with the dequantized model (205 of 512 tokens, against 512 with fp32 prefill).
 // - has_avx512(), has_int8(): what this build has.
 
 #include <torch/extension.h>
@@ -521,22 +524,36 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   };
   const bool avx512 = has_avx512() && impl != 1;
   const bool tiles = avx512 && (impl == 3 || (impl != 2 && M > kGemvMaxRows));
+  // impl 4: up to kGemvMaxRows rows, the parts of a type with int8 kernels take them (x quantized
+  // once for all); the others below.
+  std::optional<Int8Activations> xq;
+  if (impl == 4 && M <= kGemvMaxRows && std::any_of(parts.begin(), parts.end(), [](const Part& p) { return int8_supports(p.qtype); }))
+    xq.emplace(xp, ldx, M, K, parts);
+  auto int8_part = [&](const Part& p) { return xq.has_value() && int8_supports(p.qtype); };
+  if (xq) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
+        if (int8_part(p)) xq->columns(p, lo, hi, yp, N);
+      });
+    });
+    if (std::all_of(parts.begin(), parts.end(), int8_part)) {
+      if (bp) y.add_(b);
+      return y;
+    }
+  }
   if (!avx512) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
+        if (int8_part(p)) return;
         dispatch(p.qtype, [&](auto t) { columns_portable<decltype(t)::value>(p, lo, hi, xp, ldx, M, K, yp, N); });
       });
     });
   }
 #if defined(RADIXSERVE_QUANT_AVX512)
   else if (!tiles) {
-    // impl 4: the parts of a type with int8 kernels take them (x quantized once for all)
-    std::optional<Int8Activations> xq;
-    if (impl == 4 && std::any_of(parts.begin(), parts.end(), [](const Part& p) { return int8_supports(p.qtype); }))
-      xq.emplace(xp, ldx, M, K, parts);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for_parts(n0, n1, [&](const Part& p, int64_t lo, int64_t hi) {
-        if (xq && int8_supports(p.qtype)) return xq->columns(p, lo, hi, yp, N);
+        if (int8_part(p)) return;
         dispatch(p.qtype, [&](auto t) { columns_gemv_rows<decltype(t)::value>(p, lo, hi, xp, ldx, M, K, yp, N); });
       });
     });
@@ -544,7 +561,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     // tiles of 32 columns that never straddle two parts
     std::vector<std::pair<const Part*, int64_t>> tasks;
     for (const Part& p : parts)
-      for (int64_t n = p.first; n < p.first + p.rows; n += kTileCols) tasks.emplace_back(&p, n);
+      for (int64_t n = p.first; n < p.first + p.rows && !int8_part(p); n += kTileCols) tasks.emplace_back(&p, n);
     radixserve::parallel_tasks(static_cast<int64_t>(tasks.size()), [&](auto next) {
       radixserve::AlignedVector<float> wt(static_cast<size_t>(std::min(kKc, K) * kTileCols));
       for (int64_t t = next(); t < static_cast<int64_t>(tasks.size()); t = next()) {

@@ -1,6 +1,7 @@
 // Quantized weights times activations quantized to int8: integer dot products (AVX-512 VNNI), as
-// llama.cpp computes its CPU products, for decode batches of big models, where fp32 arithmetic
-// after unpacking (quant.cpp) cannot keep up with the memory.
+// llama.cpp computes its CPU products. At batch 1 on a big model, fp32 arithmetic after unpacking
+// (quant.cpp) cannot keep up with the memory; these kernels can. quant.cpp calls them for decode
+// batches (up to 12 rows; 8 rows of x per pass over blocks of 64 rows of W).
 //
 // The activations x [M, K] are quantized per 32 consecutive values as ggml's Q8_0 is: d = max|x| /
 // 127, q = round(x / d). A weight group of levels u (unsigned, 0..2^b - 1) with scale s and offset
@@ -410,8 +411,16 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
   }
 }
 
+// Columns [n0, n1) for all M rows: blocks of kColumnBlock columns (their weights stay in L2 while
+// every 8 rows of x pass over them).
+constexpr int64_t kColumnBlock = 64;
+
 template <int64_t QT>
 void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t M, int64_t K, float* y, int64_t ldy) {
+  if (M > 8 && n1 - n0 > kColumnBlock) {
+    for (int64_t nb = n0; nb < n1; nb += kColumnBlock) columns_int8_rows<QT>(p, nb, std::min(n1, nb + kColumnBlock), a, M, K, y, ldy);
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     float* ym = y + m0 * ldy;
     switch (std::min<int64_t>(M - m0, 8)) {

@@ -48,12 +48,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "products with quantized weights at decode: int8 (activations quantized per 32 values, integer dot products, "
         "as llama.cpp), fp32 (the dequantized model's results up to rounding) or auto (default: int8 where the CPU "
         "has AVX-512 VNNI and VBMI)")] = "auto"
-    """How decode batches (up to 12 rows) multiply weights kept quantized (``weights`` quantized):
+    """How decode tokens (batches of up to 12 rows, every row a sequence's one new token) multiply
+    weights kept quantized (``weights`` quantized):
     ``int8`` quantizes the activations per 32 values (ggml's Q8_0: scale max|x| / 127) and takes
     integer dot products (AVX-512 VNNI) for Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, other types in fp32: about 2x
     faster where compute bounds a step, at about 1e-2 relative error per product; ``fp32`` unpacks
     the weights to fp32, so results equal the dequantized model's up to the order of sums. Larger
-    batches (prefill) always compute in fp32. ``auto``: int8 where this CPU build has the kernels."""
+    batches (prefill) always compute in fp32: a prompt's keys and values through int8 cost SmolLM2
+    most of its greedy agreement with the dequantized model. ``auto``: int8 where this CPU build has
+    the kernels."""
     attention: Literal["auto", "cpu", "torch", "flashinfer"] = "auto"
     """Attention backend: auto (FlashInfer on CUDA when installed; on the CPU the csrc/ kernels when they
     build, else torch), cpu (the csrc/ kernels), torch (the plain-torch oracle) or flashinfer."""

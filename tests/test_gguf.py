@@ -164,7 +164,8 @@ def test_tiny_gguf_greedy_equals_transformers(tiny_ggufs, arch, monkeypatch):
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(ids[0, len(p):].tolist())
     monkeypatch.setenv("RADIXSERVE_CACHE", str(cache))  # Engine("file.gguf") converts into the cache folder
-    engine = Engine(str(path), kv_cache_tokens=4096, max_prefill_chunk=16)  # chunked prefill
+    # chunked prefill; fp32 products (quant_compute's int8 is checked against its own reference: test_quant*)
+    engine = Engine(str(path), kv_cache_tokens=4096, max_prefill_chunk=16, quant_compute="fp32")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected  # now from the prefix cache
@@ -231,7 +232,8 @@ def smollm2():
 @needs_smollm2
 def test_smollm2_is_the_default_and_answers(smollm2):
     tok, prompts, expected = smollm2
-    engine = Engine(max_prefill_chunk=24, kv_cache_tokens=8192)  # the default model, chunked prefill
+    # the default model, chunked prefill; the arithmetic transformers' equals (int8: test_quant_model.py)
+    engine = Engine(max_prefill_chunk=24, kv_cache_tokens=8192, quant_compute="fp32")
     assert engine.loaded.config.num_hidden_layers == 30 and engine.vocab_size == 49152
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     cold = engine.generate(prompts, params)
@@ -246,7 +248,7 @@ def test_smollm2_is_the_default_and_answers(smollm2):
 @needs_smollm2
 def test_smollm2_without_prefix_cache(smollm2):
     _, prompts, expected = smollm2
-    engine = Engine(str(SMOLLM2), enable_prefix_cache=False, kv_cache_tokens=8192)  # the .gguf path itself
+    engine = Engine(str(SMOLLM2), enable_prefix_cache=False, kv_cache_tokens=8192, quant_compute="fp32")  # the .gguf path itself
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected and all(o.cached_tokens == 0 for o in outs)

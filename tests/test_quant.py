@@ -129,8 +129,8 @@ def int8_reference(raw: np.ndarray, qtype: int, x: torch.Tensor) -> torch.Tensor
 def test_int8_products_equal_their_reference(qtype):
     """Each type's int8 product equals the exact arithmetic of quantized activations (fp32
     tolerance), for odd N, K not a multiple of a kernel's 128-value chunk, 1 to 12 rows, zero and
-    outlying activations; it stays within int8's error of the fp32 product; past 12 rows the fp32
-    kernels take over."""
+    outlying activations; it stays within int8's error of the fp32 product; a row's result is the
+    same bit for bit whatever rows come with it; past 12 rows the fp32 kernels take over."""
     g = torch.Generator().manual_seed(qtype)
     shapes = [(37, 512), (5, 256), (33, 768)] + ([(19, 544), (64, 96), (3, 32)] if qtype in (2, 3, 8) else [])
     for n, k in shapes:
@@ -142,7 +142,10 @@ def test_int8_products_equal_their_reference(qtype):
             x[-1, k // 2] = 40.0  # an outlier
             y = ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4)
             assert relative_error(y, int8_reference(raw, qtype, x)) < 2e-6, (QTYPES[qtype], n, k, m)
-            assert relative_error(y, x.double() @ exact.T) < 0.05, (QTYPES[qtype], n, k, m)
+            # int8's own error (an outlier of 40 coarsens its block's levels to 0.31): a sanity bound
+            assert relative_error(y, x.double() @ exact.T) < 0.1, (QTYPES[qtype], n, k, m)
+            alone = ops.qlinear(x[-1:], [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4)
+            assert torch.equal(y[-1:], alone), (QTYPES[qtype], n, k, m)
         x = torch.randn(13, k, generator=g)
         assert torch.equal(ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4),
                            ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 3))
@@ -157,8 +160,8 @@ def test_int8_parts_of_mixed_types_row_maps_bias_and_strided_rows():
     raws = [blocks(12, 48, k, 1), blocks(14, 16, k, 2), blocks(6, 21, k, 3), blocks(2, 9, k, 4)]
     perm = torch.randperm(48, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     bias = torch.randn(48 + 16 + 21 + 9)
-    x_all = torch.randn(8, 2 * k)
-    for m in (1, 4, 8):
+    x_all = torch.randn(12, 2 * k)
+    for m in (1, 4, 8, 12):
         x = x_all[:m, :k]  # rows strided (ldx = 2K)
         y = ops.qlinear(x, [torch.from_numpy(r) for r in raws], types, [perm, NO_MAP, NO_MAP, NO_MAP], bias, 4)
         xc = x.contiguous()

@@ -190,11 +190,11 @@ def test_streamed_calls_reassemble_to_the_whole_parse(name):
             assert content.strip() == "Let me check." and len(calls) == 2
         if what == "text only":
             assert whole == (text, [])
-        if what == "a call cut off":  # (finish_reason "length"): not a call, its text stays content; a stream
-            assert whole == (text, [])  # cannot take back the argument fragments it sent, so it differs
-            streamed = _reassemble(fmt, text, rng)
-            assert streamed[0] == "Hm. " and streamed[1] == [("make_move", '{"move": "e2')]
-            continue
+        if what == "a call cut off":  # ended otherwise (a stop string): not a call, its text stays content;
+            assert whole == (text, [])  # at max_tokens (cut_off), a call with its arguments so far, as streamed
+            content, calls = parse_calls(fmt, text, cut_off=True)
+            whole = (content, [(c.name, c.arguments) for c in calls])
+            assert whole == ("Hm. ", [("make_move", '{"move": "e2')])
         for _ in range(20):
             assert _reassemble(fmt, text, rng) == whole, (what, text)
     # keys in another order: a call still, its arguments re-serialized

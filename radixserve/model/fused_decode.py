@@ -40,6 +40,7 @@ from torch import nn
 
 from radixserve.model import fused
 from radixserve.model import linear as lin
+from radixserve.model import quant
 from radixserve.model.quant import QuantLinear
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class FusedDecode:
         # each layer's qkv, o, gate_up and down: (weight, bias, packed-copy cache), None for a quantized one
         self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight] | None] = []
         self._quant: list[torch.Tensor] = []  # decode_layers' quant argument (empty: every weight dense)
+        self._quant_fp32: list[torch.Tensor] = []  # the same with every layer's impl fp32 (rows not all decodes)
         self._not_prepacked: set[int] = set()  # row counts some linear layer runs on neither path
         self._none = torch.empty(0)  # a weight on the small-M kernel (decode.cpp reads empty as that)
 
@@ -107,7 +109,7 @@ class FusedDecode:
         return self._ext.decode_layers(
             x, self._params, packed, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr,
             args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale,
-            list(args.prefix), self._quant)
+            list(args.prefix), self._quant if quant.int8_rows() else self._quant_fp32)
 
     def _prepacked(self, rows: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Each layer's qkv, o, gate_up and down weights as :func:`radixserve.model.linear.linear`
@@ -148,19 +150,22 @@ class FusedDecode:
                 if isinstance(m, QuantLinear):
                     self._linears.append(None)
                     self._quant += [torch.tensor([len(m.parts), m.impl, *(p.qtype for p in m.parts)])]
+                    self._quant_fp32 += [torch.tensor([len(m.parts), quant.IMPL_FP32, *(p.qtype for p in m.parts)])]
                     for p in m.parts:
                         self._quant += [p.data, _NO_MAP if p.row_map is None else p.row_map]
+                        self._quant_fp32 += self._quant[-2:]
                     weights.append(None)
                 else:
                     self._linears.append((m.weight, m.bias, m.packed))
                     self._quant.append(_DENSE)
+                    self._quant_fp32.append(_DENSE)
                     weights.append(m.weight)
             for t in (layer.input_layernorm.weight, weights[0], attn.qkv_proj.bias, weights[1], attn.o_proj.bias,
                       layer.post_attention_layernorm.weight, weights[2], mlp.gate_up_proj.bias, weights[3],
                       mlp.down_proj.bias):
                 params.append(none if t is None else t)  # (the parameters themselves, as the layers read them)
         if all(q is _DENSE for q in self._quant):
-            self._quant = []
+            self._quant = self._quant_fp32 = []
         first = _layers(model)[0]
         self._shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
                        float(first.input_layernorm.eps))

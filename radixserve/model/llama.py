@@ -20,6 +20,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.model import fused
 from radixserve.model.fused_decode import FusedDecode
 from radixserve.model.linear import Linear, PackedWeight, logits
+from radixserve.model import quant
 from radixserve.model.quant import QuantLinear
 
 
@@ -219,17 +220,19 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits ``[len(batch.logits_rows), vocab]``."""
-        x = self.model.embed_tokens(batch.input_ids)  # a new tensor: the layers add into it in place
-        pending = self.fused_decode(self, x, batch)  # None: this batch runs the layers one by one
-        if pending is None:
-            for layer in self.model.layers:
-                pending = layer(x, pending, batch)
-        rows = batch.logits_rows
-        x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
-        head = self.quant_head if self.tie_word_embeddings else self.lm_head
-        if isinstance(head, QuantLinear):
-            return head(x).float()
-        return logits(x, cast(torch.Tensor, self.output_embedding), self.output_packed)
+        # every row samples: decode tokens, which quantized layers may take in int8 (quant.decode_rows)
+        with quant.decode_rows(len(batch.logits_rows) == len(batch.input_ids)):
+            x = self.model.embed_tokens(batch.input_ids)  # a new tensor: the layers add into it in place
+            pending = self.fused_decode(self, x, batch)  # None: this batch runs the layers one by one
+            if pending is None:
+                for layer in self.model.layers:
+                    pending = layer(x, pending, batch)
+            rows = batch.logits_rows
+            x = self.model.norm(x[rows], pending[rows] if pending is not None else None)
+            head = self.quant_head if self.tie_word_embeddings else self.lm_head
+            if isinstance(head, QuantLinear):
+                return head(x).float()
+            return logits(x, cast(torch.Tensor, self.output_embedding), self.output_packed)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights a decode step reads: every dense parameter and every quantized

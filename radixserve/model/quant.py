@@ -7,12 +7,14 @@ layer over one or more of them (a fused projection's q, k and v may each have th
 :class:`QuantEmbedding` looks rows up in one. Both return the activations' dtype. By default they
 compute in fp32: each weight is rounded to fp32 once, as gguf's ``dequantize`` does, so their
 results are those of the dequantized model up to the order of the sums; :func:`set_compute` makes
-decode batches quantize the activations to int8 instead (``EngineConfig.quant_compute``).
+them quantize the activations to int8 instead (``EngineConfig.quant_compute``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,28 @@ from torch import nn
 from radixserve.model import fused
 from radixserve.model.gguf import BLOCKS, QTYPES
 
-IMPL_FP32, IMPL_INT8 = 0, 4  # qlinear's impl: fp32 at every row count; int8 activations up to 12 rows
+IMPL_FP32, IMPL_INT8 = 0, 4  # qlinear's impl: fp32; int8 activations (for the types with int8 kernels)
+# Whether the rows being multiplied are decode tokens (each its sequence's one new token), the only
+# rows int8 activations serve: a prompt's rows (a sink token's massive activations among them) stay
+# fp32. Set by CausalLM.forward around each batch (decode_rows).
+_DECODE_ROWS: ContextVar[bool] = ContextVar("radixserve_quant_decode_rows", default=False)
+
+
+@contextmanager
+def decode_rows(on: bool) -> Iterator[None]:
+    """Within: the rows multiplied are decode tokens (``on``), which a layer set to int8 takes in
+    int8; else fp32 (:func:`set_compute`)."""
+    token = _DECODE_ROWS.set(on)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
+
+
+def int8_rows() -> bool:
+    """Whether the rows multiplied now are decode tokens (:func:`decode_rows`)."""
+    return _DECODE_ROWS.get()
+
 _NO_MAP = torch.empty(0, dtype=torch.int32)
 _ALL_ROWS = torch.empty(0, dtype=torch.long)
 _state: dict[str, object] = {}
@@ -105,7 +128,7 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
             rows = rows.float().contiguous()
-        y = ops().qlinear(rows, *self._args, self.bias, self.impl)
+        y = ops().qlinear(rows, *self._args, self.bias, self.impl if _DECODE_ROWS.get() else IMPL_FP32)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +147,7 @@ def has_int8() -> bool:
 
 
 def set_compute(model: nn.Module, mode: str) -> str | None:
-    """Sets how ``model``'s :class:`QuantLinear` layers compute decode batches: ``mode`` is
+    """Sets how ``model``'s :class:`QuantLinear` layers compute: ``mode`` is
     ``config.quant_compute`` (``auto``, ``int8`` or ``fp32``). Returns the mode taken, or None when
     no weight is quantized; raises ValueError for ``int8`` where the build lacks it."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]

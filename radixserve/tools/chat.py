@@ -69,7 +69,7 @@ class ToolRequest:
         ``stop`` when it made calls."""
         if not self.parses:
             return text, [], finish_reason
-        content, calls = parse_calls(self.fmt, text)
+        content, calls = parse_calls(self.fmt, text, cut_off=finish_reason == "length")
         return content, calls, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
 
     def stream(self) -> CallStream:

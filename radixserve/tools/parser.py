@@ -8,10 +8,10 @@ JSON may also put ``arguments`` before ``name`` or use ``parameters``; then its 
 re-serialized (``json.dumps``).
 
 Content is the text outside the calls, joined; text made only of whitespace and the format's
-separator (what stands between calls) is no content (None). A call cut off before its arguments'
-JSON object closes (``finish_reason: "length"``) is not a call: its text stays in the content. (A
-stream has sent that call's name and argument fragments by then and cannot take them back: the one
-case where the deltas differ from the whole parse.)
+separator (what stands between calls) is no content (None). A call cut off by ``max_tokens`` before
+its arguments' JSON object closes (``finish_reason: "length"``) is still a call, with the arguments
+written so far, as OpenAI returns one and as a stream has sent it by then. An unclosed call in an
+output that ended otherwise (a stop string) is text: it stays in the content.
 """
 
 from __future__ import annotations
@@ -176,11 +176,16 @@ def _blank(fmt: CallFormat, content: str) -> bool:
     return not content.strip(" \t\r\n" + fmt.separator)
 
 
-def parse_calls(fmt: CallFormat, text: str) -> tuple[str | None, list[ToolCall]]:
-    """The content (None when blank) and the calls of a finished output."""
+def parse_calls(fmt: CallFormat, text: str, cut_off: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """The content (None when blank) and the calls of a finished output; ``cut_off``: it ended at
+    ``max_tokens``, so a call it opened and did not close is a call (its arguments cut short)."""
     content, calls = scan(fmt, text, final=True)
-    return (None if _blank(fmt, content) else content), [ToolCall(new_call_id(fmt), c.name, c.arguments)
-                                                         for c in calls if c.done]
+    done = [c for c in calls if c.done]
+    if cut_off:
+        partial_content, partial = scan(fmt, text, final=False)
+        if len(partial) > len(done):  # (what a stream has sent: CallStream.feed)
+            content, done = partial_content, partial
+    return (None if _blank(fmt, content) else content), [ToolCall(new_call_id(fmt), c.name, c.arguments) for c in done]
 
 
 class CallStream:
