@@ -23,11 +23,14 @@ _collected_at_rss = 0
 
 @pytest.fixture(autouse=True)
 def _collect_dead_engines():
-    """After a test whose garbage grew this process by 256 MiB or more, collect it. An Engine and
-    its engine thread refer to each other, so a dropped engine (its model, KV pages, buffers) waits
-    for a full collection, which allocations of few, large tensors seldom trigger: the dead engines
-    of one test file added up to gigabytes. (Reading the RSS costs microseconds; a collection
-    after the first engine froze the startup objects, tens of milliseconds.)"""
+    """After a test that grew this process by 256 MiB or more, collect its garbage and hand the
+    freed heap back to the kernel. An Engine and its engine thread refer to each other, so a
+    dropped engine (its model, KV pages, buffers) waits for a full collection, which allocations
+    of few, large tensors seldom trigger: the dead engines of one test file added up to gigabytes.
+    And tests that run ``radixserve.cli.main`` in this process apply its malloc settings
+    (radixserve/runtime.py: freed memory stays mapped, for the step loop's sake), so without a
+    trim this process only grew. (Reading the RSS costs microseconds; a collection after the
+    first engine froze the startup objects, and a trim, tens of milliseconds.)"""
     global _collected_at_rss
     yield
     import gc
@@ -37,7 +40,31 @@ def _collect_dead_engines():
     rss = psutil.Process().memory_info().rss
     if rss - _collected_at_rss >= 256 << 20:
         gc.collect()
+        _malloc_trim()
         _collected_at_rss = psutil.Process().memory_info().rss
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_a_modules_memory():
+    """Once a test file is done (its module fixtures torn down: engines, models, clusters), the
+    same collection and trim, whatever the growth."""
+    global _collected_at_rss
+    yield
+    import gc
+
+    import psutil
+
+    gc.collect()
+    _malloc_trim()
+    _collected_at_rss = psutil.Process().memory_info().rss
+
+
+def _malloc_trim() -> None:
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _tree_rss() -> tuple[int, int]:
