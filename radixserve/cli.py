@@ -17,6 +17,13 @@ WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_pare
 GENERATE_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0 for a free one."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535; 0 picks a free one)")
+    return int(text)
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     from radixserve.config import EngineConfig
     from radixserve.flags import add_flags
@@ -153,6 +160,7 @@ def cmd_demo(args) -> int:
           flush=True)
     cmd = [sys.executable, "-m", "examples.chess_janggi.fleet", "--workers", str(args.workers),
            "--chess", str(args.chess), "--janggi", str(args.janggi), "--moves", str(args.moves),
+           "--port", str(args.port),
            "--mode", args.mode, "--seed", str(args.seed), *(["--model", args.model] if args.model else []),
            *(["--out", args.out] if args.out else [])]
     # The example is a script of the source checkout: its folder's parent goes on the child's path.
@@ -252,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start a server and play a small chess + janggi agent fleet against it")
     demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
+    demo.add_argument("--port", type=_port, default=0,
+                      help="the server's client port; its workers' socket takes PORT + 1 "
+                           "(default: 0, free ports picked and printed)")
     # Sized for a 135M model on 2 CPU cores (each LLM move prefills ~500 new tokens).
     demo.add_argument("--chess", type=int, default=2, help="chess games (default: 2)")
     demo.add_argument("--janggi", type=int, default=2, help="janggi games (default: 2)")

@@ -153,6 +153,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     metrics_interval: Annotated[float, _help("seconds between --metrics-log lines (default: 10)", gt=0)] = 10.0
     worker_threads: Annotated[Positive | None, _help("torch threads per worker (default: the cores divided by --workers)")] = None
     no_restart: Annotated[bool, _help("do not restart local workers that die (default: restart with backoff)")] = False
+    grammar_timeout: Annotated[Seconds, _help("seconds a structured-output grammar may take to compile in a local worker "
+                                              "(in a child process, killed past it; the request gets bad_request) "
+                                              "(default: 10)")] = 10.0
     max_prompt_chars: Annotated[Positive | None, _help("refuse longer prompts untokenized (default: the context times the vocabulary's longest token)")] = None
     http_port: Annotated[Port | None, _help("also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")] = None
     api_key: Annotated[list[str] | None, _help("HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")] = None

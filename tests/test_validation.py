@@ -128,6 +128,19 @@ def test_worker_config_json_round_trip():
         assert "secret" not in json.loads(cmd[3])  # the worker secret travels in the environment only
 
 
+def test_serve_hands_its_grammar_timeout_to_its_local_workers():
+    """Issue 49: `worker` had --grammar-timeout and `serve` had not, so local workers always
+    allowed 10 s per grammar compile."""
+    args = build_parser().parse_args(["serve", "--workers", "2", "--grammar-timeout", "2.5"])
+    cfg = from_args(ServeConfig, args, engine=from_args(EngineConfig, args, ENGINE_FLAGS))
+    assert [w.grammar_timeout for w in launch.local_worker_configs(cfg, "tcp://127.0.0.1:7701")] == [2.5, 2.5]
+    default = from_args(ServeConfig, build_parser().parse_args(["serve"]), engine=EngineConfig())
+    assert launch.local_worker_configs(default, "tcp://127.0.0.1:7701")[0].grammar_timeout == \
+        WorkerConfig(router="x").grammar_timeout == 10.0
+    with pytest.raises(BadRequestError, match="grammar_timeout"):  # 0 s would refuse every grammar
+        from_args(ServeConfig, build_parser().parse_args(["serve", "--grammar-timeout", "0"]), engine=EngineConfig())
+
+
 def test_worker_process_refuses_a_bad_json_config_naming_the_field(capsys):
     bad = msgspec.json.encode(WorkerConfig(router="tcp://127.0.0.1:1", engine=EngineConfig(page_size=0))).decode()
     assert launch.main(["--config-json", bad]) == 2

@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model dir or .gguf for the server started here, and for its tokenizer "
                     "(chat template, ideal hit rate); default: the server's default model")
     ap.add_argument("--workers", type=int, default=1, help="workers of the server started here (default: 1)")
+    ap.add_argument("--port", type=int, default=0,
+                    help="client port of the server started here; its workers' socket takes PORT + 1 "
+                         "(default: 0, free ports picked and printed)")
     ap.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
     ap.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
     ap.add_argument("--moves", type=int, default=20, help="plies per game at most (default: 20)")
@@ -305,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--plain", action="store_true", help="plain-text prompts instead of the model's chat template")
     args = ap.parse_args(argv)
+    if args.server is not None and args.port:
+        ap.error("--port is the port of the server started here; with --server no server is started")
 
     server = None
     address = args.server
@@ -313,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.testing import spawn_server
 
         # serve divides the cores among the workers
-        server = spawn_server(args.model, workers=args.workers, wait_workers=False, http=args.mode == "tools")
+        try:
+            server = spawn_server(args.model, workers=args.workers, port=args.port, wait_workers=False,
+                                  http=args.mode == "tools")
+        except RuntimeError:  # serve printed why on stderr (a busy --port: "pick another --port")
+            print("[fleet] the server did not start; its error is above", file=sys.stderr)
+            return 2
         address = server.address
         args.http_url = server.http_url
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)

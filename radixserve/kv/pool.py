@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
+import mmap
 from typing import Protocol
 
 import torch
@@ -11,6 +13,20 @@ import torch
 from radixserve.errors import BadRequestError, InvariantError
 
 log = logging.getLogger("radixserve")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lies in an anonymous mapping of its own (page-aligned), whose
+    pages the kernel commits on first write: a pool costs the memory of the pages used so far,
+    not its capacity (``torch.zeros`` writes every byte at once, so each CPU engine held its whole
+    pool, 1 GiB by default, from the start)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive; the mapping is unmapped when the tensor is freed.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVPool:
@@ -49,11 +65,11 @@ class KVPool:
         self.dtype, self.kv_dtype = dtype, kv_dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         store = torch.int8 if kv_dtype == "int8" else dtype
-        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.k = [zeros(shape, store, device) for _ in range(num_layers)]
+        self.v = [zeros(shape, store, device) for _ in range(num_layers)]
         if kv_dtype == "int8":
-            self.k_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
-            self.v_scale = [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
+            self.k_scale = [zeros(shape[:3], torch.float32, device) for _ in range(num_layers)]
+            self.v_scale = [zeros(shape[:3], torch.float32, device) for _ in range(num_layers)]
         # A min-heap of the free page ids: the lowest are handed out first (see alloc).
         self._free = list(range(num_pages))
 

@@ -109,7 +109,7 @@ def local_worker_configs(cfg: ServeConfig, router: str, log_level: str = "INFO")
     devices = cfg.devices
     return [WorkerConfig(engine=msgspec.structs.replace(cfg.engine, device=devices[i % len(devices)]),
                          router=router, worker_id=f"w{i}", threads=threads, exit_with_parent=True,
-                         parent_pid=os.getpid(),
+                         parent_pid=os.getpid(), grammar_timeout=cfg.grammar_timeout,
                          log_level=log_level) for i in range(cfg.workers)]
 
 
