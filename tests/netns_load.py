@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 
@@ -23,6 +24,8 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.sampling_params import SamplingParams
+
+API_KEY = os.environ.get("RADIXSERVE_API_KEY")  # (the router's clients carry their key: serve --api-key)
 
 
 async def drive(args) -> dict:
@@ -67,7 +70,7 @@ async def drive(args) -> dict:
                         "worker": "", "replies": 0, "chunks": 0}
         waiters[rid] = asyncio.Event()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        await sock.send(P.encode(P.Generate(id=rid, token_ids=tokens, params=params, stream=n % 3 == 0)))
+        await sock.send(P.encode(P.Generate(id=rid, token_ids=tokens, params=params, stream=n % 3 == 0, api_key=API_KEY)))
         try:
             await asyncio.wait_for(waiters[rid].wait(), args.deadline)
         except asyncio.TimeoutError:
@@ -84,7 +87,7 @@ async def drive(args) -> dict:
     read_task = asyncio.ensure_future(reader())
     await asyncio.gather(*(lane(k, counter) for k in range(args.concurrency)))
     await asyncio.sleep(args.linger)  # a duplicate answer would arrive now
-    await sock.send(P.encode(P.Stats(id="stats-1")))
+    await sock.send(P.encode(P.Stats(id="stats-1", api_key=API_KEY)))
     for _ in range(100):
         if stats_box:
             break
