@@ -13,9 +13,9 @@
 // The weights are read as ggml stores them, 64 level bytes per vector, and the activations are
 // arranged once per call so that their bytes line up with the weight bytes of each type's vectors
 // (a layout per family of types, below); each 32-bit lane then holds 4 products of one weight group
-// and one activation block, so its integer sum is scaled by one s d. Per lane, next to the bytes:
-// d, -sum q (the c term, times c by a shift) and sum x (the o term), over the bytes of all the
-// vectors that share one integer accumulator.
+// and one activation block, so its integer sum is scaled by one s d. Next to the bytes, per group
+// of lanes under one weight scale: d, -sum q (the c term, times c by a shift) and sum x (the o
+// term), over the group's values in all the vectors that share one integer accumulator.
 //
 // Types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K (the others take quant.cpp's fp32 kernels).
 
@@ -58,14 +58,15 @@ enum Layout { kNibbles32, kBytes, kNibblesK, kSixBit, kLayouts };
 struct LayoutShape {
   int64_t chunk;
   int vectors, accs;
+  int group;  // lanes of an accumulator under one weight scale (and one activation block)
 };
 
 constexpr LayoutShape shape_of(Layout l) {
   switch (l) {
-    case kNibbles32: return {128, 2, 1};  // Q4_0 / Q4_1: 4 blocks; low nibbles (values 0-15 of each block), high (16-31)
-    case kBytes: return {64, 1, 1};       // Q8_0: 2 blocks, in order
-    case kNibblesK: return {128, 2, 2};   // Q4_K: 64 bytes = sub-blocks 4c, 4c+2 (low nibbles) and 4c+1, 4c+3 (high)
-    default: return {128, 2, 2};          // Q6_K: half a block, in order (64 values per vector)
+    case kNibbles32: return {128, 2, 1, 4};  // Q4_0 / Q4_1: 4 blocks; low nibbles (values 0-15 of each block), high (16-31)
+    case kBytes: return {64, 1, 1, 8};       // Q8_0: 2 blocks, in order
+    case kNibblesK: return {128, 2, 2, 8};   // Q4_K: 64 bytes = sub-blocks 4c, 4c+2 (low nibbles) and 4c+1, 4c+3 (high)
+    default: return {128, 2, 2, 4};          // Q6_K: half a block, in order (64 values per vector); a scale per 16
   }
 }
 
@@ -89,13 +90,17 @@ Layout layout_of(int64_t qtype) {
 }
 
 // One layout's arrays for all rows: row m's chunk c starts at bytes + (m * chunks + c) * vectors *
-// 64, and its lanes (16 per accumulator) at (m * chunks + c) * accs * 16 of d, nq (-sum q) and xs.
+// 64, and its record per accumulator (16 x 32 bits) at groups + ((m * chunks + c) * accs + acc) *
+// 16: per group of lanes (16 / group of them), d in words 0-3, -sum q in 4-7 (int32) and sum x in
+// 8-11 (the sums over all the group's values). A record, not lane vectors: per chunk of x the
+// kernels then read 64 + 64 bytes, not 64 + 192, and at K = 11,008 the larger working set no longer
+// fit in L1 beside the streaming weights (13-15 GB/s against 31 at K = 4,096, Llama-2-7B's down
+// projection against its gate and up).
 struct Arranged {
   int64_t chunks = 0;
   LayoutShape s{};
   radixserve::AlignedVector<int8_t> bytes;
-  radixserve::AlignedVector<float> d, xs;
-  radixserve::AlignedVector<int32_t> nq;
+  radixserve::AlignedVector<int32_t> groups;
 };
 
 }  // namespace
@@ -175,9 +180,7 @@ void arrange(Layout l, const Natural& n, int64_t M, Arranged& a) {
   a.chunks = n.Kp / a.s.chunk;
   const int64_t units = M * a.chunks;
   a.bytes.resize(static_cast<size_t>(units * a.s.vectors * 64));
-  a.d.resize(static_cast<size_t>(units * a.s.accs * 16));
-  a.xs.resize(a.d.size());
-  a.nq.resize(a.d.size());
+  a.groups.assign(static_cast<size_t>(units * a.s.accs * 16), 0);
   __m512i bytes[2], group[2];  // per vector: its byte i's chunk offset; its lane's chunk group of 4
   for (int v = 0; v < a.s.vectors; ++v) {
     bytes[v] = byte_index([&](int i) { return offset_of(l, v, i); });
@@ -199,16 +202,26 @@ void arrange(Layout l, const Natural& n, int64_t M, Arranged& a) {
     const __m512 xs0 = _mm512_loadu_ps(n.xs4.data() + k0 / 4), xs1 = two ? _mm512_loadu_ps(n.xs4.data() + k0 / 4 + 16) : xs0;
     const __m512 dv = _mm512_loadu_ps(n.d.data() + k0 / 32);
     for (int acc = 0; acc < a.s.accs; ++acc) {
-      const int64_t lanes = (u * a.s.accs + acc) * 16;
       __m512i nq = _mm512_setzero_si512();
       __m512 xs = _mm512_setzero_ps();
       for (int v = acc; v < (a.s.accs == 1 ? a.s.vectors : acc + 1); ++v) {
         nq = _mm512_add_epi32(nq, _mm512_permutex2var_epi32(nq0, group[v], nq1));
         xs = _mm512_add_ps(xs, _mm512_permutex2var_ps(xs0, group[v], xs1));
       }
-      _mm512_store_si512(a.nq.data() + lanes, nq);
-      _mm512_store_ps(a.xs.data() + lanes, xs);
-      _mm512_store_ps(a.d.data() + lanes, _mm512_permutexvar_ps(_mm512_srli_epi32(group[acc], 3), dv));
+      alignas(64) int32_t nl[16];
+      alignas(64) float xl[16], dl[16];
+      _mm512_store_si512(nl, nq);
+      _mm512_store_ps(xl, xs);
+      _mm512_store_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(group[acc], 3), dv));
+      int32_t* rec = a.groups.data() + (u * a.s.accs + acc) * 16;
+      for (int g = 0; g < 16 / a.s.group; ++g) {
+        int32_t n = 0;
+        float x = 0.0f;
+        for (int i = g * a.s.group; i < (g + 1) * a.s.group; ++i) n += nl[i], x += xl[i];
+        std::memcpy(rec + g, dl + g * a.s.group, 4);
+        rec[4 + g] = n;
+        std::memcpy(rec + 8 + g, &x, 4);
+      }
     }
   }
 }
@@ -364,9 +377,14 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
   const Decoder<QT> decode;
   const int64_t chunks = a.chunks, blocks = K / f.block;
   const int8_t* xb = a.bytes.data() + m0 * chunks * s.vectors * 64;
-  const float* xd = a.d.data() + m0 * chunks * s.accs * 16;
-  const float* xs = a.xs.data() + m0 * chunks * s.accs * 16;
-  const int32_t* nq = a.nq.data() + m0 * chunks * s.accs * 16;
+  const int32_t* rec = a.groups.data() + m0 * chunks * s.accs * 16;
+  // a record's words to lanes: d to every lane of its group; -sum q and sum x to the group's first
+  // lane (its lanes' products share one scale and one offset, so one lane may carry the whole sum)
+  constexpr int G = s.group;
+  const __m512i to_d = dword_index([](int l) { return l / G; });
+  const __m512i to_nq = dword_index([](int l) { return 4 + l / G; });
+  const __m512i to_xs = dword_index([](int l) { return 8 + l / G; });
+  const __mmask16 first = static_cast<__mmask16>(G == 4 ? 0x1111 : 0x0101);
   const int64_t bstride = chunks * s.vectors * 64, lstride = chunks * s.accs * 16;  // per row of x
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = row_of(p, n);
@@ -384,25 +402,20 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const int8_t* xv = xb + m * bstride + c * s.vectors * 64;
-        const int64_t l = m * lstride + c * s.accs * 16;
-        if constexpr (s.accs == 1) {
+        const int32_t* r = rec + m * lstride + c * s.accs * 16;
+        constexpr bool offset = QT == kQ4_1 || QT == kQ4_K;  // w = s u + o (else w = s (u - c))
+#pragma GCC unroll 2
+        for (int v = 0; v < s.accs; ++v) {  // accumulator v: vector v, or (one accumulator) both
+          const __m512i g = _mm512_load_si512(r + 16 * v);
           __m512i sum;
-          if constexpr (QT == kQ4_1) sum = _mm512_setzero_si512();
-          else sum = _mm512_slli_epi32(_mm512_load_si512(nq + l), Decoder<QT>::kShift);
-#pragma GCC unroll 2
-          for (int v = 0; v < s.vectors; ++v) sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[0], _mm512_load_ps(xd + l)), acc[m]);
-          if constexpr (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(w.o[0], _mm512_load_ps(xs + l), acc[m]);
-        } else {
-#pragma GCC unroll 2
-          for (int v = 0; v < 2; ++v) {
-            __m512i sum;
-            if constexpr (QT == kQ4_K) sum = _mm512_setzero_si512();
-            else sum = _mm512_slli_epi32(_mm512_load_si512(nq + l + 16 * v), Decoder<QT>::kShift);
-            sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[v], _mm512_load_ps(xd + l + 16 * v)), acc[m]);
-            if constexpr (QT == kQ4_K) acc[m] = _mm512_fmadd_ps(w.o[v], _mm512_load_ps(xs + l + 16 * v), acc[m]);
-          }
+          if constexpr (offset) sum = _mm512_setzero_si512();
+          else sum = _mm512_slli_epi32(_mm512_maskz_permutexvar_epi32(first, to_nq, g), Decoder<QT>::kShift);
+          sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
+          if constexpr (s.accs == 1 && s.vectors == 2) sum = _mm512_dpbusd_epi32(sum, w.u[1], _mm512_load_si512(xv + 64));
+          const __m512 dx = _mm512_permutexvar_ps(to_d, _mm512_castsi512_ps(g));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[v], dx), acc[m]);
+          if constexpr (offset)
+            acc[m] = _mm512_fmadd_ps(w.o[v], _mm512_maskz_permutexvar_ps(first, to_xs, _mm512_castsi512_ps(g)), acc[m]);
         }
       }
     }
