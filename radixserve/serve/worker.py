@@ -407,6 +407,15 @@ class Worker:
                 self.loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain(5.0)))
             except (NotImplementedError, RuntimeError):
                 pass
+        # The grammars' tokenizer table, before this worker registers: built at the first grammar (a
+        # Python loop over the vocabulary, holding the GIL for seconds, on an executor thread), it
+        # starved this loop of its heartbeats under load, and the router declared the worker dead.
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is not None and self.grammar_timeout_s is not None:
+            from radixserve.engine.structured import xgrammar_available
+
+            if xgrammar_available():
+                grammars.tokenizer_info()
         self._register()
         tasks = [asyncio.ensure_future(self._sender()), asyncio.ensure_future(self._heartbeats())]
         receiver = asyncio.ensure_future(self._receiver())
