@@ -142,8 +142,7 @@ def test_int8_products_equal_their_reference(qtype):
             x[-1, k // 2] = 40.0  # an outlier
             y = ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4)
             assert relative_error(y, int8_reference(raw, qtype, x)) < 2e-6, (QTYPES[qtype], n, k, m)
-            # int8's own error (an outlier of 40 coarsens its block's levels to 0.31): a sanity bound
-            assert relative_error(y, x.double() @ exact.T) < 0.1, (QTYPES[qtype], n, k, m)
+            assert relative_error(y, x.double() @ exact.T) < 0.05, (QTYPES[qtype], n, k, m)
             alone = ops.qlinear(x[-1:], [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4)
             assert torch.equal(y[-1:], alone), (QTYPES[qtype], n, k, m)
         x = torch.randn(13, k, generator=g)
