@@ -16,7 +16,8 @@ from collections.abc import Hashable, Iterable
 from radixserve.engine.request import Request
 from radixserve.errors import InvariantError
 from radixserve.kv.pool import KVPool
-from radixserve.kv.radix import RadixCache, RadixNode
+from radixserve.kv.prefix_cache import NoPrefixCache, PrefixCache, RadixNode
+from radixserve.kv.radix import RadixCache
 
 log = logging.getLogger("radixserve")
 
@@ -25,7 +26,8 @@ class CacheManager:
     def __init__(self, pool: KVPool, *, enable_prefix_cache: bool, eviction: str = "lru"):
         self.pool = pool
         self.page_size = pool.page_size
-        self.tree = RadixCache(pool.page_size, pool, eviction=eviction) if enable_prefix_cache else None
+        self.tree: PrefixCache = (RadixCache(pool.page_size, pool, eviction=eviction) if enable_prefix_cache
+                                  else NoPrefixCache())
         self.query_tokens = 0
         self.hit_tokens = 0
         self.alignment_waste_tokens = 0
@@ -35,15 +37,15 @@ class CacheManager:
     @property
     def available_pages(self) -> int:
         """Pages that an allocation can get: free now, or freed by evicting unlocked cache."""
-        return self.pool.num_free + (self.tree.evictable_pages if self.tree else 0)
+        return self.pool.num_free + self.tree.evictable_pages
 
     @property
     def evictable_pages(self) -> int:
-        return self.tree.evictable_pages if self.tree else 0
+        return self.tree.evictable_pages
 
     @property
     def locked_pages(self) -> int:
-        return self.tree.protected_pages if self.tree else 0
+        return self.tree.protected_pages
 
     @property
     def pinned_tokens(self) -> int:
@@ -52,8 +54,6 @@ class CacheManager:
     # -- matching ------------------------------------------------------------------------------
     def peek(self, req: Request) -> int:
         """Cached prefix length of ``req``, without touching the tree (for ordering the queue)."""
-        if self.tree is None:
-            return 0
         return self.tree.peek(req.tokens, req.namespace, max_len=req.match_limit)
 
     def match(self, req: Request) -> None:
@@ -61,14 +61,12 @@ class CacheManager:
         matched: its logits are needed (nor, for a scoring request, any scored position)."""
         if req.kv.pages or req.kv.node is not None:
             raise InvariantError(f"match of {req.rid}, which still holds KV")
-        length = 0
         if req.score_from is not None:  # scoring: every scored row is (re)computed from here on
             req.score_logprobs = [None] * (req.num_tokens - req.score_from)
-        if self.tree is not None:
-            m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
-            self.tree.lock(m.node)
-            req.kv.node, req.kv.pages, length = m.node, list(m.pages), m.length
-        req.kv.cached_len = req.kv.computed = length
+        m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
+        self.tree.lock(m.node)
+        req.kv.node, req.kv.pages = m.node, list(m.pages)
+        req.kv.cached_len = req.kv.computed = m.length
 
     def record_admission(self, req: Request) -> None:
         """Count the prefix query and hit of a first admission (a retry after preemption
@@ -85,7 +83,7 @@ class CacheManager:
         need = -(-(req.kv.computed + num_new) // self.page_size) - len(req.kv.pages)
         if need <= 0:
             return True
-        if self.pool.num_free < need and self.tree is not None:
+        if self.pool.num_free < need:
             self.tree.evict(need - self.pool.num_free)
         pages = self.pool.alloc(need)
         if pages is None:
@@ -97,38 +95,30 @@ class CacheManager:
     def commit(self, req: Request) -> None:
         """Insert ``req``'s computed full pages into the tree, free its duplicates, and rewrite its
         page table to the tree's canonical pages (moving its lock down to the new node)."""
-        if self.tree is None:
-            return
         aligned = req.kv.computed // self.page_size * self.page_size
         if aligned <= req.kv.cached_len:
             return
-        tokens = req.tokens[:aligned]
-        num_pages = aligned // self.page_size
-        already = self.tree.insert(tokens, req.kv.pages[:num_pages], req.namespace)
-        self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size : already // self.page_size])
-        m = self.tree.match(tokens, req.namespace)
-        if m.length != aligned:
-            raise InvariantError(f"{req.rid}: re-match after insert found {m.length} of {aligned} tokens")
-        req.kv.pages[:num_pages] = m.pages
-        self.tree.lock(m.node)
-        self.tree.unlock(req.kv.node)
-        req.kv.node, req.kv.cached_len = m.node, aligned
+        m = self.tree.cache_prefix(req.tokens[:aligned], req.kv.pages[: aligned // self.page_size], req.namespace,
+                                   held=req.kv.node, held_len=req.kv.cached_len)
+        if m.length:
+            req.kv.pages[: len(m.pages)] = m.pages
+            req.kv.node, req.kv.cached_len = m.node, m.length
 
     def release(self, req: Request, *, finished: bool = False) -> None:
         """Give back everything ``req`` holds; its computed KV stays cached in the tree (so a
         preempted request's retry, or the next turn of a conversation, hits it)."""
-        if self.tree is not None:
-            self.commit(req)
+        self.commit(req)
+        if self.tree.enabled:
             self.alignment_waste_tokens += req.kv.computed - req.kv.cached_len
-            if finished and req.pin:
-                self._pin(req)
-            self.tree.unlock(req.kv.node)
+        if finished and req.pin:
+            self._pin(req)
+        self.tree.unlock(req.kv.node)
         self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size :])
         req.kv.pages, req.kv.node, req.kv.cached_len, req.kv.computed = [], None, 0, 0
 
     # -- pinning -------------------------------------------------------------------------------
     def _pin(self, req: Request) -> None:
-        if self.tree is None:
+        if not self.tree.enabled:
             raise InvariantError(f"pin of {req.rid} without a prefix cache")
         aligned = len(req.prompt_ids) // self.page_size * self.page_size
         key = (req.namespace, tuple(req.prompt_ids[:aligned]))
@@ -141,7 +131,7 @@ class CacheManager:
         prompt_ids = list(prompt_ids)
         aligned = len(prompt_ids) // self.page_size * self.page_size
         node = self.pins.pop((namespace, tuple(prompt_ids[:aligned])), None)
-        if node is None or self.tree is None:  # a pin exists only in a tree
+        if node is None:
             return False
         self.tree.unlock(node)
         return True
@@ -151,8 +141,6 @@ class CacheManager:
         """Group requests by the longest cached prefix they share, read off the radix tree: those
         locked below the same top-level node share every node down to where their paths part.
         Keeps groups whose size x shared length reaches ``min_tokens``."""
-        if self.tree is None:
-            return []
         by_top: dict[int, list[tuple[Request, list]]] = {}
         for req in reqs:
             path = []
@@ -186,7 +174,7 @@ class CacheManager:
         for req in running:
             self._check_page_table(req)
             owned.extend(req.kv.pages[req.kv.cached_len // self.page_size :])
-        tree_pages = self.tree.all_pages() if self.tree else []
+        tree_pages = self.tree.all_pages()
         free = self.pool.free_page_ids()
         total = len(free) + len(tree_pages) + len(owned)
         if total != self.pool.num_pages:
@@ -194,8 +182,7 @@ class CacheManager:
                                  f"{len(owned)} = {total} != total {self.pool.num_pages}")
         if len(set(free) | set(tree_pages) | set(owned)) != total:
             raise InvariantError("a KV page is held twice")
-        if self.tree is not None:
-            self.tree.check_integrity()
+        self.tree.check_integrity()
 
     def _check_page_table(self, req: Request) -> None:
         problem = self._page_table_problem(req)
@@ -207,8 +194,6 @@ class CacheManager:
         of the tree path that ``req`` holds locked (``req.kv.node``)."""
         if len(req.kv.pages) * self.page_size < req.kv.computed:
             return f"page table covers {len(req.kv.pages)} pages, fewer than its {req.kv.computed} computed tokens"
-        if self.tree is None:
-            return None if req.kv.cached_len == 0 and req.kv.node is None else "a cached prefix without a prefix cache"
         node = req.kv.node
         if node is None or req.kv.cached_len % self.page_size:
             return f"cached prefix of {req.kv.cached_len} tokens without a page-aligned tree node"

@@ -166,13 +166,12 @@ class EngineCore:
         ``("insert", namespace, path_tokens)`` when a new leaf is cached, ``("evict", namespace,
         path_tokens, node_len)`` per evicted node (see :class:`~radixserve.kv.radix.RadixCache`).
         None unsubscribes; without a prefix cache there are no events."""
-        if self.cache.tree is not None:
-            self.cache.tree.on_event = callback
+        self.cache.tree.on_event = callback
 
     def cache_leaves(self) -> list[tuple[Hashable, list[int]]]:
         """The whole prefix cache as ``(namespace, tokens root to leaf)`` per leaf (a snapshot
         for a router's mirror); call it on the engine thread (:meth:`call_soon`)."""
-        return list(self.cache.tree.leaf_paths()) if self.cache.tree is not None else []
+        return list(self.cache.tree.leaf_paths())
 
     def stats(self) -> dict[str, int | float]:
         page = self.pool.page_size
@@ -188,7 +187,7 @@ class EngineCore:
             "kv_evictable_tokens": cache.evictable_pages * page,
             "kv_locked_tokens": cache.locked_pages * page,
             "kv_pinned_tokens": cache.pinned_tokens,
-            "evictions": (cache.tree.evictions * page) if cache.tree else 0,
+            "evictions": cache.tree.evictions * page,
             "prefix_query_tokens": cache.query_tokens,
             "prefix_hit_tokens": cache.hit_tokens,
             "prefix_alignment_waste_tokens": cache.alignment_waste_tokens,

@@ -186,7 +186,7 @@ class Engine(EngineCore):
     def pin(self, prompt: Prompt, *, namespace: Hashable = None) -> int:
         """Prefill ``prompt`` and keep its KV cached until :meth:`unpin`: it is never evicted.
         Pins count against ``pin_budget_tokens``. Returns the number of tokens pinned."""
-        if self.cache.tree is None:
+        if not self.cache.tree.enabled:
             raise BadRequestError("enable_prefix_cache", "pinning needs the prefix cache")
         req = self.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), namespace=namespace)
         if self.cache.pinned_tokens + len(req.prompt_ids) > self.pin_budget_tokens:

@@ -188,7 +188,7 @@ class Scheduler:
         return items
 
     def _admission_order(self) -> list[Request]:
-        if self.config.schedule_policy == "fcfs" or self.cache.tree is None or len(self.waiting) == 1:
+        if self.config.schedule_policy == "fcfs" or not self.cache.tree.enabled or len(self.waiting) == 1:
             return list(self.waiting)
         # Longest cached prefix first; a request overtaken by max_overtakes later arrivals goes
         # first, in arrival order, so no request waits forever (counted in admissions, not
@@ -201,7 +201,7 @@ class Scheduler:
 
     def _in_flight_prefills(self) -> RadixCache | None:
         """A scratch token tree of what running requests are prefilling right now (for dedup)."""
-        if self.cache.tree is None or self.config.dedup_min_tokens <= 0:
+        if not self.cache.tree.enabled or self.config.dedup_min_tokens <= 0:
             return None
         if len(self.waiting) < 2 and not any(r.prefilling for r in self.running):
             return None

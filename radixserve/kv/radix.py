@@ -24,44 +24,11 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
 
 from radixserve.errors import InvariantError
+from radixserve.kv.prefix_cache import MatchResult, PageFreer, PrefixCache, RadixNode
 
-
-class PageFreer(Protocol):
-    """Whatever owns the page pool (the KV allocator): takes evicted pages back."""
-
-    def free(self, pages: list[int]) -> None: ...
-
-
-@dataclass(eq=False, slots=True)
-class RadixNode:
-    """One edge of the tree: ``key`` tokens backed by ``pages`` (internal; identity-hashed)."""
-
-    key: list[int]
-    pages: list[int]
-    children: dict = field(default_factory=dict)
-    parent: RadixNode | None = None
-    lock_ref: int = 0
-    last_access: float = 0.0
-    hit_count: int = 0
-    namespace: Hashable = None
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __repr__(self) -> str:
-        return (f"RadixNode(tokens={len(self.key)}, pages={len(self.pages)}, "
-                f"children={len(self.children)}, lock_ref={self.lock_ref}, ns={self.namespace!r})")
-
-
-class MatchResult(NamedTuple):
-    pages: list[int]  # page ids of the matched prefix, root to node order
-    length: int  # matched tokens == len(pages) * page_size
-    node: RadixNode  # deepest node on the match (root when nothing matched); see RadixCache.match
+__all__ = ["EVICTION_POLICIES", "MatchResult", "PageFreer", "RadixCache", "RadixNode"]
 
 
 # Eviction priority: the leaf with the smallest value goes first.
@@ -71,13 +38,15 @@ EVICTION_POLICIES: dict[str, Callable[[RadixNode], tuple]] = {
 }
 
 
-class RadixCache:
+class RadixCache(PrefixCache):
     """Radix tree of token prefixes -> KV pages, with locking and leaf eviction.
 
     Invariants (checked by ``check_integrity``): ``evictable_pages`` counts pages of nodes with
     ``lock_ref == 0``, ``protected_pages`` those with ``lock_ref > 0``; a node's ``lock_ref`` is
     at least the sum of its children's; every page id is held by at most one node.
     """
+
+    enabled = True
 
     def __init__(self, page_size: int, freer: PageFreer, *, eviction: str = "lru",
                  clock: Callable[[], float] = time.monotonic,
@@ -177,6 +146,20 @@ class RadixCache:
             if self.on_event is not None:
                 self.on_event(("insert", namespace, list(tokens)))
         return already
+
+    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *,
+                     held: RadixNode, held_len: int) -> MatchResult:
+        """``insert``, then free the caller's duplicates of what was already cached, re-``match``
+        for the canonical pages and move the caller's lock from ``held`` to the new entry."""
+        P = self.page_size
+        already = self.insert(tokens, pages, namespace)
+        self.freer.free(pages[held_len // P : already // P])
+        m = self.match(tokens, namespace)
+        if m.length != len(tokens):
+            raise InvariantError(f"re-match after insert found {m.length} of {len(tokens)} tokens")
+        self.lock(m.node)
+        self.unlock(held)
+        return m
 
     def _walk(self, tokens: list[int], limit: int, namespace: Hashable,
               split: bool) -> tuple[list[RadixNode], int, list[int]]:
