@@ -107,7 +107,8 @@ def floor(args, visible_keys: int) -> dict:
     """The step's attention FLOPs (QK^T and PV: 4 x keys x head_dim per query head and request,
     every layer) and the time they take at the GEMM rate of ``bench floor``, measured now on a
     model of this attention's width (hidden = heads x head_dim, 4x that for the MLP)."""
-    from bench.floor import Shape, gemm_rate
+    from bench.floor import gemm_rate
+    from bench.shapes import Shape
 
     hidden = args.heads * args.head_dim
     shape = Shape(dict(hidden_size=hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,

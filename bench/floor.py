@@ -19,7 +19,8 @@ import functools
 import json
 import time
 
-from bench.peers import OBSERVATION_TOKENS, WALL_TARGET, model_config
+from bench.peers import OBSERVATION_TOKENS, WALL_TARGET
+from bench.shapes import Shape, model_config
 
 HELP = "FLOPs of the peers workloads at the measured GEMM rate: the floor any engine's wall time has"
 
@@ -42,32 +43,6 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-wall", type=float, nargs=2, default=None, metavar=("FLEET_S", "GSP_S"),
                    help=f"vLLM's measured wall times: also print floor / vLLM and the {WALL_TARGET}x target")
     p.add_argument("--json", action="store_true")
-
-
-class Shape:
-    """Per-token FLOP counts of one model config."""
-
-    def __init__(self, cfg: dict):
-        hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-        heads = cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads  # (absent: multi-head attention)
-        self.head_dim = cfg.get("head_dim") or hidden // heads
-        inter = cfg["intermediate_size"]
-        q, kv = heads * self.head_dim, kv_heads * self.head_dim
-        # (in, out) of every linear map of one layer: q, k, v, o, gate, up, down.
-        self.linears = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
-        self.layers, self.heads = layers, heads
-        self.vocab, self.hidden = cfg["vocab_size"], hidden
-
-    def linear_flops(self, tokens: int) -> int:
-        return 2 * tokens * self.layers * sum(i * o for i, o in self.linears)
-
-    def attention_flops(self, visible_keys: int) -> int:
-        """QK^T and PV over ``visible_keys`` (summed over the query tokens), every layer and head."""
-        return 4 * visible_keys * self.head_dim * self.heads * self.layers
-
-    def lm_head_flops(self, rows: int) -> int:
-        return 2 * rows * self.hidden * self.vocab
 
 
 class _Counts:

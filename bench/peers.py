@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.shapes import Shape, model_config
+
 HELP = "radixserve vs vLLM-CPU or llama.cpp side by side on the fleet and GSP token workloads (needs a vLLM install or a llama-server)"
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -385,15 +387,6 @@ def measure(start, engine: str, spec: dict) -> dict:
 
 
 # -- parent ----------------------------------------------------------------------------------
-def model_config(model: str) -> dict:
-    """The Hugging Face config of a model directory, or of a GGUF file (from its metadata)."""
-    from radixserve.model.gguf import _reader, gguf_config, is_gguf
-
-    if is_gguf(model):
-        return gguf_config(_reader(Path(model).expanduser()))
-    return json.loads((Path(model) / "config.json").read_text())
-
-
 def _vocab(model: str) -> tuple[int, int]:
     cfg = model_config(model)
     return int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 8192))
@@ -493,7 +486,6 @@ def breakdown(steps: list[dict], model: str) -> dict:
     tokens; the seconds inside the attention backend with its FLOP rate (QK^T and PV over the
     visible keys); the rest with the rate of the layers' linear maps and the output embedding
     over the sampled rows (the rest also holds the norms, RoPE, sampling and Python)."""
-    from bench.floor import Shape
     from radixserve.ops.stats import percentile
 
     shape = Shape(model_config(model))

@@ -19,7 +19,7 @@ with an error that names the three formats.
 
 :func:`structural_tag` builds the grammar: each tool's call is a tag whose begin fixes the name and
 whose content is the tool's ``parameters`` schema as compact JSON (the same EBNF as
-``response_format``'s, :func:`radixserve.engine.structured.json_schema_ebnf`). ``required`` admits
+``response_format``'s, :func:`radixserve.ebnf.json_schema_ebnf`). ``required`` admits
 only calls (one or more; one with ``parallel`` False); ``auto`` admits free text, and once the text
 opens a call (the format's ``trigger``) the call follows the grammar to its end; ``none`` admits
 free text that never opens a call.
@@ -97,7 +97,7 @@ def structural_tag(spec: ToolCallsSpec) -> str:
     from xgrammar.structural_tag import (AnyTextFormat, GrammarFormat, StructuralTag, TagFormat,
                                          TagsWithSeparatorFormat, TriggeredTagsFormat)
 
-    from radixserve.engine.structured import json_schema_ebnf
+    from radixserve.ebnf import json_schema_ebnf
 
     fmt = FORMATS[spec.format]
     if spec.mode == "none":
