@@ -33,10 +33,10 @@ def _worker(tree: RadixCache, tmp_path) -> tuple[Worker, list]:
     engine.call_soon = lambda fn: fn()  # the engine thread, between steps
     engine.cache_leaves = lambda: list(tree.leaf_paths())  # Engine.cache_leaves: the snapshot's source
     worker = Worker(engine, "tcp://x", "w1", secret="0" * 64)
-    worker.loop = _Loop()
+    worker.loop = worker.events.loop = _Loop()
     sent: list = []
-    worker._send = sent.append
-    tree.on_event = worker._on_cache_event
+    worker._send = worker.events.send = sent.append
+    tree.on_event = worker.events.on_event
     return worker, sent
 
 

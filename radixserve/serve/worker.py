@@ -7,8 +7,8 @@ answer (another model) makes the worker exit with status 3.
 Threads: the asyncio loop (uvloop) owns the socket; the Engine's scheduler runs in its own
 thread. Everything the engine thread produces (token chunks, finals, cache events) is handed
 to the loop with ``call_soon_threadsafe`` into ONE ordered outbox, so the router always sees a
-request's cache insert events before its final message. Cache events are batched: the engine
-thread appends to a list and schedules one flush per burst (about once per step).
+request's cache insert events before its final message. Cache events are batched
+(:class:`~radixserve.serve.cache_events.CacheEventOutbox`): about one message per step.
 
 Across hosts (:doc:`README`, "Deployment"): every CacheEvents message carries a sequence number,
 so the router notices lost events and asks for a :class:`~radixserve.protocol.Rejoin`; every
@@ -27,7 +27,6 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 import time
 from typing import Any
 
@@ -36,6 +35,7 @@ import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
+from radixserve.serve.cache_events import CacheEventOutbox
 from radixserve.serve.metrics import Histogram
 
 log = logging.getLogger("radixserve.worker")
@@ -45,8 +45,6 @@ HEARTBEAT_S = 0.5  # the router declares a worker dead after --heartbeat-timeout
 # so after a link cut the router has already given up the old session when the new one arrives.
 ROUTER_TIMEOUT_S = 5.0
 GRAMMAR_TIMEOUT_S = 10.0  # a grammar compile longer than this is stopped; its request gets bad_request
-SNAPSHOT_TOKENS = 1 << 20  # tokens per snapshot message (a few MB of msgpack)
-_RESET = P.CacheEvent("reset", None, [])  # marks where a tree snapshot starts in the event list (by identity)
 
 
 class Worker:
@@ -60,8 +58,7 @@ class Worker:
         self.heartbeat_s = heartbeat_s
         self.router_timeout_s = router_timeout_s
         self.session = secrets.token_hex(8)
-        self._seq = 0  # CacheEvents sent (the router checks they arrive without a gap)
-        self._reset_seq = 0  # the seq of the last snapshot sent
+        self.events = CacheEventOutbox(name, self._send)
         self.secret = secret
         self.refused: str | None = None
         from radixserve.serve.auth import model_fingerprint
@@ -73,70 +70,20 @@ class Worker:
         self.grammar_timeout_s = grammar_timeout_s
         self._grammar_pool: Any = None  # GrammarPool, started at the first grammar to compile
         self.stopping = False
-        self._events: list[P.CacheEvent] = []
-        self._events_lock = threading.Lock()
-        self._flush_scheduled = False
         self._last_router = time.monotonic()
         self._registered_in_silence = False
         self.ttft = Histogram()
         self.e2e = Histogram()
 
     # -- engine thread -> loop -----------------------------------------------------------------
-    def _on_cache_event(self, event: tuple) -> None:  # engine thread
-        kind, namespace, tokens = event[0], event[1], event[2]
-        length = event[3] if kind == "evict" else 0
-        ns = namespace if isinstance(namespace, str) or namespace is None else str(namespace)
-        with self._events_lock:
-            self._events.append(P.CacheEvent(kind, ns, tokens, length))
-            if self._flush_scheduled:
-                return
-            self._flush_scheduled = True
-        self.loop.call_soon_threadsafe(self._flush_events)
-
     def _snapshot(self) -> None:  # engine thread, between steps
-        """Replace the events not sent yet by the whole tree: its leaves' paths (a reset)."""
-        leaves = []
-        for namespace, tokens in self.engine.cache_leaves():
-            ns = namespace if isinstance(namespace, str) or namespace is None else str(namespace)
-            leaves.append(P.CacheEvent("insert", ns, tokens))
-        with self._events_lock:
-            self._events = [_RESET, *leaves]  # what was pending is in the snapshot already
-            if self._flush_scheduled:
-                return
-            self._flush_scheduled = True
-        self.loop.call_soon_threadsafe(self._flush_events)
-
-    def _flush_events(self) -> None:  # loop
-        with self._events_lock:
-            events, self._events = self._events, []
-            self._flush_scheduled = False
-        reset = False
-        if events and events[0] is _RESET:
-            reset, events = True, events[1:]
-        if not events and not reset:
-            return
-        batch: list[P.CacheEvent] = []
-        size = 0
-        for ev in events:  # a big snapshot goes in several messages (the first one resets)
-            batch.append(ev)
-            size += len(ev.tokens)
-            if size >= SNAPSHOT_TOKENS:
-                self._send_events(batch, reset)
-                batch, size, reset = [], 0, False
-        if batch or reset:
-            self._send_events(batch, reset)
-
-    def _send_events(self, events: list[P.CacheEvent], reset: bool) -> None:
-        self._seq += 1
-        if reset:
-            self._reset_seq = self._seq
-        self._send(P.CacheEvents(worker=self.name, events=events, seq=self._seq, reset=reset))
+        self.events.snapshot(self.engine.cache_leaves())
 
     def _on_chunk(self, work: P.Work, chunk) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self._forward_chunk, work, chunk)
 
     def _forward_chunk(self, work: P.Work, chunk) -> None:  # loop
-        self._flush_events()  # keep order: cache events produced before this chunk go first
+        self.events.flush()  # keep order: cache events produced before this chunk go first
         out = chunk.output
         if work.stream and (chunk.token_ids or chunk.text) and (out is None or out.finish_reason in ("stop", "length")):
             self._send(P.Chunk(id=work.id, token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs))
@@ -316,7 +263,7 @@ class Worker:
         self.active[work.id] = job
 
     def _forward_choice(self, work: P.ChooseWork, result, error) -> None:  # loop
-        self._flush_events()
+        self.events.flush()
         self.active.pop(work.id, None)
         if result is None:
             code = P.SHUTTING_DOWN if self.stopping else P.INTERNAL
@@ -336,7 +283,7 @@ class Worker:
         stats["ttft_s"] = self.ttft.to_dict()
         stats["e2e_s"] = self.e2e.to_dict()
         return P.Heartbeat(worker=self.name, running=stats.get("running", 0), waiting=stats.get("waiting", 0),
-                           stats=stats, events_seq=self._seq, reset_seq=self._reset_seq)
+                           stats=stats, events_seq=self.events.seq, reset_seq=self.events.reset_seq)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -376,7 +323,7 @@ class Worker:
         self._done.set()
 
     async def run(self) -> None:
-        self.loop = asyncio.get_running_loop()
+        self.loop = self.events.loop = asyncio.get_running_loop()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         # One identity per process: a reconnect of this process takes its connection over
@@ -400,7 +347,7 @@ class Worker:
         self.sock.connect(self.router)
         self._outq: asyncio.Queue[bytes] = asyncio.Queue()
         self._done = asyncio.Event()
-        self.engine.on_cache_event(self._on_cache_event)
+        self.engine.on_cache_event(self.events.on_event)
         self.engine.start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
