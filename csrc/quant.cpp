@@ -162,7 +162,7 @@ void dequantize_rows(const uint8_t* data, int64_t row_bytes, int64_t K, const in
 }
 
 template <int64_t QT>
-using Type = std::integral_constant<int64_t, QT>;
+using Type = Const<QT>;
 
 // Calls fn(Type<QT>{}) for the runtime type `qtype` (fn reads QT as decltype(arg)::value).
 template <typename Fn>
@@ -356,20 +356,9 @@ void columns_gemv(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t
 template <int64_t QT>
 void columns_gemv_rows(const Part& p, int64_t n0, int64_t n1, const float* x, int64_t ldx, int64_t M, int64_t K,
                        float* y, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const float* xm = x + m0 * ldx;
-    float* ym = y + m0 * ldy;
-    switch (std::min<int64_t>(M - m0, 8)) {
-      case 1: columns_gemv<QT, 1>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      case 2: columns_gemv<QT, 2>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      case 3: columns_gemv<QT, 3>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      case 4: columns_gemv<QT, 4>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      case 5: columns_gemv<QT, 5>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      case 6: columns_gemv<QT, 6>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      case 7: columns_gemv<QT, 7>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-      default: columns_gemv<QT, 8>(p, n0, n1, xm, ldx, K, ym, ldy); break;
-    }
-  }
+  for_row_runs(M, [&](auto rows, int64_t m0) {
+    columns_gemv<QT, decltype(rows)::value>(p, n0, n1, x + m0 * ldx, ldx, K, y + m0 * ldy, ldy);
+  });
 }
 
 // ---- larger batches: tiles of W decoded once into [k][kTileCols] fp32 blocks ---------------------

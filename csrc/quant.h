@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace radixserve::quant {
@@ -56,6 +57,28 @@ struct Part {
 inline const uint8_t* row_of(const Part& p, int64_t n) {
   const int64_t r = n - p.first;
   return p.data + (p.row_map ? p.row_map[r] : r) * p.row_bytes;
+}
+
+// A compile-time constant carried as an argument type (read it as decltype(arg)::value).
+template <int64_t V>
+using Const = std::integral_constant<int64_t, V>;
+
+// Calls fn(Const<R>{}, m0) for rows [m0, m0 + R) of M, in runs of 8 and one shorter last run: the
+// kernels block their registers by R, so it must be a compile-time constant.
+template <typename Fn>
+inline void for_row_runs(int64_t M, Fn&& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    switch (std::min<int64_t>(M - m0, 8)) {
+      case 1: fn(Const<1>{}, m0); break;
+      case 2: fn(Const<2>{}, m0); break;
+      case 3: fn(Const<3>{}, m0); break;
+      case 4: fn(Const<4>{}, m0); break;
+      case 5: fn(Const<5>{}, m0); break;
+      case 6: fn(Const<6>{}, m0); break;
+      case 7: fn(Const<7>{}, m0); break;
+      default: fn(Const<8>{}, m0); break;
+    }
+  }
 }
 
 // ---- csrc/quant_int8.cpp: products against activations quantized to int8 -----------------------

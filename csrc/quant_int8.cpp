@@ -251,23 +251,35 @@ struct WChunk {
 template <int64_t QT>
 struct Decoder;
 
+// Q4_0 and Q4_1: up to 4 blocks of kBytes (header, then 16 bytes of nibbles) from b; their levels
+// (picked by qs) into w.u, low nibbles then high. Returns the first 64 bytes (for the headers).
+template <int kBytes>
+inline __m512i nibble_blocks(const uint8_t* b, int64_t blocks, __m512i qs, WChunk& w) {
+  static_assert(4 * kBytes - 64 == 8 || 4 * kBytes - 64 == 16, "four blocks span 64 bytes and 8 or 16 more");
+  __m512i lo, hi;
+  if (blocks == 4) {
+    lo = _mm512_loadu_si512(b);
+    if constexpr (4 * kBytes - 64 == 8)
+      hi = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64)));
+    else
+      hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64)));
+  } else {
+    lo = load_first(b, blocks * kBytes);
+    hi = load_first(b + 64, blocks * kBytes - 64);
+  }
+  const __m512i q = _mm512_permutex2var_epi8(lo, qs, hi);
+  w.u[0] = nibbles_low(q);
+  w.u[1] = nibbles_high(q);
+  return lo;
+}
+
 template <>
 struct Decoder<kQ4_0> {  // 4 blocks of 18 bytes: fp16 d, 16 bytes of nibbles
   __m512i qs = byte_index([](int i) { return 18 * (i / 16) + 2 + i % 16; });
   __m512i dw = word_index([](int i) { return 9 * (i / 4); });
   static constexpr int kShift = 3;  // c = 8
   inline void operator()(const uint8_t* b, int64_t blocks, WChunk& w) const {
-    __m512i lo, hi;
-    if (blocks == 4) {
-      lo = _mm512_loadu_si512(b);
-      hi = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64)));
-    } else {
-      lo = load_first(b, blocks * 18);
-      hi = load_first(b + 64, blocks * 18 - 64);
-    }
-    const __m512i q = _mm512_permutex2var_epi8(lo, qs, hi);
-    w.u[0] = nibbles_low(q);
-    w.u[1] = nibbles_high(q);
+    const __m512i lo = nibble_blocks<18>(b, blocks, qs, w);
     w.s[0] = halves(lo, dw);
   }
 };
@@ -278,17 +290,7 @@ struct Decoder<kQ4_1> {  // 4 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of ni
   __m512i dw = word_index([](int i) { return 10 * (i / 4); });
   __m512i mw = word_index([](int i) { return 10 * (i / 4) + 1; });
   inline void operator()(const uint8_t* b, int64_t blocks, WChunk& w) const {
-    __m512i lo, hi;
-    if (blocks == 4) {
-      lo = _mm512_loadu_si512(b);
-      hi = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64)));
-    } else {
-      lo = load_first(b, blocks * 20);
-      hi = load_first(b + 64, blocks * 20 - 64);
-    }
-    const __m512i q = _mm512_permutex2var_epi8(lo, qs, hi);
-    w.u[0] = nibbles_low(q);
-    w.u[1] = nibbles_high(q);
+    const __m512i lo = nibble_blocks<20>(b, blocks, qs, w);
     w.s[0] = halves(lo, dw);
     w.o[0] = halves(lo, mw);
   }
@@ -434,19 +436,9 @@ void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a,
     for (int64_t nb = n0; nb < n1; nb += kColumnBlock) columns_int8_rows<QT>(p, nb, std::min(n1, nb + kColumnBlock), a, M, K, y, ldy);
     return;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    float* ym = y + m0 * ldy;
-    switch (std::min<int64_t>(M - m0, 8)) {
-      case 1: columns_int8<QT, 1>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 2: columns_int8<QT, 2>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 3: columns_int8<QT, 3>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 4: columns_int8<QT, 4>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 5: columns_int8<QT, 5>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 6: columns_int8<QT, 6>(p, n0, n1, a, m0, K, ym, ldy); break;
-      case 7: columns_int8<QT, 7>(p, n0, n1, a, m0, K, ym, ldy); break;
-      default: columns_int8<QT, 8>(p, n0, n1, a, m0, K, ym, ldy); break;
-    }
-  }
+  for_row_runs(M, [&](auto rows, int64_t m0) {
+    columns_int8<QT, decltype(rows)::value>(p, n0, n1, a, m0, K, y + m0 * ldy, ldy);
+  });
 }
 #endif  // RADIXSERVE_QUANT_INT8
 
