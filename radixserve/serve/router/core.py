@@ -20,7 +20,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from radixserve import protocol as P
 from radixserve.serve.metrics import MetricsLog
@@ -34,6 +34,9 @@ from radixserve.serve.router.state import Metrics, RouterConfig, WorkerState
 from radixserve.serve.router.status import RouterStatus
 from radixserve.serve.routing import make_policy
 from radixserve.serve.tenants import TenantKeys
+
+if TYPE_CHECKING:
+    from radixserve.serve.supervisor import Supervisor
 
 log = logging.getLogger("radixserve.router")
 
@@ -123,12 +126,12 @@ class Router:
         return self.dispatcher.shutting_down
 
     @property
-    def supervisor(self) -> Any:
+    def supervisor(self) -> Supervisor | None:
         """serve's Supervisor of the local worker processes (None: no local workers)."""
         return self.registry.supervisor
 
     @supervisor.setter
-    def supervisor(self, supervisor: Any) -> None:
+    def supervisor(self, supervisor: Supervisor | None) -> None:
         self.registry.supervisor = supervisor
 
     @property
