@@ -166,3 +166,25 @@ def test_same_session_registering_again_restarts_what_it_lost():
     retried = [m for m in out if isinstance(m, P.Work)]
     assert len(retried) == 1 and retried[0].id != lost  # a new attempt, under a new work id
     assert router.counters["retries"] == 1
+
+
+def test_declaring_a_worker_dead_hands_back_its_jobs_newest_first():
+    """The registry only says which jobs a dead worker held; restarting them is the dispatcher's."""
+    router, out = _router()
+    router.on_worker_frames([b"a", P.encode(P.Register(worker="a", pid=1, session="sa"))])
+    _generate(router, "c1")
+    _generate(router, "c2")
+    a = router.registry.workers["a"]
+    orphans = router.registry.declare_dead(a, "a test")
+    assert [j.cid for j in orphans] == ["c2", "c1"]
+    assert not a.alive and not a.inflight and router.registry.of(b"a") is None
+    assert router.counters["worker_deaths"] == 1
+
+
+def test_every_message_type_has_one_handler():
+    """Client requests reach the client table, worker messages the worker table (Register aside)."""
+    router, _ = _router()
+    for kind in (P.Generate, P.Choose, P.Abort, P.Health, P.Stats):
+        assert kind in router.client_handlers and kind not in router.worker_handlers
+    for kind in (P.Heartbeat, P.Goodbye, P.CacheEvents, P.Chunk, P.Final, P.ChoiceFinal, P.Error, P.Leave):
+        assert kind in router.worker_handlers and kind not in router.client_handlers
