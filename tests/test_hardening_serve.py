@@ -70,8 +70,8 @@ def test_default_char_cap_refuses_untokenizable_prompts(llama_dir):
     limit = router.prompt_char_limit()
     assert 4096 * 4 <= limit <= 4096 * 64 and limit < HUGE_CHARS
     with pytest.raises(TooLongError):
-        router._check_prompt_chars(HUGE_CHARS)
-    router._check_prompt_chars(limit)
+        router.front.check_prompt_chars(HUGE_CHARS)
+    router.front.check_prompt_chars(limit)
 
 
 def test_insane_sampling_request_fails_alone(cluster):

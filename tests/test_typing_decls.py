@@ -1,19 +1,14 @@
 """Declarations that exist only for the type checker stay in step with the code they describe:
-Request's flat names (declared under TYPE_CHECKING, set at import by a loop over its parts) and
-the router's shared state (RouterBase annotations, set in Router.__init__ and Sockets.bind)."""
+Request's flat names (declared under TYPE_CHECKING, set at import by a loop over its parts)."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
-import textwrap
 
 from radixserve.engine import request as request_module
 from radixserve.engine.request import Request
-from radixserve.serve.router import base as router_base
-from radixserve.serve.router.core import Router
-from radixserve.serve.router.sockets import Sockets
 
 
 def _type_checking_names(module, cls_name: str) -> dict[str, str]:
@@ -32,15 +27,3 @@ def test_request_flat_names_are_declared_exactly():
     for name, part in fields.items():  # the input is read-only, the other parts read-write
         assert declared[name].startswith("_ReadOnly[" if part == "input" else "_Flat["), name
         assert isinstance(getattr(Request, name), property)
-
-
-def test_router_base_declares_what_the_router_sets():
-    declared = set(inspect.get_annotations(router_base.RouterBase))
-    set_in_init = {node.attr for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(Router.__init__))))
-                   if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                   and isinstance(node.value, ast.Name) and node.value.id == "self"}
-    set_in_bind = {node.attr for method in (Sockets.bind, Sockets._bind_sockets)
-                   for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(method))))
-                   if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                   and isinstance(node.value, ast.Name) and node.value.id == "self"}
-    assert set_in_init | set_in_bind == declared

@@ -11,11 +11,12 @@ is exactly the prompt's ids.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -24,7 +25,7 @@ from radixserve.errors import BadRequestError, InvariantError
 from radixserve.protocol import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
 
 if TYPE_CHECKING:
-    from radixserve.engine.request import RequestOutput, StreamChunk
+    from radixserve.engine.request import Request, RequestOutput, StreamChunk
 
 
 class ChoiceResult(msgspec.Struct, kw_only=True):
@@ -76,33 +77,44 @@ def rank(choices: Sequence[str], scores: list[list[float]], normalize: str, temp
     return [rows[i] for i in order], index
 
 
+def choice_requests(make_request: Callable[..., Request], rid: str, prompt_ids: list[int],
+                    choice_ids: list[list[int]], namespace: Hashable = None) -> tuple[Request, list[Request]]:
+    """The prefill-only request of the prompt and one scoring request per choice
+    (``prompt + choice``), each scoring from the prompt's end. All are built (and so validated)
+    up front: errors are raised to the caller here, before anything runs."""
+    from radixserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    n = len(prompt_ids)
+    prefill = make_request(prompt_ids, params, request_id=f"{rid}/p", namespace=namespace)
+    prefill.score_from = n
+    scorers = []
+    for i, ids in enumerate(choice_ids):
+        req = make_request(prompt_ids + list(ids), params, request_id=f"{rid}/{i}", namespace=namespace)
+        req.score_from = n
+        scorers.append(req)
+    return prefill, scorers
+
+
 class ChoiceJob:
     """One choose call inside an engine: prefill the prompt, then score every choice.
+    ``submit(request, on_chunk)`` queues a request on the engine, ``abort(rid)`` aborts one;
     ``on_done(result, error)`` is called once, from the engine thread (or from ``step``)."""
 
-    def __init__(self, engine, rid: str, prompt_ids: list[int], choice_ids: list[list[int]], choices: Sequence,
-                 *, normalize: str = "sum", temperature: float = 0.0, seed: int | None = None,
-                 namespace=None, on_done: Callable[[ChoiceResult | None, str | None], None]):
-        from radixserve.sampling_params import SamplingParams
-
+    def __init__(self, prefill: Request, scorers: list[Request], choices: Sequence[str], *,
+                 submit: Callable[[Request, Callable[[StreamChunk], None]], object], abort: Callable[[str], None],
+                 normalize: str = "sum", temperature: float = 0.0, seed: int | None = None,
+                 on_done: Callable[[ChoiceResult | None, str | None], None]):
         validate_choose(choices, normalize, temperature)
-        if len(choice_ids) != len(choices):
+        if len(scorers) != len(choices):
             raise BadRequestError("choices", "token ids and choices differ in length")
-        self.engine, self.rid = engine, rid
-        self.choices = [c if isinstance(c, str) else engine.tokenizer.decode(c) for c in choices]
+        self.prefill, self.scorers = prefill, scorers
+        self.choices = list(choices)
+        self._submit, self._abort = submit, abort
         self.normalize, self.temperature, self.seed = normalize, temperature, seed
         self.on_done = on_done
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        n = len(prompt_ids)
-        # Build (and so validate) every request up front: errors are raised to the caller here.
-        self.prefill = engine.make_request(prompt_ids, params, request_id=f"{rid}/p", namespace=namespace)
-        self.prefill.score_from = n
-        self.scorers = []
-        for i, ids in enumerate(choice_ids):
-            req = engine.make_request(prompt_ids + list(ids), params, request_id=f"{rid}/{i}", namespace=namespace)
-            req.score_from = n
-            self.scorers.append(req)
-        self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(map(len, choice_ids)))
+        n = len(prefill.prompt_ids)
+        self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(len(r.prompt_ids) - n for r in scorers))
         self.outputs: dict[int, RequestOutput] = {}
         self.done = False
         self.aborted = False
@@ -113,12 +125,12 @@ class ChoiceJob:
         return [self.prefill.rid] + [r.rid for r in self.scorers]
 
     def start(self) -> None:
-        self.engine.add_request(self.prefill, self._on_prefill)
+        self._submit(self.prefill, self._on_prefill)
 
     def abort(self) -> None:
         self.aborted = True
         for rid in self.request_ids:
-            self.engine.abort(rid)
+            self._abort(rid)
 
     def _on_prefill(self, chunk) -> None:
         out = chunk.output
@@ -132,7 +144,7 @@ class ChoiceJob:
         now = time.monotonic()
         for i, req in enumerate(self.scorers):
             req.arrival = now
-            self.engine.add_request(req, lambda c, i=i: self._on_scored(i, c))
+            self._submit(req, functools.partial(self._on_scored, i))
 
     def _on_scored(self, i: int, chunk: StreamChunk) -> None:
         out = chunk.output

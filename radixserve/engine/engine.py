@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from typing import Literal, cast
 
 from radixserve.config import EngineConfig
-from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices, validate_choose
+from radixserve.engine.choice import ChoiceJob, ChoiceResult, choice_requests, tokenize_choices, validate_choose
 from radixserve.engine.commands import AbortRequest, AddRequest, OnChunk, Unpin
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Request, RequestOutput, StreamChunk, check_prompt_ids, fit_max_tokens
@@ -152,8 +152,10 @@ class Engine(EngineCore):
         if choice_ids is None:
             choice_ids = tokenize_choices(self.tokenizer, choices)
         rid = request_id or f"choose-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        job = ChoiceJob(self, rid, self.tokenize(prompt), choice_ids, choices, normalize=normalize,
-                        temperature=temperature, seed=seed, namespace=namespace, on_done=on_done)
+        texts = [c if isinstance(c, str) else self.tokenizer.decode(c) for c in choices]
+        prefill, scorers = choice_requests(self.make_request, rid, self.tokenize(prompt), choice_ids, namespace)
+        job = ChoiceJob(prefill, scorers, texts, submit=self.add_request, abort=self.abort, normalize=normalize,
+                        temperature=temperature, seed=seed, on_done=on_done)
         job.start()
         return job
 

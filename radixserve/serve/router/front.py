@@ -1,24 +1,54 @@
-"""Client-facing requests: admission of generate and choose calls (validated, tokenized off the
-loop when long, then dispatched or queued, or refused ``overloaded``), aborts, health and stats."""
+"""The client front: generate and choose calls are authenticated (API keys -> tenants ->
+cache namespaces), validated and tokenized (off the loop when long, in a bounded pool shared
+fairly between tenants), then handed to the dispatcher as jobs; and aborts."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import hmac
 import logging
 import time
+from typing import Any
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError, TooLongError, UnauthorizedError
-from radixserve.serve.router.base import RouterBase
-from radixserve.serve.router.state import Job
+from radixserve.serve.router.dispatch import Dispatcher
+from radixserve.serve.router.jobs import JobKey, JobTable
+from radixserve.serve.router.registry import WorkerRegistry
+from radixserve.serve.router.sockets import Transport
+from radixserve.serve.router.state import Job, Metrics, RouterConfig
+from radixserve.serve.tenants import TenantKeys
 
 log = logging.getLogger("radixserve.router")
 
 
-class ClientFront(RouterBase):
-    """The handlers of client requests (the client socket)."""
+class ClientFront:
+    """The handlers of client calls that become jobs. Owns the tokenizer and its thread pool, and
+    the calls being tokenized (per tenant)."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any, tenants: TenantKeys, gateway_key: str, *,
+                 registry: WorkerRegistry, jobs: JobTable, dispatcher: Dispatcher, transport: Transport,
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.tenants = tenants  # API keys -> tenants -> cache namespaces (empty: a keyless server)
+        self.gateway_key = gateway_key  # what the in-process HTTP gateway authenticates with
+        self.registry = registry
+        self.jobs = jobs
+        self.dispatcher = dispatcher
+        self.transport = transport
+        self.metrics = metrics
+        self.tokenizer: Any = None  # a Hugging Face tokenizer, or None: clients must send token ids
+        self._token_chars = 64
+        self.set_tokenizer(tokenizer)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tokenizing: dict[JobKey, bool] = {}  # key -> aborted while tokenizing
+        self._tokenizing_by: collections.Counter[str] = collections.Counter()  # tenant -> its prompts being tokenized
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def set_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -30,23 +60,23 @@ class ClientFront(RouterBase):
         limit = cfg.limits.max_prompt_chars
         if cfg.max_prompt_chars is not None:
             return min(limit, cfg.max_prompt_chars)
-        context = self._context()
+        context = self.registry.context()
         if context:
             limit = min(limit, context * self._token_chars)
         return limit
 
-    def _accepting(self, identity: bytes, msg) -> tuple | None:
+    def _accepting(self, identity: bytes, msg: P.Generate | P.Choose) -> JobKey | None:
         """The job key for a new client call, or None after replying why it can't be taken."""
-        if self.shutting_down:
-            self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
+        if self.dispatcher.shutting_down:
+            self.transport.reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
             return None
         key = (identity, msg.id)
         if key in self.jobs or key in self._tokenizing:
-            self._reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
+            self.transport.reply_error(identity, msg.id, P.BAD_REQUEST, f"id: {msg.id!r} is already in flight on this connection")
             return None
         return key
 
-    def _authorize(self, identity: bytes, msg: P.Generate | P.Choose | P.Stats) -> tuple[str, str | None]:
+    def authorize(self, identity: bytes, msg: P.Generate | P.Choose | P.Stats) -> tuple[str, str | None]:
         """``(tenant, namespace)`` of a client request; raises :class:`UnauthorizedError`.
 
         ``tenant`` is whose share of the queue the request takes; ``namespace`` the cache
@@ -57,10 +87,7 @@ class ClientFront(RouterBase):
         Without keys the namespace is the client's and its share is its connection's."""
         key = msg.api_key
         if key is not None and hmac.compare_digest(key.encode("utf-8", "surrogatepass"), self.gateway_key.encode()):
-            if identity not in self._trusted:
-                if len(self._trusted) >= 64:  # reconnects: forget the old ones
-                    self._trusted.clear()
-                self._trusted.add(identity)
+            self.transport.trust(identity)
             return f"http:{msg.namespace or ''}", msg.namespace
         if not self.tenants.required:
             return f"conn:{identity.hex()}", msg.namespace
@@ -71,20 +98,20 @@ class ClientFront(RouterBase):
         ns = self.tenants.namespace(tenant)
         return f"key:{tenant}", f"{ns}/{msg.namespace}" if msg.namespace else ns
 
-    def _on_generate(self, identity: bytes, worker, msg: P.Generate) -> None:
+    def on_generate(self, identity: bytes, msg: P.Generate) -> None:
         key = self._accepting(identity, msg)
         if key is None:
             return
         try:
-            tenant, namespace = self._authorize(identity, msg)
+            tenant, namespace = self.authorize(identity, msg)
             P.validate_generate(msg, self.config.limits)  # exactly one of prompt, token_ids
             msg.namespace = namespace
             if msg.prompt is not None:
                 if self.tokenizer is None:
                     raise P.DecodeError("this router has no tokenizer; send token_ids", msg.id)
-                self._check_prompt_chars(len(msg.prompt))
+                self.check_prompt_chars(len(msg.prompt))
         except RadixServeError as exc:
-            self._reply_error(identity, msg.id, exc.code, str(exc))
+            self.transport.reply_error(identity, msg.id, exc.code, str(exc))
             return
         if msg.token_ids is not None:
             self._admit_generate(key, identity, msg, msg.token_ids, tenant)
@@ -93,7 +120,7 @@ class ClientFront(RouterBase):
             self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(prompt),),
                            lambda ids: self._admit_generate(key, identity, msg, ids, tenant), len(prompt), tenant)
 
-    def _check_prompt_chars(self, n: int) -> None:
+    def check_prompt_chars(self, n: int) -> None:
         limit = self.prompt_char_limit()
         if n > limit:
             raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit "
@@ -109,16 +136,15 @@ class ClientFront(RouterBase):
         cap = self.config.max_tokenizing
         busy, mine = len(self._tokenizing), self._tokenizing_by[tenant]
         if busy >= cap or (busy >= cap // 2 and mine >= max(1, cap // 4)):
-            self.counters["overloaded"] += 1
-            self._reply_error(identity, msg.id, P.OVERLOADED,
+            self.metrics.count("overloaded")
+            self.transport.reply_error(identity, msg.id, P.OVERLOADED,
                               f"{busy} long prompts are being tokenized ({mine} of them yours); retry later")
             return
-        if self._tok_pool is None:
-            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
-                                                                   thread_name_prefix="tokenize")
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads, thread_name_prefix="tokenize")
         self._tokenizing[key] = False
         self._tokenizing_by[tenant] += 1
-        future = asyncio.get_running_loop().run_in_executor(self._tok_pool, compute)
+        future = asyncio.get_running_loop().run_in_executor(self._pool, compute)
 
         def done(fut) -> None:
             aborted = self._tokenizing.pop(key, False)
@@ -130,18 +156,18 @@ class ClientFront(RouterBase):
                     raise RuntimeError("tokenizing was cancelled")
                 result = fut.result()
             except Exception as exc:
-                self._reply_error(identity, msg.id, P.INTERNAL, f"tokenizing failed: {type(exc).__name__}: {exc}")
+                self.transport.reply_error(identity, msg.id, P.INTERNAL, f"tokenizing failed: {type(exc).__name__}: {exc}")
                 return
             if aborted:
-                self._reply_error(identity, msg.id, P.BAD_REQUEST, "aborted by the client")
-            elif self.shutting_down:
-                self._reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
+                self.transport.reply_error(identity, msg.id, P.BAD_REQUEST, "aborted by the client")
+            elif self.dispatcher.shutting_down:
+                self.transport.reply_error(identity, msg.id, P.SHUTTING_DOWN, "the router is shutting down; retry elsewhere")
             else:
                 try:
                     then(*result)
                 except Exception:  # a bug must not leave the call without a reply
                     log.exception("router failed admitting a tokenized request")
-                    self._reply_error(identity, msg.id, P.INTERNAL, "router error admitting the request")
+                    self.transport.reply_error(identity, msg.id, P.INTERNAL, "router error admitting the request")
 
         future.add_done_callback(done)
 
@@ -152,28 +178,27 @@ class ClientFront(RouterBase):
             if not ids:
                 raise P.DecodeError("prompt tokenizes to nothing", msg.id)
         except RadixServeError as exc:
-            self._reply_error(identity, msg.id, exc.code, str(exc))
+            self.transport.reply_error(identity, msg.id, exc.code, str(exc))
             return
-        self.counters["requests"] += 1
-        now = time.monotonic()
-        job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=msg.params,
-                  namespace=msg.namespace, stream=msg.stream, arrival=now, tenant=tenant)
-        self._admit(key, job)
+        self.metrics.count("requests")
+        job = Job(n=self.jobs.number(), client=identity, cid=msg.id, token_ids=list(ids), params=msg.params,
+                  namespace=msg.namespace, stream=msg.stream, arrival=time.monotonic(), tenant=tenant)
+        self.dispatcher.admit(job)
 
-    def _on_choose(self, identity: bytes, worker, msg: P.Choose) -> None:
+    def on_choose(self, identity: bytes, msg: P.Choose) -> None:
         key = self._accepting(identity, msg)
         if key is None:
             return
         try:
-            tenant, namespace = self._authorize(identity, msg)
+            tenant, namespace = self.authorize(identity, msg)
             P.validate_choose(msg, self.config.limits)
             msg.namespace = namespace
             if self.tokenizer is None:
                 raise P.DecodeError("this router has no tokenizer; choose needs one", msg.id)
             if msg.prompt is not None:
-                self._check_prompt_chars(len(msg.prompt))
+                self.check_prompt_chars(len(msg.prompt))
         except RadixServeError as exc:
-            self._reply_error(identity, msg.id, exc.code, str(exc))
+            self.transport.reply_error(identity, msg.id, exc.code, str(exc))
             return
         tok = self.tokenizer
 
@@ -187,11 +212,6 @@ class ClientFront(RouterBase):
         self._tokenize(key, identity, msg, compute,
                        lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids, tenant), chars, tenant)
 
-    def _context(self) -> int:
-        """The model's context in tokens (0 while no worker has told it)."""
-        cfg = self.config
-        return cfg.max_model_len or max((w.info.get("max_model_len", 0) for w in self.workers.values()), default=0)
-
     def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids, tenant: str) -> None:
         try:
             if len(ids) > self.config.limits.max_prompt_tokens:
@@ -200,99 +220,30 @@ class ClientFront(RouterBase):
                 raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
             n = sum(map(len, choice_ids))
             limit, name = self.config.limits.max_choice_tokens, "max_choice_tokens"
-            if 0 < self._context() < limit:
-                limit, name = self._context(), "the model's context"
+            if 0 < self.registry.context() < limit:
+                limit, name = self.registry.context(), "the model's context"
             if n > limit:  # every choice token is scored on top of the prompt: work like a prompt's
                 raise TooLongError("choices", f"have {n} tokens in all; the limit is {limit} ({name}): "
                                               f"send fewer or shorter choices")
         except RadixServeError as exc:
-            self._reply_error(identity, msg.id, exc.code, str(exc))
+            self.transport.reply_error(identity, msg.id, exc.code, str(exc))
             return
-        self.counters["requests"] += 1
-        self.counters["choose_requests"] += 1
-        now = time.monotonic()
-        job = Job(n=next(self._n), client=identity, cid=msg.id, token_ids=list(ids), params=None,
-                  namespace=msg.namespace, stream=False, arrival=now, tenant=tenant,
+        self.metrics.count("requests")
+        self.metrics.count("choose_requests")
+        job = Job(n=self.jobs.number(), client=identity, cid=msg.id, token_ids=list(ids), params=None,
+                  namespace=msg.namespace, stream=False, arrival=time.monotonic(), tenant=tenant,
                   choose=dict(choices=msg.choices, choice_ids=choice_ids, normalize=msg.normalize,
                               temperature=msg.temperature, seed=msg.seed))
-        self._admit(key, job)
+        self.dispatcher.admit(job)
 
-    def _admit(self, key, job: Job) -> None:
-        identity = job.client
-        self.hist["queue_depth_at_arrival"].observe(len(self.queue))
-        candidates = self._candidates()
-        if candidates:
-            self.jobs[key] = job
-            self._dispatch(job, candidates)
-        elif len(self.queue) < self.config.max_queue or self._push_out(job.tenant):
-            self.jobs[key] = job
-            job.queued_at = job.arrival
-            self.queue.append(job)
-        else:
-            self.counters["overloaded"] += 1
-            self._reply_error(identity, job.cid, P.OVERLOADED,
-                              f"all {len(self._alive())} workers are at their in-flight cap and the router queue "
-                              f"is full ({self.config.max_queue}); retry later or add workers")
-
-    def _push_out(self, tenant: str) -> bool:
-        """Room in the full queue for a job of ``tenant``, by refusing the newest job of the tenant
-        holding the most of it (if that holds at least two more than ``tenant``)."""
-        out = self.queue.push_out(tenant)
-        if out is None:
-            return False
-        self.counters["overloaded"] += 1
-        self.counters["queue_pushed_out"] += 1
-        self.jobs.pop((out.client, out.cid), None)
-        self._reply_error(out.client, out.cid, P.OVERLOADED,
-                          f"the router queue is full ({self.config.max_queue}) and your requests hold the most of it; "
-                          f"retry later")
-        return True
-
-    def _on_abort(self, identity: bytes, worker, msg: P.Abort) -> None:
-        if (identity, msg.id) in self._tokenizing:
-            self._tokenizing[(identity, msg.id)] = True  # answered when tokenizing ends
+    def on_abort(self, identity: bytes, msg: P.Abort) -> None:
+        key = (identity, msg.id)
+        if key in self._tokenizing:
+            self._tokenizing[key] = True  # answered when tokenizing ends
             return
-        job = self.jobs.get((identity, msg.id))
-        if job is None:
-            return
-        if job.worker is None:  # still queued here
-            try:
-                self.queue.remove(job)
-            except ValueError:
-                pass
-            self._finish(job, None)
-            if job.choose is not None:
-                self._reply_error(job.client, job.cid, P.BAD_REQUEST, "aborted by the client")
-                return
-            self._send(job.client, P.Final(id=job.cid, token_ids=[], text="", finish_reason="abort",
-                                           usage=P.Usage(prompt_tokens=len(job.token_ids), cached_tokens=0, completion_tokens=0),
-                                           timings=P.Timings(queue_s=time.monotonic() - job.arrival, ttft_s=0.0,
-                                                             e2e_s=time.monotonic() - job.arrival)))
-            self.counters["aborted"] += 1
-        else:
-            self._wsend(job.worker.identity, P.Abort(id=job.work_id))
-
-    def _on_health(self, identity: bytes, worker, msg: P.Health) -> None:
-        alive = len(self._alive())
-        status = "shutting_down" if self.shutting_down else ("ok" if alive else "degraded")
-        self._send(identity, P.HealthReply(id=msg.id, status=status, workers=len(self.workers), workers_alive=alive))
-
-    def _on_stats(self, identity: bytes, worker, msg: P.Stats) -> None:
-        try:
-            _, namespace = self._authorize(identity, msg)
-            if msg.namespace is not None and len(msg.namespace) > self.config.limits.max_namespace_chars:
-                raise P.BadRequestError("namespace", f"must be at most {self.config.limits.max_namespace_chars} characters")
-        except RadixServeError as exc:
-            self._reply_error(identity, msg.id, exc.code, str(exc))
-            return
-        probe = None
-        if msg.probe is not None:
-            # a text probe is tokenized on the loop: only its first 65536 characters (milliseconds)
-            text = msg.probe[: min(self.prompt_char_limit(), 65536)] if isinstance(msg.probe, str) else ""
-            ids = msg.probe if isinstance(msg.probe, list) else (self.tokenizer.encode(text) if self.tokenizer else [])
-            ids = ids[: self.config.limits.max_probe_tokens]
-            probe = {w.name: w.index.tree.peek(ids, namespace) for w in self.workers.values()}
-        self._send(identity, P.StatsReply(id=msg.id, stats=self.stats(probe)))
+        job = self.jobs.get(key)
+        if job is not None:
+            self.dispatcher.abort(job)
 
 
 def longest_token_chars(tokenizer, cap: int = 64) -> int:

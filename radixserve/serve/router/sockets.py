@@ -1,5 +1,6 @@
-"""The router's two ROUTER sockets: binding them, sending, and receiving frames into the
-message handlers (client requests on one socket, worker messages on the other)."""
+"""The router's transport: its two ROUTER sockets (clients on one, workers on the other, a CURVE
+server), their ZAP handler, the count of client connections, and sending and receiving frames.
+What it receives it decodes and hands on; what a message means is the router's business."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -16,7 +18,7 @@ import zmq.asyncio
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
 from radixserve.runtime import open_files_limit
-from radixserve.serve.router.base import RouterBase
+from radixserve.serve.router.state import Metrics, RouterConfig
 
 log = logging.getLogger("radixserve.router")
 
@@ -33,64 +35,78 @@ class _Backlog:
     droppable: int = 0
 
 
-# Message type -> the name of its handler method, ``handler(identity, worker, msg)``.
-_HANDLERS = {  # the client socket
-    P.Generate: "_on_generate", P.Abort: "_on_abort", P.Health: "_on_health",
-    P.Stats: "_on_stats", P.Choose: "_on_choose",
-}
-_WORKER_HANDLERS = {  # the worker socket
-    P.Register: "_on_register", P.Heartbeat: "_on_heartbeat",
-    P.CacheEvents: "_on_cache_events", P.Goodbye: "_on_goodbye",
-    P.Chunk: "_on_chunk", P.Final: "_on_final", P.Error: "_on_worker_error",
-    P.ChoiceFinal: "_on_choice_final", P.Leave: "_on_leave",
-}
+class Transport:
+    """The client and worker sockets: binding them, sending to clients (holding a slow client's
+    frames rather than dropping results) and to workers, and receiving frames, decoded, for the
+    router's handlers. Owns the ZMQ context, both sockets, the ZAP thread that admits workers
+    holding the secret and bounds client connections, each slow client's backlog, and which
+    connections are the trusted gateway's. Tests use a subclass that records what is sent."""
 
+    def __init__(self, config: RouterConfig, secret: str, metrics: Metrics) -> None:
+        self.config = config
+        self.secret = secret
+        self.metrics = metrics
+        self.address = ""
+        self.worker_address = ""
+        self.clients = 0  # open client connections (count_clients)
+        self.max_clients = config.max_clients or 0  # beyond: new client connections are refused; set by bind() when None
+        self._clients_full_logged = -60.0
+        self._backlog: dict[bytes, _Backlog] = {}  # client connection -> frames waiting for it
+        self._flush_scheduled = False
+        self._trusted: set[bytes] = set()  # connections that authenticated as the gateway (their replies are never dropped)
+        self.ctx: zmq.asyncio.Context | None = None
+        self.sock: zmq.asyncio.Socket | None = None  # clients
+        self.wsock: zmq.asyncio.Socket | None = None  # workers
+        self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator
+        self._client_monitor: zmq.asyncio.Socket | None = None  # the client socket's connection events
 
-class Sockets(RouterBase):
-    """Binding, sending and receiving on the client and worker sockets."""
+    @property
+    def bound(self) -> bool:
+        return self.sock is not None
 
-    def bind(self) -> str:
+    def bind(self, *, keyless: bool) -> str:
         """Bind the client and worker sockets; returns the client address (with the real port
         when port is 0); the worker socket's is :attr:`worker_address`. A busy address raises
-        :class:`~radixserve.errors.RadixServeError` naming it."""
+        :class:`~radixserve.errors.RadixServeError` naming it, and so does a client socket
+        reachable from other hosts on a ``keyless`` server."""
         self.ctx = zmq.asyncio.Context()
         try:
-            return self._bind_sockets()
+            return self._bind_sockets(self.ctx, keyless)
         except BaseException:
             self.close(linger=0)  # an open socket or the ZAP thread would keep the process from exiting
             raise
 
-    def _bind_sockets(self) -> str:
+    def _bind_sockets(self, ctx: zmq.asyncio.Context, keyless: bool) -> str:
         from radixserve.serve import auth
 
         cfg = self.config
         where = cfg.address or f"tcp://{cfg.host}:{cfg.port}"
-        if not self.tenants.required and not is_local_address(where):
+        if keyless and not is_local_address(where):
             raise RadixServeError(
                 f"refusing to open the client socket ({where}) beyond this host without API keys: anyone who "
                 f"reaches it could run requests and probe every namespace's cache. Pass --api-key KEY or "
                 f"--api-keys-file FILE (clients then send it: Client(..., api_key=KEY) or RADIXSERVE_API_KEY), or "
                 f"keep clients on 127.0.0.1 and open only the worker socket (--worker-address tcp://HOST:PORT)")
         self.max_clients = cfg.max_clients or min(MAX_CLIENTS, open_files_limit() // 2)
-        self._auth = auth.start_authenticator(self.ctx, self.secret, self.counters, self._admit_client)
-        sock = self.sock = self.ctx.socket(zmq.ROUTER)
+        self._auth = auth.start_authenticator(ctx, self.secret, self.metrics.counters, self.admit_client)
+        sock = self.sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 500)
         # A client that reads nothing must not grow the router without bound (20k unread Stats
         # replies took 43 MB), and a busy one (the HTTP gateway: one connection, many streams)
         # must lose nothing. Past SNDHWM frames queued for one connection, libzmq refuses more
         # (ROUTER_MANDATORY: EAGAIN, not a silent drop): the router then holds that connection's
-        # frames itself (_send) and drops only stats/health replies beyond a few.
+        # frames itself (send) and drops only stats/health replies beyond a few.
         sock.setsockopt(zmq.SNDHWM, cfg.client_sndhwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Hard cap (libzmq drops the peer): well above the soft limit, so a frame a bit too big
         # still gets an error reply naming the limit.
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * cfg.limits.max_frame_bytes, 16 * 2**20))
-        # Client connections are bounded (see _admit_client), counted from the socket's events.
+        # Client connections are bounded (see admit_client), counted from the socket's events.
         sock.zap_domain = auth.CLIENT_ZAP_DOMAIN.encode()
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         self._client_monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.address = _bind(sock, cfg.address, cfg.host, cfg.port, "client")
-        wsock = self.wsock = self.ctx.socket(zmq.ROUTER)
+        wsock = self.wsock = ctx.socket(zmq.ROUTER)
         wsock.setsockopt(zmq.LINGER, 500)
         wsock.setsockopt(zmq.SNDHWM, 0)
         wsock.setsockopt(zmq.MAXMSGSIZE, P.WORKER_MAX_FRAME_BYTES)
@@ -118,23 +134,24 @@ class Sockets(RouterBase):
         """Stop the ZAP handler, close both sockets and end the context (after ``linger`` ms for
         replies still queued). Idempotent, and safe after a :meth:`bind` that failed half-way:
         ``Context.term()`` waits forever for a socket left open."""
-        if getattr(self, "_auth", None) is not None:
+        if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        for sock in (getattr(self, "_client_monitor", None), getattr(self, "sock", None), getattr(self, "wsock", None)):
+        for sock in (self._client_monitor, self.sock, self.wsock):
             if sock is not None:
                 sock.close(linger=linger)
-        if getattr(self, "ctx", None) is not None:
+        if self.ctx is not None:
             self.ctx.term()
 
-    def _admit_client(self) -> bool:
+    # -- client connections --------------------------------------------------------------------
+    def admit_client(self) -> bool:
         """(On the ZAP thread, at each client handshake.) Whether a new client connection may
         stay: while at most :attr:`max_clients` are open. Every connection holds a file
         descriptor; past the process's limit libzmq spins on accept() and a worker restart
         fails (EMFILE), so the bound sits well below it. A refused libzmq peer does not retry."""
         if self.clients <= self.max_clients:
             return True
-        self.counters["refused_clients"] += 1
+        self.metrics.count("refused_clients")
         now = time.monotonic()
         if now - self._clients_full_logged >= 60.0:
             self._clients_full_logged = now
@@ -142,20 +159,29 @@ class Sockets(RouterBase):
                         self.clients, self.max_clients)
         return False
 
-    async def _count_clients(self) -> None:
+    async def count_clients(self) -> None:
         """Keep :attr:`clients`, the open client connections, from the client socket's monitor."""
         from zmq.utils.monitor import parse_monitor_message
 
+        assert self._client_monitor is not None, "bind() first"
         while True:
             frames = await self._client_monitor.recv_multipart()
             try:
                 accepted = parse_monitor_message(frames)["event"] == zmq.EVENT_ACCEPTED
             except Exception:
-                self._task_failed("client count")
+                self.metrics.task_failed("client count")
                 continue
             self.clients = max(0, self.clients + (1 if accepted else -1))
 
-    def _send(self, identity: bytes, msg) -> None:
+    def trust(self, identity: bytes) -> None:
+        """``identity`` authenticated as the in-process gateway: its replies are never dropped."""
+        if identity not in self._trusted:
+            if len(self._trusted) >= 64:  # reconnects: forget the old ones
+                self._trusted.clear()
+            self._trusted.add(identity)
+
+    # -- sending -------------------------------------------------------------------------------
+    def send(self, identity: bytes, msg: Any) -> None:
         """Send to a client. When its connection already holds ``client_sndhwm`` unread frames,
         the frame waits in a per-connection backlog (sent in order as the client reads), except
         a stats or health reply beyond :data:`MAX_DROPPABLE_BACKLOG` waiting ones: dropped
@@ -172,12 +198,25 @@ class Sockets(RouterBase):
         droppable = isinstance(msg, (P.StatsReply, P.HealthReply)) and identity not in self._trusted
         if droppable:
             if backlog.droppable >= MAX_DROPPABLE_BACKLOG:
-                self.counters["dropped_replies"] += 1
+                self.metrics.count("dropped_replies")
                 return
             backlog.droppable += 1
         backlog.frames.append((frame, droppable))
 
+    def reply_error(self, identity: bytes, rid: str, code: str, message: str) -> None:
+        self.metrics.count(f"errors_{code}")
+        self.send(identity, P.Error(id=rid, code=code, message=message))
+
+    def send_worker(self, identity: bytes, msg: Any) -> None:
+        """Send to a worker (on the worker socket)."""
+        assert self.wsock is not None, "bind() first"
+        try:
+            self.wsock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("send to worker %r failed: %s", identity, exc)
+
     def _try_send(self, identity: bytes, frame: bytes) -> int:
+        assert self.sock is not None, "bind() first"
         # pyzmq's asyncio send with NOBLOCK returns a finished future holding any error
         fut: Any = self.sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
         exc = fut.exception() if fut.done() else None
@@ -215,89 +254,51 @@ class Sockets(RouterBase):
         if self._backlog:
             self._flush_later(0.005 if progress else min(0.5, delay * 2))
 
-    def _wsend(self, identity: bytes, msg) -> None:
-        """Send to a worker (on the worker socket)."""
-        try:
-            self.wsock.send_multipart([identity, P.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("send to worker %r failed: %s", identity, exc)
-
-    def _reply_error(self, identity: bytes, rid: str, code: str, message: str) -> None:
-        self.counters[f"errors_{code}"] = self.counters.get(f"errors_{code}", 0) + 1
-        self._send(identity, P.Error(id=rid, code=code, message=message))
-
-    async def _worker_receiver(self) -> None:
-        async for parts in P.received(self.wsock.recv_multipart):
-            try:
-                self._on_worker_frames(parts)
-            except Exception:
-                log.exception("router failed handling a worker message")
-
-    def _on_worker_frames(self, parts: list[bytes]) -> None:
-        """A message on the worker socket: the peer holds the secret (CURVE let it in)."""
-        identity = parts[0]
-        worker = self.by_identity.get(identity)
-        if len(parts) != 2:
-            self.counters["bad_frames"] += 1
-            return
-        try:
-            msg = P.decode(parts[1], max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
-        except P.DecodeError as exc:
-            self.counters["bad_frames"] += 1
-            log.warning("bad frame from worker %r: %s", identity, exc)
-            return
-        handler = _WORKER_HANDLERS.get(type(msg))
-        if handler is None:
-            log.warning("worker %r sent a %s, which is not a worker message", identity, type(msg).__name__)
-            return
-        if worker is None and not isinstance(msg, P.Register):
-            # Not (or no longer) registered, e.g. declared dead during a link cut: ask it to
-            # register again (at most once per heartbeat timeout per connection).
-            if not isinstance(msg, (P.Leave, P.Goodbye)) and not self.shutting_down:
-                now = time.monotonic()
-                if now - self._rejoin_asked.get(identity, 0.0) > self.config.heartbeat_timeout_s:
-                    if len(self._rejoin_asked) > 4096:
-                        self._rejoin_asked.clear()
-                    self._rejoin_asked[identity] = now
-                    self.counters["rejoins_asked"] += 1
-                    self._wsend(identity, P.Rejoin(reason="this connection is not registered"))
-            return
-        if worker is not None:
-            worker.last_seen = time.monotonic()
-        getattr(self, handler)(identity, worker, msg)
-
-    async def _receiver(self) -> None:
+    # -- receiving -----------------------------------------------------------------------------
+    async def receive_clients(self, handle: Callable[[list[bytes]], None]) -> None:
+        """Hand every message on the client socket to ``handle(frames)``, for good."""
+        assert self.sock is not None, "bind() first"
         async for parts in P.received(self.sock.recv_multipart):
             try:
-                self._on_frames(parts)
+                handle(parts)
             except Exception:  # a bug handling one message must not take the router down
                 log.exception("router failed handling a message")
 
-    def _on_frames(self, parts: list[bytes]) -> None:
-        """A message on the client socket: only client requests are accepted here."""
+    async def receive_workers(self, handle: Callable[[list[bytes]], None]) -> None:
+        """Hand every message on the worker socket to ``handle(frames)``, for good."""
+        assert self.wsock is not None, "bind() first"
+        async for parts in P.received(self.wsock.recv_multipart):
+            try:
+                handle(parts)
+            except Exception:
+                log.exception("router failed handling a worker message")
+
+    def client_message(self, parts: list[bytes]) -> Any:
+        """The message in a client's frames; None after answering a malformed one with an error."""
         identity = parts[0]
         if len(parts) != 2:
-            self.counters["bad_frames"] += 1
-            self._reply_error(identity, "", P.BAD_REQUEST, f"frame: expected one frame per message, got {len(parts) - 1}")
-            return
+            self.metrics.count("bad_frames")
+            self.reply_error(identity, "", P.BAD_REQUEST, f"frame: expected one frame per message, got {len(parts) - 1}")
+            return None
         try:
-            msg = P.decode(parts[1], max_frame_bytes=self.config.limits.max_frame_bytes)
+            return P.decode(parts[1], max_frame_bytes=self.config.limits.max_frame_bytes)
         except P.DecodeError as exc:
-            self.counters["bad_frames"] += 1
-            self._reply_error(identity, exc.request_id, P.BAD_REQUEST, str(exc))
-            return
-        handler = _HANDLERS.get(type(msg))
-        if handler is None:
-            hint = " (workers connect to the worker socket, with the secret)" if type(msg) in _WORKER_HANDLERS else ""
-            self._reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST,
-                              f"type: {type(msg).__name__} is not a request a router accepts{hint}")
-            return
+            self.metrics.count("bad_frames")
+            self.reply_error(identity, exc.request_id, P.BAD_REQUEST, str(exc))
+            return None
+
+    def worker_message(self, parts: list[bytes]) -> Any:
+        """The message in a worker's frames (the peer holds the secret: CURVE let it in); None
+        for a malformed one (counted and logged)."""
+        if len(parts) != 2:
+            self.metrics.count("bad_frames")
+            return None
         try:
-            getattr(self, handler)(identity, None, msg)
-        except Exception as exc:  # a bug must not leave a client call without any reply (a hang with timeout=None)
-            log.exception("router failed handling a %s", type(msg).__name__)
-            self._reply_error(identity, getattr(msg, "id", ""), P.INTERNAL,
-                              f"router error handling the request ({type(exc).__name__}); it was not run")
+            return P.decode(parts[1], max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
+        except P.DecodeError as exc:
+            self.metrics.count("bad_frames")
+            log.warning("bad frame from worker %r: %s", parts[0], exc)
+            return None
 
 
 def is_local_address(address: str) -> bool:

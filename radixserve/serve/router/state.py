@@ -1,7 +1,9 @@
-"""The router's configuration and the state it keeps per request (:class:`Job`) and per worker (:class:`WorkerState`)."""
+"""The router's configuration, the state it keeps per request (:class:`Job`) and per worker
+(:class:`WorkerState`), and the counters and histograms every component counts into (:class:`Metrics`)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -9,11 +11,17 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from prometheus_client import CollectorRegistry
+
 from radixserve import protocol as P
-from radixserve.serve.metrics import Histogram
+from radixserve.serve.metrics import DEPTH_BUCKETS, LATENCY_BUCKETS_S, Histogram
 from radixserve.serve.routing import CacheIndex
 from radixserve.validation import check
 
+
+log = logging.getLogger("radixserve.router")
+
+TASK_ERROR_LOG_S = 60.0  # a periodic task that keeps failing logs its traceback once per this
 
 _Count = Annotated[int, Meta(ge=1)]
 _Seconds = Annotated[float, Meta(gt=0)]
@@ -65,7 +73,7 @@ class RouterConfig(msgspec.Struct, kw_only=True):
     # Stats must carry a known key, and runs in its tenant's cache namespace; when empty, the
     # client socket may only be bound to loopback (or ipc://).
     api_keys: dict[str, str] = msgspec.field(default_factory=dict)
-    # Frames libzmq queues per client connection; past it the router holds them (Sockets._send).
+    # Frames libzmq queues per client connection; past it the router holds them (Transport.send).
     client_sndhwm: _Count = 1000
 
     def check(self) -> None:
@@ -126,3 +134,30 @@ COUNTERS = (
     "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
     "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
+
+
+class Metrics:
+    """The router's counters (:data:`COUNTERS`, and ``routed_*`` / ``errors_*`` ones as they
+    come) and histograms, in its own prometheus-client registry. Every component is handed this
+    one object and only adds to it; the stats document reads it."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.registry = CollectorRegistry()
+        self.hist = {key: Histogram(buckets, name=f"radixserve_router_{key}", registry=self.registry)
+                     for key, buckets in (("ttft_s", LATENCY_BUCKETS_S), ("e2e_s", LATENCY_BUCKETS_S),
+                                          ("router_queue_s", LATENCY_BUCKETS_S),
+                                          ("queue_depth_at_arrival", DEPTH_BUCKETS))}
+        self._task_error_logged: dict[str, float] = {}  # periodic task -> when its last traceback was logged
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def task_failed(self, task: str) -> None:
+        """A periodic task's step raised (call it from the ``except``): count it and log it (the
+        traceback at most once a minute per task); the task goes on."""
+        self.count("task_errors")
+        now = time.monotonic()
+        if now - self._task_error_logged.get(task, -TASK_ERROR_LOG_S) >= TASK_ERROR_LOG_S:
+            self._task_error_logged[task] = now
+            log.exception("router %s failed (it goes on; %d such errors so far)", task, self.counters["task_errors"])
