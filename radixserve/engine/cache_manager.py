@@ -54,18 +54,18 @@ class CacheManager:
         """Cached prefix length of ``req``, without touching the tree (for ordering the queue)."""
         if self.tree is None:
             return 0
-        return self.tree.peek(req.tokens, req.namespace, max_len=req.match_limit)
+        return self.tree.peek(req.tokens, req.input.namespace, max_len=req.match_limit)
 
     def match(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` and lock it. The last token is never
         matched: its logits are needed (nor, for a scoring request, any scored position)."""
         if req.kv.pages or req.kv.node is not None:
-            raise InvariantError(f"match of {req.rid}, which still holds KV")
+            raise InvariantError(f"match of {req.input.rid}, which still holds KV")
         length = 0
-        if req.score_from is not None:  # scoring: every scored row is (re)computed from here on
-            req.score_logprobs = [None] * (req.num_tokens - req.score_from)
+        if req.decode.score_from is not None:  # scoring: every scored row is (re)computed from here on
+            req.out.score_logprobs = [None] * (req.num_tokens - req.decode.score_from)
         if self.tree is not None:
-            m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
+            m = self.tree.match(req.tokens, req.input.namespace, max_len=req.match_limit)
             self.tree.lock(m.node)
             req.kv.node, req.kv.pages, length = m.node, list(m.pages), m.length
         req.kv.cached_len = req.kv.computed = length
@@ -75,7 +75,7 @@ class CacheManager:
         recomputes or re-reads its own KV: that is never a hit)."""
         if req.kv.cached_tokens is None:
             req.kv.cached_tokens = req.kv.cached_len
-            self.query_tokens += len(req.prompt_ids)
+            self.query_tokens += len(req.input.prompt_ids)
             self.hit_tokens += req.kv.cached_len
 
     # -- allocation ----------------------------------------------------------------------------
@@ -104,11 +104,11 @@ class CacheManager:
             return
         tokens = req.tokens[:aligned]
         num_pages = aligned // self.page_size
-        already = self.tree.insert(tokens, req.kv.pages[:num_pages], req.namespace)
+        already = self.tree.insert(tokens, req.kv.pages[:num_pages], req.input.namespace)
         self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size : already // self.page_size])
-        m = self.tree.match(tokens, req.namespace)
+        m = self.tree.match(tokens, req.input.namespace)
         if m.length != aligned:
-            raise InvariantError(f"{req.rid}: re-match after insert found {m.length} of {aligned} tokens")
+            raise InvariantError(f"{req.input.rid}: re-match after insert found {m.length} of {aligned} tokens")
         req.kv.pages[:num_pages] = m.pages
         self.tree.lock(m.node)
         self.tree.unlock(req.kv.node)
@@ -120,7 +120,7 @@ class CacheManager:
         if self.tree is not None:
             self.commit(req)
             self.alignment_waste_tokens += req.kv.computed - req.kv.cached_len
-            if finished and req.pin:
+            if finished and req.decode.pin:
                 self._pin(req)
             self.tree.unlock(req.kv.node)
         self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size :])
@@ -129,11 +129,11 @@ class CacheManager:
     # -- pinning -------------------------------------------------------------------------------
     def _pin(self, req: Request) -> None:
         if self.tree is None:
-            raise InvariantError(f"pin of {req.rid} without a prefix cache")
-        aligned = len(req.prompt_ids) // self.page_size * self.page_size
-        key = (req.namespace, tuple(req.prompt_ids[:aligned]))
+            raise InvariantError(f"pin of {req.input.rid} without a prefix cache")
+        aligned = len(req.input.prompt_ids) // self.page_size * self.page_size
+        key = (req.input.namespace, tuple(req.input.prompt_ids[:aligned]))
         if aligned and key not in self.pins:
-            m = self.tree.match(key[1], req.namespace)
+            m = self.tree.match(key[1], req.input.namespace)
             self.tree.lock(m.node)
             self.pins[key] = m.node
 
@@ -200,7 +200,7 @@ class CacheManager:
     def _check_page_table(self, req: Request) -> None:
         problem = self._page_table_problem(req)
         if problem:
-            raise InvariantError(f"request {req.rid}: {problem}")
+            raise InvariantError(f"request {req.input.rid}: {problem}")
 
     def _page_table_problem(self, req: Request) -> str | None:
         """``req.kv.pages`` covers every computed token, and its cached prefix is exactly the pages

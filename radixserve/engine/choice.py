@@ -96,11 +96,11 @@ class ChoiceJob:
         n = len(prompt_ids)
         # Build (and so validate) every request up front: errors are raised to the caller here.
         self.prefill = engine.make_request(prompt_ids, params, request_id=f"{rid}/p", namespace=namespace)
-        self.prefill.score_from = n
+        self.prefill.decode.score_from = n
         self.scorers = []
         for i, ids in enumerate(choice_ids):
             req = engine.make_request(prompt_ids + list(ids), params, request_id=f"{rid}/{i}", namespace=namespace)
-            req.score_from = n
+            req.decode.score_from = n
             self.scorers.append(req)
         self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(map(len, choice_ids)))
         self.outputs: dict[int, RequestOutput] = {}
@@ -110,7 +110,7 @@ class ChoiceJob:
 
     @property
     def request_ids(self) -> list[str]:
-        return [self.prefill.rid] + [r.rid for r in self.scorers]
+        return [self.prefill.input.rid] + [r.input.rid for r in self.scorers]
 
     def start(self) -> None:
         self.engine.add_request(self.prefill, self._on_prefill)
@@ -131,7 +131,7 @@ class ChoiceJob:
         self.usage.prompt_cached_tokens = out.cached_tokens
         now = time.monotonic()
         for i, req in enumerate(self.scorers):
-            req.arrival = now
+            req.life.arrival = now
             self.engine.add_request(req, lambda c, i=i: self._on_scored(i, c))
 
     def _on_scored(self, i: int, chunk: StreamChunk) -> None:
@@ -147,12 +147,12 @@ class ChoiceJob:
         if len(self.outputs) == len(self.scorers):
             scores = [self.outputs[k].score_logprobs for k in range(len(self.scorers))]
             if any(s is None for s in scores):
-                raise InvariantError(f"a scoring request of choose {self.prefill.rid} finished without its logprobs")
+                raise InvariantError(f"a scoring request of choose {self.prefill.input.rid} finished without its logprobs")
             ranked, index = rank(self.choices, [s for s in scores if s is not None],
                                  self.normalize, self.temperature, self.seed)
-            first = self.prefill.arrival
+            first = self.prefill.life.arrival
             result = ChoiceResult(best=self.choices[index], ranked=ranked, usage=self.usage, index=index,
-                                  ttft_s=(self.prefill.first_token_at or first) - first,
+                                  ttft_s=(self.prefill.life.first_token_at or first) - first,
                                   e2e_s=time.monotonic() - first)
             self.done = True
             self.on_done(result, None)
