@@ -102,7 +102,12 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 _SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 
 
-def _params(sampling: dict) -> SamplingParams:
+def _params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
+    """A call's SamplingParams: ``params`` as given, or made of its keyword arguments."""
+    if params is not None:
+        if sampling:
+            raise BadRequestError(sorted(sampling)[0], "cannot be given next to params= (set it in the SamplingParams)")
+        return params
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise BadRequestError(sorted(unknown)[0], f"is not a sampling parameter; expected one of {sorted(_SAMPLING_FIELDS)}")
@@ -218,8 +223,7 @@ class AsyncClient:
             raise error_from_code(reply.code, reply.message)
         return reply
 
-    def _generate_msg(self, prompt: Prompt, sampling: dict, namespace: str | None, stream: bool) -> P.Generate:
-        params = sampling.pop("params", None) or _params(sampling)
+    def _generate_msg(self, prompt: Prompt, params: SamplingParams, namespace: str | None, stream: bool) -> P.Generate:
         if isinstance(prompt, str):
             return P.Generate(id=self._new_id(), prompt=prompt, params=params, namespace=namespace, stream=stream,
                               api_key=self.api_key)
@@ -259,11 +263,12 @@ class AsyncClient:
                     pass
 
     # -- API -----------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
-                       **sampling) -> Completion:
-        """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields."""
+    async def generate(self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None,
+                       timeout: Timeout = ..., **sampling) -> Completion:
+        """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields, or
+        ``params``: the SamplingParams whole."""
         timeout = self._timeout(timeout)
-        msg = self._generate_msg(prompt, sampling, namespace, stream=False)
+        msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=False)
         final: P.Final | None = None
         async for reply in self._events(msg, timeout):
             final = reply if isinstance(reply, P.Final) else final
@@ -318,12 +323,13 @@ class AsyncClient:
         return Choice(request_id=msg.id, best=final.best, index=final.index, ranked=final.ranked, usage=final.usage,
                       timings=final.timings, worker=final.worker)
 
-    async def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
-                     **sampling) -> AsyncIterator[Chunk | Completion]:
+    async def stream(self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None,
+                     timeout: Timeout = ..., **sampling) -> AsyncIterator[Chunk | Completion]:
         """Yield :class:`~radixserve.protocol.Chunk` (new token_ids, text) as they come, then one
-        :class:`Completion`. Leaving early aborts the request."""
+        :class:`Completion`; ``sampling`` or ``params`` as for :meth:`generate`. Leaving early
+        aborts the request."""
         timeout = self._timeout(timeout)
-        msg = self._generate_msg(prompt, sampling, namespace, stream=True)
+        msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=True)
         async for reply in self._events(msg, timeout):
             if isinstance(reply, P.Final):
                 yield Completion(request_id=msg.id, text=reply.text, token_ids=reply.token_ids,

@@ -96,12 +96,11 @@ def test_messages_parts_and_unknown_fields():
 def test_per_choice_seeds_stay_in_the_seed_range():
     """Issue 49 item 13: seed 2**64 - 1 with n 2 gave choice 1 the seed 2**64, which no frame can
     carry (a 500). Choice i's seed is seed + i, wrapped to 0 past 2**64 - 1."""
-    from radixserve.sampling_params import SamplingParams
     from radixserve.serve.openai.app import _jobs
 
     params, n = _params({"seed": 2**64 - 1, "n": 3})
     jobs = _jobs(["hi"], params, n)
-    assert [sp["seed"] for _, _, sp in jobs] == [2**64 - 1, 0, 1]
+    assert [sp.seed for _, _, sp in jobs] == [2**64 - 1, 0, 1]
     for _, prompt, sp in jobs:
-        P.encode(P.Generate(id="x", prompt=prompt, params=SamplingParams(**sp)))
-    assert [sp["seed"] for _, _, sp in _jobs(["hi"], _params({"seed": -3, "n": 2})[0], 2)] == [-3, -2]
+        P.encode(P.Generate(id="x", prompt=prompt, params=sp))
+    assert [sp.seed for _, _, sp in _jobs(["hi"], _params({"seed": -3, "n": 2})[0], 2)] == [-3, -2]

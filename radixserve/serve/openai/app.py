@@ -20,7 +20,7 @@ import msgspec
 
 from radixserve import protocol as P
 from radixserve.errors import OverloadedError, RadixServeError
-from radixserve.sampling_params import StructuredOutput
+from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
@@ -58,11 +58,11 @@ class GatewayConfig:
 
 @dataclass
 class Prepared:
-    """A checked completion request, ready to run: one job (index, prompt, sampling kwargs) per choice."""
+    """A checked completion request, ready to run: one job (index, prompt, SamplingParams) per choice."""
 
     chat: bool
     model: str
-    jobs: list[tuple[int, Any, dict]]
+    jobs: list[tuple[int, Any, SamplingParams]]
     n: int
     stream: bool
     include_usage: bool
@@ -85,17 +85,16 @@ class Prepared:
         return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
 
-def _jobs(prompts: list, params, n: int) -> list[tuple[int, Any, dict]]:
+def _jobs(prompts: list, params: SamplingParams, n: int) -> list[tuple[int, Any, SamplingParams]]:
     """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``, wrapped
     to 0 past the top of a seed's range (2**64 - 1)."""
-    base = msgspec.structs.asdict(params)
     jobs = []
     for pi, prompt in enumerate(prompts):
         for i in range(n):
-            sp = dict(base)
-            if n > 1 and sp["seed"] is not None:
-                seed = sp["seed"] + i
-                sp["seed"] = seed - 2**64 if seed >= 2**64 else seed
+            sp = params
+            if n > 1 and params.seed is not None:
+                seed = params.seed + i
+                sp = msgspec.structs.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
             jobs.append((pi * n + i, prompt, sp))
     return jobs
 
@@ -259,7 +258,7 @@ class Gateway:
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
-        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, **sp))
+        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp))
                  for _, p, sp in jobs]
         try:
             return await asyncio.gather(*tasks)

@@ -21,7 +21,7 @@ def open_streams(client, jobs, namespace) -> tuple[asyncio.Queue, list[asyncio.F
 
     async def one(index, prompt, sp):
         try:
-            async for item in client.stream(prompt, namespace=namespace, timeout=None, **sp):
+            async for item in client.stream(prompt, namespace=namespace, timeout=None, params=sp):
                 queue.put_nowait((index, item, None))
         except asyncio.CancelledError:
             raise
