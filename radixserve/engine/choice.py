@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixserve.errors import BadRequestError, InvariantError
-from radixserve.protocol import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
+from radixserve.protocol import ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
 
 if TYPE_CHECKING:
     from radixserve.engine.request import RequestOutput, StreamChunk
@@ -37,17 +37,6 @@ class ChoiceResult(msgspec.Struct, kw_only=True):
     index: int = 0  # index of ``best`` in the caller's choices
     ttft_s: float = 0.0
     e2e_s: float = 0.0
-
-
-def validate_choose(choices: Sequence, normalize: str, temperature: float) -> None:
-    if not isinstance(choices, (list, tuple)) or not choices:
-        raise BadRequestError("choices", "must be a non-empty list")
-    if len(choices) > MAX_CHOICES:
-        raise BadRequestError("choices", f"has {len(choices)} entries; the limit is {MAX_CHOICES}")
-    if normalize not in NORMALIZE:
-        raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {normalize!r}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise BadRequestError("temperature", f"must be >= 0, got {temperature!r}")
 
 
 def tokenize_choices(tokenizer, choices: Sequence) -> list[list[int]]:
@@ -77,15 +66,15 @@ def rank(choices: Sequence[str], scores: list[list[float]], normalize: str, temp
 
 
 class ChoiceJob:
-    """One choose call inside an engine: prefill the prompt, then score every choice.
-    ``on_done(result, error)`` is called once, from the engine thread (or from ``step``)."""
+    """One choose call inside an engine: prefill the prompt, then score every choice (checked by
+    :meth:`Engine.submit_choose`, its maker). ``on_done(result, error)`` is called once, from the
+    engine thread (or from ``step``)."""
 
     def __init__(self, engine, rid: str, prompt_ids: list[int], choice_ids: list[list[int]], choices: Sequence,
                  *, normalize: str = "sum", temperature: float = 0.0, seed: int | None = None,
                  namespace=None, on_done: Callable[[ChoiceResult | None, str | None], None]):
         from radixserve.sampling_params import SamplingParams
 
-        validate_choose(choices, normalize, temperature)
         if len(choice_ids) != len(choices):
             raise BadRequestError("choices", "token ids and choices differ in length")
         self.engine, self.rid = engine, rid

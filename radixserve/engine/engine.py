@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from typing import Literal, cast
 
 from radixserve.config import EngineConfig
-from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices, validate_choose
+from radixserve.engine.choice import ChoiceJob, ChoiceResult, tokenize_choices
 from radixserve.engine.commands import AbortRequest, AddRequest, OnChunk, Unpin
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Request, RequestOutput, StreamChunk, check_prompt_ids, fit_max_tokens
 from radixserve.errors import BadRequestError
+from radixserve.limits import check_choices
 from radixserve.sampling_params import SamplingParams
 
 
@@ -146,7 +147,7 @@ class Engine(EngineCore):
                       request_id: str | None = None, choice_ids: list[list[int]] | None = None) -> ChoiceJob:
         """Start a choose call; ``on_done(result, error_reason)`` is called once from the engine
         thread. Bad input raises here (:class:`BadRequestError` / :class:`TooLongError`)."""
-        validate_choose(choices, normalize, temperature)
+        check_choices(choices, normalize, temperature)
         if not isinstance(prompt, (str, list, tuple)) or not prompt:
             raise BadRequestError("prompt", "must be a non-empty string or list of token ids")
         if choice_ids is None:

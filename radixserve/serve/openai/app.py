@@ -26,8 +26,8 @@ from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
 from radixserve.serve.openai.prompts import chat_chars, chat_ids, chat_messages, completion_prompts
-from radixserve.serve.openai.schema import (ChatRequest, chat_tools, known_fields, parse_request, refuse_unsupported,
-                                            sampling_params, structured_field)
+from radixserve.serve.openai.schema import (ChatRequest, chat_tools, known_fields, max_tokens_field, parse_request,
+                                            refuse_unsupported, sampling_params, structured_field)
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.router.core import shareable
 from radixserve.tools.chat import ToolRequest
@@ -70,6 +70,7 @@ class Prepared:
     headers: dict[str, str]
     return_token_ids: bool = False
     tools: ToolRequest | None = None  # chat with tools: the output is parsed for calls
+    max_tokens_param: str = "max_tokens"  # the field that set max_tokens (chat: maybe max_completion_tokens)
 
     @property
     def route(self) -> str:
@@ -201,7 +202,7 @@ class Gateway:
         model = self._check_model(req.model)
         ignored = self._ignored(body, chat)
         refuse_unsupported(req)
-        params, n = sampling_params(req, self.config.limits)
+        params, n = sampling_params(req)
         if n > self.config.max_n:
             raise bad("n", f"must be at most {self.config.max_n}, got {n}")
         prompts: list[str | list[int]]
@@ -219,7 +220,7 @@ class Gateway:
         return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
                         namespace=self.tenants.namespace(tenant), headers=headers,
-                        return_token_ids=req.return_token_ids, tools=tools)
+                        return_token_ids=req.return_token_ids, tools=tools, max_tokens_param=max_tokens_field(req))
 
     @staticmethod
     def _with_tool_grammar(req: ChatRequest, params, tools: ToolRequest):
@@ -271,6 +272,7 @@ class Gateway:
         route = "chat" if chat else "completions"
         self.inflight += 1
         streaming = False
+        prep: Prepared | None = None
         try:
             try:
                 prep = await self._prepare(request, chat)
@@ -280,7 +282,8 @@ class Gateway:
                     return response
                 outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
             except Exception as exc:
-                return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
+                max_tokens_param = prep.max_tokens_param if prep is not None else "max_tokens"
+                return self._error(api_error_from(exc, "messages" if chat else "prompt", max_tokens_param), route)
             return self._json(await self._final_body(prep, outs), headers=prep.headers, route=route)
         finally:
             if not streaming:

@@ -50,7 +50,7 @@ async def sse_events(prep, first, queue: asyncio.Queue, logprobs: Callable[[Any,
     while True:
         index, msg, exc = item
         if exc is not None:
-            yield R.sse(api_error_from(exc, "messages" if chat else "prompt").body())
+            yield R.sse(api_error_from(exc, "messages" if chat else "prompt", prep.max_tokens_param).body())
             break
         if isinstance(msg, Completion):
             finals[index] = msg

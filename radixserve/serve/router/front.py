@@ -11,6 +11,7 @@ import time
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError, TooLongError, UnauthorizedError
+from radixserve.limits import check_prompt_tokens
 from radixserve.serve.router.base import RouterBase
 from radixserve.serve.router.state import Job
 
@@ -147,8 +148,7 @@ class ClientFront(RouterBase):
 
     def _admit_generate(self, key, identity: bytes, msg: P.Generate, ids, tenant: str) -> None:
         try:
-            if len(ids) > self.config.limits.max_prompt_tokens:
-                raise P._too_long(len(ids), self.config.limits)
+            check_prompt_tokens(ids, self.config.limits)
             if not ids:
                 raise P.DecodeError("prompt tokenizes to nothing", msg.id)
         except RadixServeError as exc:
@@ -194,8 +194,7 @@ class ClientFront(RouterBase):
 
     def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids, tenant: str) -> None:
         try:
-            if len(ids) > self.config.limits.max_prompt_tokens:
-                raise P._too_long(len(ids), self.config.limits)
+            check_prompt_tokens(ids, self.config.limits)
             if not ids or not all(choice_ids):
                 raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
             n = sum(map(len, choice_ids))
