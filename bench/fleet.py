@@ -190,7 +190,7 @@ def run_fleet(engine, cfg: FleetConfig, label: str) -> dict:
     def submit(agent: int, turn: int) -> None:
         prompt = system + private[agent] + history[agent]
         req = engine.make_request(prompt, params, request_id=f"agent{agent}-turn{turn}")
-        owner[req.rid] = (agent, turn)
+        owner[req.input.rid] = (agent, turn)
         events.append(("arrive", prompt))
         engine.add_request(req)
 

@@ -265,7 +265,7 @@ class RadixAdapter:
                 self.live.pop(chunk.request_id, None)
             yield chunk.request_id, bool(chunk.token_ids) or out is not None, final
         for rid, req in self.live.items():
-            if req.output_ids:
+            if req.out.output_ids:
                 yield rid, True, None
 
 

@@ -73,7 +73,7 @@ def _measure(engine, mode: str, batch: int, steps: int, prompt_tokens: int, seed
             engine.add_request(engine.make_request(random_ids(r, prompt_tokens, engine.vocab_size), params))
 
     submit(batch)
-    while any(req.prefilling or req.computed == 0 for req in engine.scheduler.running) or engine.scheduler.waiting:
+    while any(req.prefilling or req.kv.computed == 0 for req in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     timed = _TimedSampler(engine.sampler)
     step_times: list[float] = []
@@ -93,7 +93,7 @@ def _measure(engine, mode: str, batch: int, steps: int, prompt_tokens: int, seed
     finally:
         engine.sampler = timed.inner
         for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-            engine.abort(req.rid)
+            engine.abort(req.input.rid)
         engine.step()
     return step_times, timed.times
 
@@ -125,14 +125,14 @@ def _mask_only(engine, mode: str, batch: int, reps: int) -> float:
 
     reqs = [Request(rid=str(i), prompt_ids=[7], params=SamplingParams()) for i in range(batch)]
     for r in reqs:
-        r.grammar = engine.grammars.matcher(_spec(mode))
+        r.decode.grammar = engine.grammars.matcher(_spec(mode))
     g = torch.Generator().manual_seed(batch)
     logits = torch.randn(batch, engine.vocab_size, generator=g)
     times = []
     for _ in range(reps):
         for r in reqs:
-            if r.grammar is None or r.grammar.is_terminated():
-                r.grammar = engine.grammars.matcher(_spec(mode))
+            if r.decode.grammar is None or r.decode.grammar.is_terminated():
+                r.decode.grammar = engine.grammars.matcher(_spec(mode))
         x = logits.clone()
         t = time.perf_counter()
         tokens = apply_grammar_masks(x, reqs).argmax(dim=-1).tolist()

@@ -63,9 +63,9 @@ def run_engine_once(engine, prompts: list[list[int]], gen_len: int, temperature:
         for chunk in engine.step():
             if chunk.output is not None:
                 outputs[chunk.request_id] = chunk.output
-        if t_first is None and all(r.first_token_at is not None for r in reqs):
+        if t_first is None and all(r.life.first_token_at is not None for r in reqs):
             t_first = time.perf_counter()
-            tokens_at_first = sum(len(r.output_ids) for r in reqs)
+            tokens_at_first = sum(len(r.out.output_ids) for r in reqs)
     wall = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in outputs.values())
     assert generated == len(prompts) * gen_len, (generated, len(prompts), gen_len)

@@ -26,27 +26,24 @@ with no message at all, every pending call fails with :class:`RouterLostError` (
 ``router_lost``), also calls made with ``timeout=None``.
 
 Concurrency: one DEALER socket per client, owned by one asyncio loop, with replies demultiplexed
-by request id. ``AsyncClient`` is safe from many tasks of one loop; ``Client`` runs an
+by request id (:mod:`radixserve.connection`). ``AsyncClient`` is safe from many tasks of one loop; ``Client`` runs an
 ``AsyncClient`` on a background thread and is safe from many threads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from types import EllipsisType
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from radixserve import protocol as P
-from radixserve.errors import ROUTER_LOST, BadRequestError, RadixServeError, RequestTimeoutError, error_from_code
+from radixserve.connection import Connection
+from radixserve.errors import BadRequestError, RadixServeError, RequestTimeoutError
 from radixserve.protocol import ChoiceUsage, Chunk, RankedChoice, Timings, Usage
 from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.tools.chat import render_chat
@@ -102,7 +99,12 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 _SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 
 
-def _params(sampling: dict) -> SamplingParams:
+def _params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
+    """A call's SamplingParams: ``params`` as given, or made of its keyword arguments."""
+    if params is not None:
+        if sampling:
+            raise BadRequestError(sorted(sampling)[0], "cannot be given next to params= (set it in the SamplingParams)")
+        return params
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise BadRequestError(sorted(unknown)[0], f"is not a sampling parameter; expected one of {sorted(_SAMPLING_FIELDS)}")
@@ -123,149 +125,30 @@ class AsyncClient:
         # Sent with every generate, choose and stats call; required when the server has keys.
         self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
         self.timeout = timeout
-        self.heartbeat = heartbeat
-        self.router_timeout = router_timeout
-        self._last_rx = time.monotonic()
-        self._watchdog: asyncio.Task | None = None
-        self.max_frame_bytes = max_frame_bytes
-        self._prefix = uuid.uuid4().hex[:8]
-        self._ids = itertools.count()
-        self._pending: dict[str, asyncio.Queue] = {}
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
-        self._closed = False
-
-    # -- plumbing ------------------------------------------------------------------------------
-    def _ensure(self) -> zmq.asyncio.Socket:
-        """The socket, connected (and its reader and watchdog started) on first use."""
-        if self._closed:
-            raise RuntimeError("client is closed")
-        if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
-            sock = self._sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.connect(self.address)
-            self._reader = asyncio.ensure_future(self._read(sock))
-            if self.router_timeout is not None:
-                self._watchdog = asyncio.ensure_future(self._watch(sock, self.router_timeout))
-        return self._sock
-
-    def _register(self, rid: str, q: asyncio.Queue) -> None:
-        if not self._pending:
-            self._last_rx = time.monotonic()  # the quiet time before this call does not count
-        self._pending[rid] = q
-
-    async def _watch(self, sock: zmq.asyncio.Socket, router_timeout: float) -> None:
-        """Probe a quiet router while calls are pending; fail them all when it stays silent."""
-        n = itertools.count()
-        while True:
-            await asyncio.sleep(min(self.heartbeat, router_timeout / 4))
-            if not self._pending:
-                continue
-            quiet = time.monotonic() - self._last_rx
-            if quiet > router_timeout:
-                lost = P.Error(id="", code=ROUTER_LOST,
-                               message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); "
-                                       f"it is gone or unreachable")
-                for q in list(self._pending.values()):
-                    q.put_nowait(lost)
-                self._pending.clear()
-            elif quiet > self.heartbeat:
-                try:
-                    await sock.send(P.encode(P.Health(id=f"{self._prefix}-hb-{next(n)}")), flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        async for frame in P.received(sock.recv):
-            self._last_rx = time.monotonic()
-            try:
-                msg = P.decode(frame, max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
-            except P.DecodeError:
-                continue
-            q = self._pending.get(getattr(msg, "id", ""))
-            if q is not None:
-                q.put_nowait(msg)
-            elif isinstance(msg, P.Error) and not msg.id and len(self._pending) == 1:
-                next(iter(self._pending.values())).put_nowait(msg)  # unattributable: only one waiter
+        self._conn = Connection(address, max_frame_bytes=max_frame_bytes, heartbeat=heartbeat,
+                                router_timeout=router_timeout)
 
     def _timeout(self, timeout: Timeout) -> float | None:
         return self.timeout if isinstance(timeout, EllipsisType) else timeout
 
-    def _new_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
-
-    async def _send(self, msg) -> None:
-        frame = P.encode(msg)
-        if len(frame) > self.max_frame_bytes:
-            raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
-        await self._ensure().send(frame)
-
-    async def _call(self, msg, timeout: float | None):
-        """One request, one reply (health, stats)."""
-        self._ensure()
-        q: asyncio.Queue = asyncio.Queue()
-        self._register(msg.id, q)
-        try:
-            await self._send(msg)
-            reply = await asyncio.wait_for(q.get(), timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"no reply from {self.address} within {timeout} s") from None
-        finally:
-            self._pending.pop(msg.id, None)
-        if isinstance(reply, P.Error):
-            raise error_from_code(reply.code, reply.message)
-        return reply
-
-    def _generate_msg(self, prompt: Prompt, sampling: dict, namespace: str | None, stream: bool) -> P.Generate:
-        params = sampling.pop("params", None) or _params(sampling)
+    def _generate_msg(self, prompt: Prompt, params: SamplingParams, namespace: str | None, stream: bool) -> P.Generate:
         if isinstance(prompt, str):
-            return P.Generate(id=self._new_id(), prompt=prompt, params=params, namespace=namespace, stream=stream,
-                              api_key=self.api_key)
+            return P.Generate(id=self._conn.new_id(), prompt=prompt, params=params, namespace=namespace,
+                              stream=stream, api_key=self.api_key)
         if not isinstance(prompt, (list, tuple)):
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-        return P.Generate(id=self._new_id(), token_ids=list(prompt), params=params, namespace=namespace, stream=stream,
-                          api_key=self.api_key)
-
-    async def _events(self, msg: P.Generate | P.Choose, timeout: float | None) -> AsyncIterator:
-        self._ensure()
-        q: asyncio.Queue = asyncio.Queue()
-        self._register(msg.id, q)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done = False
-        try:
-            await self._send(msg)
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    reply = await asyncio.wait_for(q.get(), left)
-                except asyncio.TimeoutError:
-                    raise RequestTimeoutError(f"request {msg.id} did not finish within {timeout} s; it was aborted") from None
-                if isinstance(reply, P.Error):
-                    done = True
-                    raise error_from_code(reply.code, reply.message)
-                if isinstance(reply, (P.Final, P.ChoiceFinal)):
-                    done = True
-                yield reply
-                if done:
-                    return
-        finally:
-            self._pending.pop(msg.id, None)
-            if not done and self._sock is not None and not self._closed:
-                try:
-                    await self._send(P.Abort(id=msg.id))
-                except Exception:
-                    pass
+        return P.Generate(id=self._conn.new_id(), token_ids=list(prompt), params=params, namespace=namespace,
+                          stream=stream, api_key=self.api_key)
 
     # -- API -----------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
-                       **sampling) -> Completion:
-        """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields."""
+    async def generate(self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None,
+                       timeout: Timeout = ..., **sampling) -> Completion:
+        """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields, or
+        ``params``: the SamplingParams whole."""
         timeout = self._timeout(timeout)
-        msg = self._generate_msg(prompt, sampling, namespace, stream=False)
+        msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=False)
         final: P.Final | None = None
-        async for reply in self._events(msg, timeout):
+        async for reply in self._conn.events(msg, timeout):
             final = reply if isinstance(reply, P.Final) else final
         if final is None:  # _events ends with a final message or raises
             raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")
@@ -303,28 +186,29 @@ class AsyncClient:
         ``best`` from softmax(score / temperature), reproducibly with ``seed``."""
         timeout = self._timeout(timeout)
         if isinstance(prompt, str):
-            msg = P.Choose(id=self._new_id(), prompt=prompt, choices=list(choices), normalize=normalize,
+            msg = P.Choose(id=self._conn.new_id(), prompt=prompt, choices=list(choices), normalize=normalize,
                            temperature=temperature, seed=seed, namespace=namespace, api_key=self.api_key)
         elif isinstance(prompt, (list, tuple)):
-            msg = P.Choose(id=self._new_id(), token_ids=list(prompt), choices=list(choices), normalize=normalize,
+            msg = P.Choose(id=self._conn.new_id(), token_ids=list(prompt), choices=list(choices), normalize=normalize,
                            temperature=temperature, seed=seed, namespace=namespace, api_key=self.api_key)
         else:
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         final: P.ChoiceFinal | None = None
-        async for reply in self._events(msg, timeout):
+        async for reply in self._conn.events(msg, timeout):
             final = reply
         if final is None:  # _events ends with a final message or raises
             raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")
         return Choice(request_id=msg.id, best=final.best, index=final.index, ranked=final.ranked, usage=final.usage,
                       timings=final.timings, worker=final.worker)
 
-    async def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
-                     **sampling) -> AsyncIterator[Chunk | Completion]:
+    async def stream(self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None,
+                     timeout: Timeout = ..., **sampling) -> AsyncIterator[Chunk | Completion]:
         """Yield :class:`~radixserve.protocol.Chunk` (new token_ids, text) as they come, then one
-        :class:`Completion`. Leaving early aborts the request."""
+        :class:`Completion`; ``sampling`` or ``params`` as for :meth:`generate`. Leaving early
+        aborts the request."""
         timeout = self._timeout(timeout)
-        msg = self._generate_msg(prompt, sampling, namespace, stream=True)
-        async for reply in self._events(msg, timeout):
+        msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=True)
+        async for reply in self._conn.events(msg, timeout):
             if isinstance(reply, P.Final):
                 yield Completion(request_id=msg.id, text=reply.text, token_ids=reply.token_ids,
                                  finish_reason=reply.finish_reason, usage=reply.usage, timings=reply.timings,
@@ -341,13 +225,13 @@ class AsyncClient:
         )
 
     async def health(self, timeout: float | None = 5.0) -> dict:
-        reply = await self._call(P.Health(id=self._new_id()), timeout)
+        reply = await self._conn.call(P.Health(id=self._conn.new_id()), timeout)
         return {"status": reply.status, "workers": reply.workers, "workers_alive": reply.workers_alive}
 
     async def stats(self, *, probe: Prompt | None = None, namespace: str | None = None,
                     timeout: float | None = 5.0) -> dict:
         probe = list(probe) if probe is not None and not isinstance(probe, str) else probe
-        reply = await self._call(P.Stats(id=self._new_id(), probe=probe, namespace=namespace, api_key=self.api_key),
+        reply = await self._conn.call(P.Stats(id=self._conn.new_id(), probe=probe, namespace=namespace, api_key=self.api_key),
                                  timeout)
         return reply.stats
 
@@ -366,16 +250,7 @@ class AsyncClient:
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._ctx.term()
+        await self._conn.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -17,56 +17,31 @@ Every request carries a request ``id`` (chosen by the caller, unique per connect
 protocol version ``v``; a mismatch is answered with ``bad_request``. When the server has API keys,
 :class:`Generate`, :class:`Choose` and :class:`Stats` must carry one (``api_key``; else
 ``unauthorized``), and the cache namespace is derived from its tenant on the server (a client's
-``namespace`` only subdivides its own tenant's). Every peer-controlled size
-is bounded (:class:`Limits`); a frame larger than ``max_frame_bytes`` or one that does not
-decode gets an :class:`Error` reply and the server keeps going.
+``namespace`` only subdivides its own tenant's). Every peer-controlled size is bounded
+(:class:`~radixserve.limits.Limits`, checked by the router with :func:`validate_generate` /
+:func:`validate_choose`, both in :mod:`radixserve.limits`); a frame larger than ``max_frame_bytes``
+or one that does not decode gets an :class:`Error` reply and the server keeps going.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
-from msgspec import Meta
 
 from radixserve.errors import (  # noqa: F401  (the error codes live in errors.py; re-exported here)
     BAD_REQUEST, ERROR_CODES, INTERNAL, OVERLOADED, SHUTTING_DOWN, TOO_LONG, WORKER_LOST, BadRequestError,
     TooLongError,
 )
+from radixserve.limits import (  # noqa: F401  (the limits and their checks live in limits.py; re-exported here)
+    DEFAULT_LIMITS, Limits, validate_choose, validate_generate,
+)
 from radixserve.sampling_params import SamplingParams
-from radixserve.validation import check, explain
+from radixserve.validation import explain
 
 PROTOCOL_VERSION = 1
-MAX_CHOICES = 1024  # choices of one choose call
-NORMALIZE = ("sum", "mean")  # how a choice's token logprobs are scored
-
-
-class Limits(msgspec.Struct, frozen=True):
-    """Bounds on everything a client controls (checked by the router before any work)."""
-
-    max_frame_bytes: Annotated[int, Meta(ge=1, description="largest client frame (bytes)")] = 4 * 2**20
-    max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest prompt (tokens)")] = 1 << 17
-    max_prompt_chars: Annotated[int, Meta(ge=1, description="longest prompt (characters)")] = 1 << 21
-    max_tokens: Annotated[int, Meta(ge=1, description="largest max_tokens of one request")] = 1 << 15
-    max_stop: Annotated[int, Meta(ge=0, description="stop strings per request")] = 16
-    max_stop_chars: Annotated[int, Meta(ge=1, description="longest stop string (characters)")] = 256
-    max_stop_token_ids: Annotated[int, Meta(ge=0, description="stop token ids per request")] = 64
-    max_id_chars: Annotated[int, Meta(ge=1, description="longest request id (characters)")] = 128
-    max_namespace_chars: Annotated[int, Meta(ge=1, description="longest namespace (characters)")] = 256
-    max_probe_tokens: Annotated[int, Meta(ge=1, description="longest stats probe (tokens)")] = 1 << 17
-    # A choose call scores every choice on top of the prompt: its work grows with the choices'
-    # tokens in all, so they are bounded like a prompt is (and by the context, in the router).
-    max_choice_chars: Annotated[int, Meta(ge=1, description="characters of one choose call's choices in all")] = 1 << 16
-    max_choice_tokens: Annotated[int, Meta(ge=1, description="tokens of one choose call's choices in all")] = 1 << 13
-
-    def validate(self) -> None:
-        """Raise :class:`BadRequestError` naming the first bound out of its range."""
-        check(self)
-
-
-DEFAULT_LIMITS = Limits()
 WORKER_MAX_FRAME_BYTES = 256 * 2**20  # workers are trusted peers; cache-event batches can be big
 
 
@@ -406,71 +381,3 @@ def _scan_id(frame: bytes) -> str:
             return value[0][:128]
         at = value[1]
     return ""
-
-
-def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:
-    """Check every client-controlled size of a generate; raises :class:`BadRequestError`."""
-
-    def bad(field: str, text: str) -> None:
-        raise BadRequestError(field, text)
-
-    if not msg.id or len(msg.id) > limits.max_id_chars:
-        bad("id", f"must be 1..{limits.max_id_chars} characters")
-    if (msg.prompt is None) == (msg.token_ids is None):
-        bad("prompt", "give exactly one of prompt (text) or token_ids")
-    if msg.prompt is not None:
-        if not msg.prompt:
-            bad("prompt", "is empty")
-        if len(msg.prompt) > limits.max_prompt_chars:
-            bad("prompt", f"has {len(msg.prompt)} characters; the limit is {limits.max_prompt_chars}")
-    if msg.token_ids is not None:
-        if not msg.token_ids:
-            bad("token_ids", "is empty")
-        if len(msg.token_ids) > limits.max_prompt_tokens:
-            raise _too_long(len(msg.token_ids), limits)
-    if msg.namespace is not None and len(msg.namespace) > limits.max_namespace_chars:
-        bad("namespace", f"must be at most {limits.max_namespace_chars} characters")
-    p = msg.params
-    if p.max_tokens is not None and (not isinstance(p.max_tokens, int) or not 1 <= p.max_tokens <= limits.max_tokens):
-        bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}] (or unset: until the context is full), "
-                          f"got {p.max_tokens!r}")
-    if p.stop is not None:
-        if len(p.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in p.stop):
-            bad("stop", f"at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters")
-    if p.stop_token_ids is not None and len(p.stop_token_ids) > limits.max_stop_token_ids:
-        bad("stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
-    p.validate(vocab_size=1 << 31)  # ranges; the worker checks ids against the real vocabulary
-
-
-def validate_choose(msg: Choose, limits: Limits = DEFAULT_LIMITS) -> None:
-    """Check every client-controlled size of a choose; raises :class:`BadRequestError`."""
-    if not msg.id or len(msg.id) > limits.max_id_chars:
-        raise BadRequestError("id", f"must be 1..{limits.max_id_chars} characters")
-    if (msg.prompt is None) == (msg.token_ids is None):
-        raise BadRequestError("prompt", "give exactly one of prompt (text) or token_ids")
-    if not (msg.prompt or msg.token_ids):
-        raise BadRequestError("prompt", "is empty")
-    if msg.prompt is not None and len(msg.prompt) > limits.max_prompt_chars:
-        raise BadRequestError("prompt", f"has {len(msg.prompt)} characters; the limit is {limits.max_prompt_chars}")
-    if msg.token_ids is not None and len(msg.token_ids) > limits.max_prompt_tokens:
-        raise _too_long(len(msg.token_ids), limits)
-    if not msg.choices or len(msg.choices) > MAX_CHOICES:
-        raise BadRequestError("choices", f"must hold 1..{MAX_CHOICES} strings, got {len(msg.choices)}")
-    if any(not c for c in msg.choices):
-        raise BadRequestError("choices", "must be non-empty strings")
-    chars = sum(map(len, msg.choices))
-    if chars > limits.max_choice_chars:
-        raise TooLongError("choices", f"have {chars} characters in all; the limit is {limits.max_choice_chars} "
-                                      f"(max_choice_chars): send fewer or shorter choices")
-    if msg.normalize not in NORMALIZE:
-        raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {msg.normalize!r}")
-    if not msg.temperature >= 0.0:
-        raise BadRequestError("temperature", f"must be >= 0, got {msg.temperature!r}")
-    if msg.namespace is not None and len(msg.namespace) > limits.max_namespace_chars:
-        raise BadRequestError("namespace", f"must be at most {limits.max_namespace_chars} characters")
-
-
-def _too_long(n: int, limits: Limits):
-    from radixserve.errors import TooLongError
-
-    return TooLongError("prompt", f"has {n} tokens; the router accepts at most {limits.max_prompt_tokens}")

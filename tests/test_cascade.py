@@ -140,7 +140,7 @@ def test_greedy_tokens_unchanged_with_decodes_apart_from_extends(llama_dir):
             for chunk in engine.step():
                 if chunk.output is not None:
                     done[chunk.request_id] = list(chunk.output.token_ids)
-    assert [done[r.rid] for r in requests] == reference
+    assert [done[r.input.rid] for r in requests] == reference
     assert any(splits)
 
 

@@ -32,7 +32,7 @@ class _RacyInbox:
     def get(self, timeout=None):
         item = self.q.get(timeout=timeout)
         if isinstance(item, AddRequest):
-            self.q.put(AbortRequest(item.req.rid))
+            self.q.put(AbortRequest(item.req.input.rid))
         return item
 
 

@@ -9,6 +9,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.engine import sampler as sampler_mod
+from radixserve.engine.request import Request
 from radixserve.errors import BadRequestError
 
 from conftest import random_prompts
@@ -40,16 +41,16 @@ def test_sampler_survives_degenerate_rows():
     a token id in range instead of raising for the whole batch."""
     s = sampler_mod.Sampler(0, torch.device("cpu"))
 
-    class R:
-        def __init__(self, **kw):
-            self.params, self.rid, self.generator = SamplingParams(**kw), "r", None
-            self.prompt_ids, self.output_ids, self.grammar = [1, 2, 3], [4], None
+    def R(**kw) -> Request:
+        req = Request("r", [1, 2, 3], SamplingParams(**kw))
+        req.append(4)
+        return req
 
     logits = torch.randn(4, 64)
     logits[1, 5] = math.inf
     logits[2] = math.nan
     reqs = [R(temperature=1e-300), R(temperature=1.0), R(temperature=0.7, top_p=0.5), R(temperature=1.0)]
-    reqs[3].params.repetition_penalty = 1e-300  # bypasses validation: the sampler must still cope
+    reqs[3].input.params.repetition_penalty = 1e-300  # bypasses validation: the sampler must still cope
     tokens, _ = s(logits, reqs)
     assert all(t is not None and 0 <= t < 64 for t in tokens), tokens
     assert tokens[0] == int(logits[0].argmax())  # tiny temperature: the mode
@@ -60,10 +61,8 @@ def test_greedy_rows_take_argmax_first_maximum():
     """Greedy picks what torch's argmax picks, ties (the first maximum) and NaN rows included."""
     s = sampler_mod.Sampler(0, torch.device("cpu"))
 
-    class R:
-        def __init__(self):
-            self.params, self.rid, self.generator = SamplingParams(temperature=0.0), "r", None
-            self.prompt_ids, self.output_ids, self.grammar = [1], [], None
+    def R() -> Request:
+        return Request("r", [1], SamplingParams(temperature=0.0))
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 3, (32, 100), generator=g).float()  # many ties per row
@@ -85,12 +84,12 @@ def test_failing_request_fails_alone(engine, monkeypatch):
     real_rows, real_row = sampler_mod.Sampler._sample_rows, sampler_mod.Sampler._sample_row
 
     def flaky_rows(self, logits, reqs):  # the batched draw fails for any batch that holds "bad" ...
-        if any(r.rid == "bad" for r in reqs):
+        if any(r.input.rid == "bad" for r in reqs):
             raise RuntimeError("probability tensor contains inf/nan")
         return real_rows(self, logits, reqs)
 
     def flaky_row(self, row, r):  # ... and so does "bad" alone, when its batch is redone row by row
-        if r.rid == "bad":
+        if r.input.rid == "bad":
             raise RuntimeError("probability tensor contains inf/nan")
         return real_row(self, row, r)
 
@@ -116,7 +115,7 @@ def test_bypassed_validation_does_not_fail_the_batch(engine):
     good = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
     reqs = [engine.make_request(p, good) for p in prompts[:3]]
     evil = engine.make_request(prompts[3], SamplingParams(max_tokens=6, seed=3, ignore_eos=True))
-    evil.params.temperature = 1e-300
-    evil.params.repetition_penalty = 1e-300
+    evil.input.params.temperature = 1e-300
+    evil.input.params.repetition_penalty = 1e-300
     outs = engine._run_to_completion(reqs + [evil])
     assert [o.finish_reason for o in outs] == ["length"] * 4

@@ -236,6 +236,8 @@ def test_400_names_the_field(server):
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(extra_body={"top_k": -5}), "top_k"),
         (dict(logit_bias={"5": 10}), "logit_bias"),
+        (dict(max_tokens=P.DEFAULT_LIMITS.max_tokens + 1), "max_tokens"),  # the router's cap (issue 48)
+        (dict(stop=["x" * (P.DEFAULT_LIMITS.max_stop_chars + 1)]), "stop"),
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
@@ -249,6 +251,10 @@ def test_400_names_the_field(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="llama", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
     assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:  # the router's cap, named as the body named it
+        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                  max_completion_tokens=P.DEFAULT_LIMITS.max_tokens + 1)
+    assert e.value.body["param"] == "max_completion_tokens" and e.value.body["code"] is None
     with pytest.raises(openai.BadRequestError) as e:  # longer than the tiny model's 1024-token context
         c.completions.create(model="llama", prompt=[7] * 1500, max_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"

@@ -23,7 +23,7 @@ def _running_with_cached_prefix(llama_dir, page_size: int = 1):
     engine.add_request(req)
     for _ in range(3):  # prefill of the tail, then decodes
         engine.step()
-    assert not req.finished and req.cached_len >= 64 - page_size
+    assert not req.finished and req.kv.cached_len >= 64 - page_size
     engine.scheduler.check()  # sound before the corruption
     return engine, req
 
@@ -31,7 +31,7 @@ def _running_with_cached_prefix(llama_dir, page_size: int = 1):
 def test_cached_prefix_pointing_at_a_free_page_is_caught(llama_dir):
     engine, req = _running_with_cached_prefix(llama_dir)
     free = engine.pool.free_page_ids()
-    req.pages[0] = free[0]  # the accounting still balances: only the page-table check sees it
+    req.kv.pages[0] = free[0]  # the accounting still balances: only the page-table check sees it
     with pytest.raises(InvariantError, match="locked tree path"):
         engine.scheduler.check()
 
@@ -42,25 +42,25 @@ def test_cached_prefix_pointing_at_another_tree_node_is_caught(llama_dir):
     engine.add_request(other)
     while not other.finished:
         engine.step()
-    mine = set(engine.cache.tree.path_pages(req.node))
+    mine = set(engine.cache.tree.path_pages(req.kv.node))
     foreign = next(p for p in engine.cache.tree.all_pages() if p not in mine)
-    req.pages[1] = foreign  # a tree page, but one on no path this request holds locked
+    req.kv.pages[1] = foreign  # a tree page, but one on no path this request holds locked
     with pytest.raises(InvariantError, match="locked tree path"):
         engine.scheduler.check()
 
 
 def test_unlocked_cached_prefix_is_caught(llama_dir):
     engine, req = _running_with_cached_prefix(llama_dir)
-    engine.cache.tree.unlock(req.node)  # the pages are right, but eviction could take them now
+    engine.cache.tree.unlock(req.kv.node)  # the pages are right, but eviction could take them now
     with pytest.raises(InvariantError, match="no lock"):
         engine.scheduler.check()
-    engine.cache.tree.lock(req.node)
+    engine.cache.tree.lock(req.kv.node)
     engine.scheduler.check()
 
 
 def test_page_table_shorter_than_the_computed_tokens_is_caught(llama_dir):
     engine, req = _running_with_cached_prefix(llama_dir)
-    engine.pool.free([req.pages.pop()])  # accounting balances (the page went back to the pool)
+    engine.pool.free([req.kv.pages.pop()])  # accounting balances (the page went back to the pool)
     with pytest.raises(InvariantError, match="fewer than"):
         engine.scheduler.check()
 

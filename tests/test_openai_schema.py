@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from radixserve import protocol as P
-from radixserve.serve.openai.errors import APIError
-from radixserve.serve.openai.schema import (ChatRequest, CompletionRequest, chat_tools, known_fields, parse_request,
-                                            refuse_unsupported, sampling_params)
+from radixserve.errors import BadRequestError, error_from_code
+from radixserve.serve.openai.errors import APIError, api_error_from
+from radixserve.serve.openai.schema import (ChatRequest, CompletionRequest, chat_tools, known_fields, max_tokens_field,
+                                            parse_request, refuse_unsupported, sampling_params)
 
 LIMITS = P.Limits()
 
@@ -18,7 +19,7 @@ def _params(body: dict, chat: bool = False):
     refuse_unsupported(req)
     if isinstance(req, ChatRequest):
         chat_tools(req, None)  # tools are checked against the chat template (None: the fallback's format)
-    return sampling_params(req, LIMITS)
+    return sampling_params(req)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -33,7 +34,6 @@ def _params(body: dict, chat: bool = False):
     ({"model": 5}, "model"), ({"prompt": 5}, "prompt"), ({"suffix": "x"}, "suffix"), ({"echo": True}, "echo"),
     ({"guided_regex": 5}, "guided_regex"), ({"guided_choice": "a"}, "guided_choice"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    ({"max_tokens": LIMITS.max_tokens + 1}, "max_tokens"),
     # issue 49 item 13: ranges the request Structs left open were 500s (SamplingParams refused them)
     ({"repetition_penalty": 1e-300}, "repetition_penalty"), ({"repetition_penalty": 1e300}, "repetition_penalty"),
     ({"temperature": 1000}, "temperature"),
@@ -43,6 +43,26 @@ def test_completion_fields_are_400_naming_the_field(body, param):
         _params(body)
     assert e.value.status == 400 and e.value.param == param and param in e.value.message
     assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, chat, param", [
+    ({"max_tokens": LIMITS.max_tokens + 1}, False, "max_tokens"),
+    ({"max_tokens": LIMITS.max_tokens + 1}, True, "max_tokens"),
+    ({"max_completion_tokens": LIMITS.max_tokens + 1, "max_tokens": 5}, True, "max_completion_tokens"),
+    ({"stop": ["x" * (LIMITS.max_stop_chars + 1)]}, False, "stop"),
+])
+def test_server_limits_are_checked_by_the_router_and_the_400_names_the_field(body, chat, param):
+    """Issue 48: max_tokens and the stop strings are checked once, by the router
+    (limits.validate_generate), not by the gateway as well; its error, back over the wire, is a
+    400 naming the field the body set."""
+    body = {"messages": [{"role": "user", "content": "hi"}], **body} if chat else body
+    params, _ = _params(body, chat)  # the gateway passes them on ...
+    with pytest.raises(BadRequestError) as e:  # ... and the router refuses them
+        P.validate_generate(P.Generate(id="x", prompt="hi", params=params), LIMITS)
+    wire = error_from_code(e.value.code, str(e.value))  # what the gateway's client raises
+    err = api_error_from(wire, "messages" if chat else "prompt", max_tokens_field(parse_request(body, chat)))
+    assert err.status == 400 and err.param == param and err.message.startswith(f"{param}: ") and err.code is None
+    assert err.body()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -96,12 +116,11 @@ def test_messages_parts_and_unknown_fields():
 def test_per_choice_seeds_stay_in_the_seed_range():
     """Issue 49 item 13: seed 2**64 - 1 with n 2 gave choice 1 the seed 2**64, which no frame can
     carry (a 500). Choice i's seed is seed + i, wrapped to 0 past 2**64 - 1."""
-    from radixserve.sampling_params import SamplingParams
     from radixserve.serve.openai.app import _jobs
 
     params, n = _params({"seed": 2**64 - 1, "n": 3})
     jobs = _jobs(["hi"], params, n)
-    assert [sp["seed"] for _, _, sp in jobs] == [2**64 - 1, 0, 1]
+    assert [sp.seed for _, _, sp in jobs] == [2**64 - 1, 0, 1]
     for _, prompt, sp in jobs:
-        P.encode(P.Generate(id="x", prompt=prompt, params=SamplingParams(**sp)))
-    assert [sp["seed"] for _, _, sp in _jobs(["hi"], _params({"seed": -3, "n": 2})[0], 2)] == [-3, -2]
+        P.encode(P.Generate(id="x", prompt=prompt, params=sp))
+    assert [sp.seed for _, _, sp in _jobs(["hi"], _params({"seed": -3, "n": 2})[0], 2)] == [-3, -2]

@@ -134,7 +134,7 @@ def test_longest_prefix_first_admits_cache_friendly_requests_first(llama_dir):
         for chunk in engine.step():
             if chunk.finished:
                 order.append(chunk.request_id)
-    assert order == [reqs[1].rid, reqs[0].rid]
+    assert order == [reqs[1].input.rid, reqs[0].input.rid]
 
 
 def test_aging_bounds_the_wait(llama_dir):
@@ -149,5 +149,5 @@ def test_aging_bounds_the_wait(llama_dir):
     order = []
     while len(order) < 6:
         order += [c.request_id for c in engine.step() if c.finished]
-    assert order.index(cold.rid) == 2  # two warm ones overtook it, then its bound was reached
-    assert order[3:] == [r.rid for r in warms[2:]]
+    assert order.index(cold.input.rid) == 2  # two warm ones overtook it, then its bound was reached
+    assert order[3:] == [r.input.rid for r in warms[2:]]

@@ -11,12 +11,11 @@ import torch
 
 from radixserve import SamplingParams
 from radixserve.engine import sampler as sampler_mod
+from radixserve.engine.request import Request
 
 
-class R:
-    def __init__(self, generator=None, **kw):
-        self.params, self.rid, self.generator = SamplingParams(**kw), "r", generator
-        self.prompt_ids, self.output_ids, self.grammar = [1], [], None
+def R(generator=None, **kw) -> Request:
+    return Request("r", [1], SamplingParams(**kw), generator=generator)
 
 
 def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -44,7 +43,7 @@ def test_draws_follow_the_probabilities():
         reqs = [R(**params)] * n
         tokens, _ = s(logits.expand(n, -1).contiguous(), reqs)
         counts = torch.bincount(torch.tensor(tokens), minlength=8).double()
-        probs = reference_probs(logits, reqs[0].params).double()
+        probs = reference_probs(logits, reqs[0].input.params).double()
         sigma = (n * probs * (1 - probs)).sqrt()
         assert ((counts - n * probs).abs() <= 5 * sigma + 1e-9).all(), (params, counts.tolist(), (n * probs).tolist())
         if "top_k" in params:

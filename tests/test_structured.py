@@ -147,7 +147,7 @@ def test_apply_grammar_masks_matches_the_bitmask(engine):
 
     spec = StructuredOutput(choice=["e2e4", "d2d4"])
     reqs = [Request(rid=str(i), prompt_ids=[7], params=SamplingParams()) for i in range(3)]
-    reqs[1].grammar = engine.grammars.matcher(spec)
+    reqs[1].decode.grammar = engine.grammars.matcher(spec)
     logits = torch.randn(3, engine.vocab_size)
     masked = apply_grammar_masks(logits.clone(), reqs)
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])

@@ -22,7 +22,6 @@ from radixserve.serve.openai.app import Gateway  # noqa: E402
 from radixserve.serve.openai.errors import APIError  # noqa: E402
 from radixserve.serve.openai.prompts import chat_messages  # noqa: E402
 from radixserve.serve.openai.schema import chat_tools, parse_request, sampling_params  # noqa: E402
-from radixserve import protocol as P  # noqa: E402
 from radixserve.tools import FORMATS, MAX_TOOLS, MAX_TOOLS_CHARS, CallStream, detect_format, parse_calls  # noqa: E402
 from radixserve.tools.chat import FALLBACK_PROMPT, render_chat, tool_request  # noqa: E402
 from radixserve.tools.spec import ToolCallsSpec, ToolSchema  # noqa: E402
@@ -82,15 +81,15 @@ def test_bad_tools_are_400_naming_the_field(body, param):
 
 def test_tools_with_another_grammar_need_tool_choice_none():
     req, tools = _chat({"tools": [WEATHER], "response_format": {"type": "json_object"}})
-    params, _ = sampling_params(req, P.Limits())
+    params, _ = sampling_params(req)
     with pytest.raises(APIError) as e:
         Gateway._with_tool_grammar(req, params, tools)
     assert e.value.param == "response_format"
     req, tools = _chat({"tools": [WEATHER], "tool_choice": "none", "response_format": {"type": "json_object"}})
-    assert Gateway._with_tool_grammar(req, sampling_params(req, P.Limits())[0], tools).structured.json_object
+    assert Gateway._with_tool_grammar(req, sampling_params(req)[0], tools).structured.json_object
     req, tools = _chat({"tools": [WEATHER, MOVE], "tool_choice": {"type": "function", "function": {"name": "make_move"}},
                         "parallel_tool_calls": False})
-    spec = Gateway._with_tool_grammar(req, sampling_params(req, P.Limits())[0], tools).structured.tool_calls
+    spec = Gateway._with_tool_grammar(req, sampling_params(req)[0], tools).structured.tool_calls
     assert (spec.format, [t.name for t in spec.tools], spec.mode, spec.parallel) == ("hermes", ["make_move"], "required",
                                                                                     False)
     _, legacy = _chat({"functions": [MOVE["function"]], "function_call": {"name": "make_move"}})

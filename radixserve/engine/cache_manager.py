@@ -54,16 +54,16 @@ class CacheManager:
     # -- matching ------------------------------------------------------------------------------
     def peek(self, req: Request) -> int:
         """Cached prefix length of ``req``, without touching the tree (for ordering the queue)."""
-        return self.tree.peek(req.tokens, req.namespace, max_len=req.match_limit)
+        return self.tree.peek(req.tokens, req.input.namespace, max_len=req.match_limit)
 
     def match(self, req: Request) -> None:
         """Attach the longest cached prefix to ``req`` and lock it. The last token is never
         matched: its logits are needed (nor, for a scoring request, any scored position)."""
         if req.kv.pages or req.kv.node is not None:
-            raise InvariantError(f"match of {req.rid}, which still holds KV")
-        if req.score_from is not None:  # scoring: every scored row is (re)computed from here on
-            req.score_logprobs = [None] * (req.num_tokens - req.score_from)
-        m = self.tree.match(req.tokens, req.namespace, max_len=req.match_limit)
+            raise InvariantError(f"match of {req.input.rid}, which still holds KV")
+        if req.decode.score_from is not None:  # scoring: every scored row is (re)computed from here on
+            req.out.score_logprobs = [None] * (req.num_tokens - req.decode.score_from)
+        m = self.tree.match(req.tokens, req.input.namespace, max_len=req.match_limit)
         self.tree.lock(m.node)
         req.kv.node, req.kv.pages = m.node, list(m.pages)
         req.kv.cached_len = req.kv.computed = m.length
@@ -73,7 +73,7 @@ class CacheManager:
         recomputes or re-reads its own KV: that is never a hit)."""
         if req.kv.cached_tokens is None:
             req.kv.cached_tokens = req.kv.cached_len
-            self.query_tokens += len(req.prompt_ids)
+            self.query_tokens += len(req.input.prompt_ids)
             self.hit_tokens += req.kv.cached_len
 
     # -- allocation ----------------------------------------------------------------------------
@@ -98,7 +98,7 @@ class CacheManager:
         aligned = req.kv.computed // self.page_size * self.page_size
         if aligned <= req.kv.cached_len:
             return
-        m = self.tree.cache_prefix(req.tokens[:aligned], req.kv.pages[: aligned // self.page_size], req.namespace,
+        m = self.tree.cache_prefix(req.tokens[:aligned], req.kv.pages[: aligned // self.page_size], req.input.namespace,
                                    held=req.kv.node, held_len=req.kv.cached_len)
         if m.length:
             req.kv.pages[: len(m.pages)] = m.pages
@@ -110,7 +110,7 @@ class CacheManager:
         self.commit(req)
         if self.tree.enabled:
             self.alignment_waste_tokens += req.kv.computed - req.kv.cached_len
-        if finished and req.pin:
+        if finished and req.decode.pin:
             self._pin(req)
         self.tree.unlock(req.kv.node)
         self.pool.free(req.kv.pages[req.kv.cached_len // self.page_size :])
@@ -119,11 +119,11 @@ class CacheManager:
     # -- pinning -------------------------------------------------------------------------------
     def _pin(self, req: Request) -> None:
         if not self.tree.enabled:
-            raise InvariantError(f"pin of {req.rid} without a prefix cache")
-        aligned = len(req.prompt_ids) // self.page_size * self.page_size
-        key = (req.namespace, tuple(req.prompt_ids[:aligned]))
+            raise InvariantError(f"pin of {req.input.rid} without a prefix cache")
+        aligned = len(req.input.prompt_ids) // self.page_size * self.page_size
+        key = (req.input.namespace, tuple(req.input.prompt_ids[:aligned]))
         if aligned and key not in self.pins:
-            m = self.tree.match(key[1], req.namespace)
+            m = self.tree.match(key[1], req.input.namespace)
             self.tree.lock(m.node)
             self.pins[key] = m.node
 
@@ -187,7 +187,7 @@ class CacheManager:
     def _check_page_table(self, req: Request) -> None:
         problem = self._page_table_problem(req)
         if problem:
-            raise InvariantError(f"request {req.rid}: {problem}")
+            raise InvariantError(f"request {req.input.rid}: {problem}")
 
     def _page_table_problem(self, req: Request) -> str | None:
         """``req.kv.pages`` covers every computed token, and its cached prefix is exactly the pages

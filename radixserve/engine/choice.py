@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixserve.errors import BadRequestError, InvariantError
-from radixserve.protocol import MAX_CHOICES, NORMALIZE, ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
+from radixserve.protocol import ChoiceUsage, RankedChoice  # noqa: F401  (wire types)
 
 if TYPE_CHECKING:
     from radixserve.engine.request import Request, RequestOutput, StreamChunk
@@ -38,17 +38,6 @@ class ChoiceResult(msgspec.Struct, kw_only=True):
     index: int = 0  # index of ``best`` in the caller's choices
     ttft_s: float = 0.0
     e2e_s: float = 0.0
-
-
-def validate_choose(choices: Sequence, normalize: str, temperature: float) -> None:
-    if not isinstance(choices, (list, tuple)) or not choices:
-        raise BadRequestError("choices", "must be a non-empty list")
-    if len(choices) > MAX_CHOICES:
-        raise BadRequestError("choices", f"has {len(choices)} entries; the limit is {MAX_CHOICES}")
-    if normalize not in NORMALIZE:
-        raise BadRequestError("normalize", f"must be one of {NORMALIZE}, got {normalize!r}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise BadRequestError("temperature", f"must be >= 0, got {temperature!r}")
 
 
 def tokenize_choices(tokenizer, choices: Sequence) -> list[list[int]]:
@@ -87,11 +76,11 @@ def choice_requests(make_request: Callable[..., Request], rid: str, prompt_ids: 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     n = len(prompt_ids)
     prefill = make_request(prompt_ids, params, request_id=f"{rid}/p", namespace=namespace)
-    prefill.score_from = n
+    prefill.decode.score_from = n
     scorers = []
     for i, ids in enumerate(choice_ids):
         req = make_request(prompt_ids + list(ids), params, request_id=f"{rid}/{i}", namespace=namespace)
-        req.score_from = n
+        req.decode.score_from = n
         scorers.append(req)
     return prefill, scorers
 
@@ -105,7 +94,6 @@ class ChoiceJob:
                  submit: Callable[[Request, Callable[[StreamChunk], None]], object], abort: Callable[[str], None],
                  normalize: str = "sum", temperature: float = 0.0, seed: int | None = None,
                  on_done: Callable[[ChoiceResult | None, str | None], None]):
-        validate_choose(choices, normalize, temperature)
         if len(scorers) != len(choices):
             raise BadRequestError("choices", "token ids and choices differ in length")
         self.prefill, self.scorers = prefill, scorers
@@ -113,8 +101,8 @@ class ChoiceJob:
         self._submit, self._abort = submit, abort
         self.normalize, self.temperature, self.seed = normalize, temperature, seed
         self.on_done = on_done
-        n = len(prefill.prompt_ids)
-        self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(len(r.prompt_ids) - n for r in scorers))
+        n = len(prefill.input.prompt_ids)
+        self.usage = ChoiceUsage(prompt_tokens=n, choice_tokens=sum(len(r.input.prompt_ids) - n for r in scorers))
         self.outputs: dict[int, RequestOutput] = {}
         self.done = False
         self.aborted = False
@@ -122,7 +110,7 @@ class ChoiceJob:
 
     @property
     def request_ids(self) -> list[str]:
-        return [self.prefill.rid] + [r.rid for r in self.scorers]
+        return [self.prefill.input.rid] + [r.input.rid for r in self.scorers]
 
     def start(self) -> None:
         self._submit(self.prefill, self._on_prefill)
@@ -143,7 +131,7 @@ class ChoiceJob:
         self.usage.prompt_cached_tokens = out.cached_tokens
         now = time.monotonic()
         for i, req in enumerate(self.scorers):
-            req.arrival = now
+            req.life.arrival = now
             self._submit(req, functools.partial(self._on_scored, i))
 
     def _on_scored(self, i: int, chunk: StreamChunk) -> None:
@@ -159,12 +147,12 @@ class ChoiceJob:
         if len(self.outputs) == len(self.scorers):
             scores = [self.outputs[k].score_logprobs for k in range(len(self.scorers))]
             if any(s is None for s in scores):
-                raise InvariantError(f"a scoring request of choose {self.prefill.rid} finished without its logprobs")
+                raise InvariantError(f"a scoring request of choose {self.prefill.input.rid} finished without its logprobs")
             ranked, index = rank(self.choices, [s for s in scores if s is not None],
                                  self.normalize, self.temperature, self.seed)
-            first = self.prefill.arrival
+            first = self.prefill.life.arrival
             result = ChoiceResult(best=self.choices[index], ranked=ranked, usage=self.usage, index=index,
-                                  ttft_s=(self.prefill.first_token_at or first) - first,
+                                  ttft_s=(self.prefill.life.first_token_at or first) - first,
                                   e2e_s=time.monotonic() - first)
             self.done = True
             self.on_done(result, None)

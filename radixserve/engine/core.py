@@ -78,7 +78,7 @@ class EngineCore:
         return chunks
 
     def _fail_unfittable(self, req: Request) -> StreamChunk:
-        log.warning("request %s needs more KV than the whole pool (%d tokens); ending it", req.rid, self.pool.capacity_tokens)
+        log.warning("request %s needs more KV than the whole pool (%d tokens); ending it", req.input.rid, self.pool.capacity_tokens)
         return self.output.finish(req, "length")
 
     def _advance(self, batch: Batch, scores, now: float) -> list[StreamChunk]:
@@ -90,11 +90,11 @@ class EngineCore:
             if item.num_tokens > 1:
                 self.cache.commit(item.req)
         for req, first, values in scores:
-            req.out.score_logprobs[first - req.score_from : first - req.score_from + len(values)] = values
+            req.out.score_logprobs[first - req.decode.score_from : first - req.decode.score_from + len(values)] = values
         for item in batch.items:
             req = item.req
             if req.scoring and req.kv.computed == req.num_tokens:  # prefill done: scored, no sampling
-                req.first_token_at = now
+                req.life.first_token_at = now
                 chunks.append(self.output.finish(req, "stop"))
         return chunks
 
@@ -125,7 +125,7 @@ class EngineCore:
             req = command.req
             self.output.register(req, command.on_chunk)
             self._counters["requests"] += 1
-            self._counters["prompt_tokens"] += len(req.prompt_ids)
+            self._counters["prompt_tokens"] += len(req.input.prompt_ids)
             self.scheduler.add(req)
         elif isinstance(command, AbortRequest):
             live = self.output.live(command.request_id)

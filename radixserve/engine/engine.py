@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from typing import Literal, cast
 
 from radixserve.config import EngineConfig
-from radixserve.engine.choice import ChoiceJob, ChoiceResult, choice_requests, tokenize_choices, validate_choose
+from radixserve.engine.choice import ChoiceJob, ChoiceResult, choice_requests, tokenize_choices
 from radixserve.engine.commands import AbortRequest, AddRequest, OnChunk, Unpin
 from radixserve.engine.core import EngineCore
 from radixserve.engine.request import Request, RequestOutput, StreamChunk, check_prompt_ids, fit_max_tokens
 from radixserve.errors import BadRequestError
+from radixserve.limits import check_choices
 from radixserve.sampling_params import SamplingParams
 
 
@@ -92,9 +93,9 @@ class Engine(EngineCore):
         tokens (from the engine thread) and exactly one final chunk carrying the output.
         ``stream=False`` sends only the final chunk (no per-step detokenizing); the default
         streams whenever there is a listener. Stop strings always detokenize every step."""
-        req.stream = req.stream or (on_chunk is not None if stream is None else stream)
+        req.decode.stream = req.decode.stream or (on_chunk is not None if stream is None else stream)
         self.thread.put(AddRequest(req, on_chunk))
-        return req.rid
+        return req.input.rid
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it ends with finish_reason 'abort'. Unknown or finished ids are ignored."""
@@ -138,7 +139,7 @@ class Engine(EngineCore):
         else:
             while len(results) < len(reqs):
                 self.step()
-        return [results[r.rid] for r in reqs]
+        return [results[r.input.rid] for r in reqs]
 
     # -- choice scoring ------------------------------------------------------------------------
     def submit_choose(self, prompt: Prompt, choices: Sequence, on_done, *, normalize: str = "sum",
@@ -146,7 +147,7 @@ class Engine(EngineCore):
                       request_id: str | None = None, choice_ids: list[list[int]] | None = None) -> ChoiceJob:
         """Start a choose call; ``on_done(result, error_reason)`` is called once from the engine
         thread. Bad input raises here (:class:`BadRequestError` / :class:`TooLongError`)."""
-        validate_choose(choices, normalize, temperature)
+        check_choices(choices, normalize, temperature)
         if not isinstance(prompt, (str, list, tuple)) or not prompt:
             raise BadRequestError("prompt", "must be a non-empty string or list of token ids")
         if choice_ids is None:
@@ -191,14 +192,14 @@ class Engine(EngineCore):
         if not self.cache.tree.enabled:
             raise BadRequestError("enable_prefix_cache", "pinning needs the prefix cache")
         req = self.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), namespace=namespace)
-        if self.cache.pinned_tokens + len(req.prompt_ids) > self.pin_budget_tokens:
+        if self.cache.pinned_tokens + len(req.input.prompt_ids) > self.pin_budget_tokens:
             raise BadRequestError(
-                "prompt", f"pinning {len(req.prompt_ids)} more tokens would exceed the pin budget of "
+                "prompt", f"pinning {len(req.input.prompt_ids)} more tokens would exceed the pin budget of "
                 f"{self.pin_budget_tokens} tokens ({self.cache.pinned_tokens} pinned); unpin something or raise pin_budget_tokens",
             )
-        req.pin = True
+        req.decode.pin = True
         self._run_to_completion([req])
-        return len(req.prompt_ids) // self.pool.page_size * self.pool.page_size
+        return len(req.input.prompt_ids) // self.pool.page_size * self.pool.page_size
 
     def unpin(self, prompt: Prompt, *, namespace: Hashable = None) -> bool:
         """Drop the pin of ``prompt``; False when it was not pinned."""
@@ -239,7 +240,7 @@ class Engine(EngineCore):
                 yield chunk
         finally:
             if not finished:
-                self.abort(req.rid)
+                self.abort(req.input.rid)
 
     def __enter__(self) -> Engine:
         return self

@@ -82,7 +82,7 @@ class ModelRunner:
         shared prefix tokens) of decode items. Scoring items' rows become next-token logprobs."""
         inputs = gather_inputs(items)
         metadata = build_metadata(
-            [item.req.pages for item in items],
+            [item.req.kv.pages for item in items],
             [item.start + item.num_tokens for item in items],
             [item.num_tokens for item in items],
             self.pool.page_size,

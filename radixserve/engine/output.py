@@ -29,9 +29,9 @@ class OutputProcessor:
         self.listeners: dict[str, OnChunk] = {}
 
     def register(self, req: Request, on_chunk: OnChunk | None) -> None:
-        self.requests[req.rid] = req
+        self.requests[req.input.rid] = req
         if on_chunk is not None:
-            self.listeners[req.rid] = on_chunk
+            self.listeners[req.input.rid] = on_chunk
 
     def live(self, request_id: str) -> Request | None:
         """The unfinished request with this id, if any."""
@@ -43,25 +43,25 @@ class OutputProcessor:
         """Record a sampled token; returns the request's final chunk when it stopped, else its
         stream chunk (None when it does not stream)."""
         req.append(token)
-        if req.first_token_at is None:
-            req.first_token_at = now
+        if req.life.first_token_at is None:
+            req.life.first_token_at = now
         if logprob is not None:
-            req.logprobs = (req.logprobs or []) + [logprob]
+            req.out.logprobs = (req.out.logprobs or []) + [logprob]
         reason = self.stop_reason(req)
         return self.finish(req, reason) if reason else self.chunk(req)
 
     def stop_reason(self, req: Request) -> str | None:
-        p = req.params
-        token = req.output_ids[-1]
-        if req.grammar is not None and req.grammar.is_terminated():
+        p = req.input.params
+        token = req.out.output_ids[-1]
+        if req.decode.grammar is not None and req.decode.grammar.is_terminated():
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if req.stream and self.update_text(req):
+        if req.decode.stream and self.update_text(req):
             return "stop"
-        if (p.max_tokens is not None and len(req.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and len(req.out.output_ids) >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -71,14 +71,14 @@ class OutputProcessor:
         length before the text already streamed out (what is held back is looked at again)."""
         out = req.out
         text = self.detokenize(out)
-        stops = req.params.stop
+        stops = req.input.params.stop
         if stops:
             start = max(0, out.emitted_chars - max(map(len, stops)))
             hits = [(text.find(s, start), s) for s in stops]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                out.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+                out.text = text[: i + len(s)] if req.input.params.include_stop_str_in_output else text[:i]
                 return True
         out.text = text
         return False
@@ -110,7 +110,7 @@ class OutputProcessor:
     def chunk(self, req: Request, final: bool = False) -> StreamChunk | None:
         """What is new since the last chunk. A non-final chunk holds back a trailing half
         character and anything that may be the start of a stop string."""
-        if not final and not req.stream:
+        if not final and not req.decode.stream:
             return None
         out = req.out
         text = out.text
@@ -118,17 +118,17 @@ class OutputProcessor:
         if not final:
             if text.endswith("\ufffd"):
                 end -= 1  # half of a multi-byte character: wait for the rest
-            if req.params.stop:
-                end -= max(map(len, req.params.stop)) - 1  # might be the start of a stop string
+            if req.input.params.stop:
+                end -= max(map(len, req.input.params.stop)) - 1  # might be the start of a stop string
         end = max(end, out.emitted_chars)
         chunk = StreamChunk(
-            request_id=req.rid,
+            request_id=req.input.rid,
             token_ids=out.output_ids[out.emitted_tokens :],
             text=text[out.emitted_chars : end],
             logprobs=out.logprobs[out.emitted_tokens :] if out.logprobs else None,
         )
         out.emitted_tokens, out.emitted_chars = len(out.output_ids), end
-        listener = self.listeners.get(req.rid)
+        listener = self.listeners.get(req.input.rid)
         if listener is not None and not final and chunk.token_ids:
             listener(chunk)
         return chunk
@@ -139,8 +139,8 @@ class OutputProcessor:
         self.update_text(req)
         chunk = self.chunk(req, final=True)
         chunk.output = req.to_output()
-        self.requests.pop(req.rid, None)
-        listener = self.listeners.pop(req.rid, None)
+        self.requests.pop(req.input.rid, None)
+        listener = self.listeners.pop(req.input.rid, None)
         if listener is not None:
             listener(chunk)
         return chunk

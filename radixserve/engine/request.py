@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import enum
-import operator
 import time
 from collections.abc import Hashable
-import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import Any
 
 import msgspec
 import torch
@@ -161,73 +159,13 @@ class Lifecycle:
     finished_at: float | None = None
 
 
-_T = TypeVar("_T")
-
-if TYPE_CHECKING:
-    class _ReadOnly(Generic[_T]):
-        """What :func:`_field` makes of an input field, to the type checker: read-only."""
-
-        def __get__(self, obj: object, owner: type | None = None) -> _T: ...
-
-    class _Flat(_ReadOnly[_T]):
-        """What :func:`_field` makes of the other parts' fields: read and write."""
-
-        def __set__(self, obj: object, value: _T) -> None: ...
-
-
-def _field(part: str, name: str) -> property:
-    """``request.<name>`` reads and writes ``request.<part>.<name>`` (the flat names the
-    scheduler, sampler and callers use); the getter runs at C speed."""
-
-    def set_(obj, value) -> None:
-        setattr(getattr(obj, part), name, value)
-
-    return property(operator.attrgetter(f"{part}.{name}"), set_, doc=f"``{part}.{name}``")
-
-
 class Request:
     """One request inside the engine, in typed parts: :attr:`input` (immutable), :attr:`decode`
     (sampling and stop settings), :attr:`out` (output state), :attr:`kv` (KV and cache state),
-    :attr:`life` (scheduling and timing). Each part's fields are also readable (and, but for
-    the input, writable) as attributes of the request itself."""
+    :attr:`life` (scheduling and timing). Each field has one name, through its part
+    (``req.input.rid``, ``req.kv.pages``); the request itself adds only what spans parts."""
 
     __slots__ = ("input", "decode", "out", "kv", "life", "_tokens")
-
-    _PARTS: ClassVar[dict[str, type[Any]]] = {"input": RequestInput, "decode": DecodeSettings, "out": OutputState, "kv": KVState, "life": Lifecycle}
-
-    if TYPE_CHECKING:  # the flat names the loop at the end of this module sets (properties), typed
-        rid: _ReadOnly[str]
-        prompt_ids: _ReadOnly[list[int]]
-        params: _ReadOnly[SamplingParams]
-        namespace: _ReadOnly[Hashable]
-        generator: _Flat[torch.Generator | None]
-        grammar: _Flat[Any]
-        stream: _Flat[bool]
-        pin: _Flat[bool]
-        score_from: _Flat[int | None]
-        output_ids: _Flat[list[int]]
-        logprobs: _Flat[list[TokenLogprob] | None]
-        score_logprobs: _Flat[list[float | None]]
-        text: _Flat[str]
-        emitted_tokens: _Flat[int]
-        emitted_chars: _Flat[int]
-        finish_reason: _Flat[str | None]
-        decoded_tokens: _Flat[int]
-        decoded_text: _Flat[str]
-        pages: _Flat[list[int]]
-        computed: _Flat[int]
-        cached_len: _Flat[int]
-        node: _Flat[Any]
-        cached_tokens: _Flat[int | None]
-        status: _Flat[Status]
-        arrival: _Flat[float]
-        arrival_seq: _Flat[int]
-        admit_seq: _Flat[int]
-        overtaken: _Flat[int]
-        preemptions: _Flat[int]
-        first_scheduled: _Flat[float | None]
-        first_token_at: _Flat[float | None]
-        finished_at: _Flat[float | None]
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, namespace: Hashable = None, *,
                  generator: torch.Generator | None = None, grammar: Any = None, stream: bool = False,
@@ -240,7 +178,7 @@ class Request:
         self._tokens = list(prompt_ids)  # prompt + output, kept so hot paths never concatenate
 
     def __repr__(self) -> str:
-        return f"Request({self.rid!r}, {self.status.value}, tokens={self.num_tokens}, computed={self.kv.computed})"
+        return f"Request({self.input.rid!r}, {self.life.status.value}, tokens={self.num_tokens}, computed={self.kv.computed})"
 
     @property
     def tokens(self) -> list[int]:
@@ -282,22 +220,22 @@ class Request:
         return self.life.status is Status.FINISHED
 
     def to_output(self) -> RequestOutput:
-        life, out = self.life, self.out
+        inp, life, out = self.input, self.life, self.out
         now = life.finished_at or time.monotonic()
         start = life.first_scheduled or now
         return RequestOutput(
-            request_id=self.rid,
-            prompt_token_ids=self.prompt_ids,
+            request_id=inp.rid,
+            prompt_token_ids=inp.prompt_ids,
             token_ids=list(out.output_ids),
             text=out.text,
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=len(inp.prompt_ids),
             cached_tokens=self.kv.cached_tokens or 0,
             finish_reason=out.finish_reason,
             logprobs=out.logprobs,
             queue_s=start - life.arrival,
             ttft_s=(life.first_token_at or now) - life.arrival,
             e2e_s=now - life.arrival,
-            score_logprobs=_scored(self.rid, out.score_logprobs) if self.scoring else None,
+            score_logprobs=_scored(inp.rid, out.score_logprobs) if self.scoring else None,
         )
 
 
@@ -307,8 +245,3 @@ def _scored(rid: str, values: list[float | None]) -> list[float]:
         raise InvariantError(f"scoring request {rid} finished with {values.count(None)} positions unscored")
     return [float(x) for x in values if x is not None]
 
-
-for _part, _cls in Request._PARTS.items():
-    for _f in dataclasses.fields(_cls):
-        setattr(Request, _f.name, _field(_part, _f.name))
-del _part, _cls, _f

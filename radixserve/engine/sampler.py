@@ -31,20 +31,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int | None], list[TokenLogprob | None]]:
         raw = logits
         failed: set[int] = set()
-        if any(r.params.needs_penalties for r in reqs):
+        if any(r.input.params.needs_penalties for r in reqs):
             logits = logits.clone()
             for row, r in enumerate(reqs):
-                if r.params.needs_penalties:
+                if r.input.params.needs_penalties:
                     try:
                         _apply_penalties(logits[row], r)
                         _sanitize_(logits[row])
                     except Exception:
-                        log.exception("penalties failed for request %s; failing it alone", r.rid)
+                        log.exception("penalties failed for request %s; failing it alone", r.input.rid)
                         failed.add(row)
-        if any(r.grammar is not None for r in reqs):
+        if any(r.decode.grammar is not None for r in reqs):
             logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs, failed)
         tokens = fused.argmax(logits)  # the first maximum's (or first NaN's) index, as max(-1).indices
-        sampled = [row for row, r in enumerate(reqs) if not r.params.greedy and row not in failed]
+        sampled = [row for row, r in enumerate(reqs) if not r.input.params.greedy and row not in failed]
         if sampled:
             try:
                 drawn = self._sample_rows(logits[sampled], [reqs[row] for row in sampled])
@@ -54,7 +54,7 @@ class Sampler:
                     try:
                         tokens[row] = self._sample_row(logits[row], reqs[row])
                     except Exception:
-                        log.exception("sampling failed for request %s; failing it alone", reqs[row].rid)
+                        log.exception("sampling failed for request %s; failing it alone", reqs[row].input.rid)
                         failed.add(row)
         token_list: list[int | None] = tokens.tolist()
         for row in failed:
@@ -62,14 +62,14 @@ class Sampler:
         advance_grammars(token_list, reqs, failed)
 
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        wanted = [row for row, r in enumerate(reqs) if r.params.logprobs is not None and row not in failed]
+        wanted = [row for row, r in enumerate(reqs) if r.input.params.logprobs is not None and row not in failed]
         if wanted:
             lp = torch.log_softmax(raw[wanted], dim=-1)
             for i, row in enumerate(wanted):
                 token = token_list[row]
                 if token is None:  # only failed rows hold None, and wanted has none of them
                     continue
-                n = reqs[row].params.logprobs
+                n = reqs[row].input.params.logprobs
                 alternatives: list[tuple[int, float]] = []
                 if n:
                     top = torch.topk(lp[i], n)
@@ -86,7 +86,7 @@ class Sampler:
         sort 2 ms; here a row costs tens of microseconds (``python -m bench sampler``)."""
         n, vocab = logits.shape
         dev = logits.device
-        params = [r.params for r in reqs]
+        params = [r.input.params for r in reqs]
         temps = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], dtype=logits.dtype, device=dev)
         x = _sanitize_(logits / temps[:, None])
         ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -108,12 +108,12 @@ class Sampler:
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1]
         u = torch.empty(n, dtype=cdf.dtype, device=dev)
-        shared = [i for i, r in enumerate(reqs) if r.generator is None]
+        shared = [i for i, r in enumerate(reqs) if r.decode.generator is None]
         if shared:
             u[shared] = torch.rand(len(shared), dtype=cdf.dtype, device=dev, generator=self.generator)
         for i, r in enumerate(reqs):
-            if r.generator is not None:
-                u[i] = torch.rand((), dtype=cdf.dtype, device=dev, generator=r.generator)
+            if r.decode.generator is not None:
+                u[i] = torch.rand((), dtype=cdf.dtype, device=dev, generator=r.decode.generator)
         drawn = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0]
         # (rare) u * total rounded up to the total: the last token with mass; nothing to draw from
         # (all masses 0, or not finite): the mode, as the greedy rows take it
@@ -156,13 +156,13 @@ def _sanitize_(row: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(row: torch.Tensor, r: Request) -> None:
     """In place. Repetition penalty (as in transformers) over prompt and output; presence and
     frequency penalties (as in OpenAI) over the output only."""
-    p = r.params
+    p = r.input.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), device=row.device)
+        seen = torch.tensor(sorted(set(r.input.prompt_ids) | set(r.out.output_ids)), device=row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if r.output_ids and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(r.output_ids, device=row.device).unique(return_counts=True)
+    if r.out.output_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(r.out.output_ids, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
@@ -174,17 +174,17 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request], failed: set[i
 
     failed = set() if failed is None else failed
     rows = [row for row, r in enumerate(reqs)
-            if row not in failed and r.grammar is not None and not r.grammar.is_terminated()]
+            if row not in failed and r.decode.grammar is not None and not r.decode.grammar.is_terminated()]
     if not rows:
         return logits
     bitmask = xgr.allocate_token_bitmask(len(reqs), logits.shape[-1])
     masked = []
     for row in rows:
         try:
-            if reqs[row].grammar.fill_next_token_bitmask(bitmask, row):
+            if reqs[row].decode.grammar.fill_next_token_bitmask(bitmask, row):
                 masked.append(row)
         except Exception:
-            log.exception("grammar mask failed for request %s; failing it alone", reqs[row].rid)
+            log.exception("grammar mask failed for request %s; failing it alone", reqs[row].input.rid)
             failed.add(row)
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=masked)
@@ -198,15 +198,15 @@ def advance_grammars(tokens: list[int | None], reqs: list[Request], failed: set[
     on unconstrained or failing the whole batch."""
     failed = set() if failed is None else failed
     for row, (token, r) in enumerate(zip(tokens, reqs)):
-        m = r.grammar
+        m = r.decode.grammar
         if token is None or m is None or m.is_terminated():  # None: this row already failed
             continue
         try:
             ok = m.accept_token(token)
         except Exception:
-            log.exception("grammar failed for request %s; failing it alone", r.rid)
+            log.exception("grammar failed for request %s; failing it alone", r.input.rid)
             ok = False
         if not ok:
-            log.error("request %s: grammar rejected token %d; failing it alone", r.rid, token)
+            log.error("request %s: grammar rejected token %d; failing it alone", r.input.rid, token)
             failed.add(row)
             tokens[row] = None

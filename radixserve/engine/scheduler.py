@@ -28,15 +28,15 @@ class ScheduledItem:
     def samples(self) -> bool:
         """This chunk reaches the end of the sequence, so its last row's logits give a token
         (never for a scoring request: it ends after its prefill)."""
-        return self.start + self.num_tokens == self.req.num_tokens and self.req.score_from is None
+        return self.start + self.num_tokens == self.req.num_tokens and self.req.decode.score_from is None
 
     @property
     def score_positions(self) -> range:
         """Positions of this chunk whose logits score the next token (scoring requests only)."""
         req = self.req
-        if req.score_from is None:
+        if req.decode.score_from is None:
             return range(0)
-        return range(max(self.start, req.score_from - 1), min(self.start + self.num_tokens, req.num_tokens - 1))
+        return range(max(self.start, req.decode.score_from - 1), min(self.start + self.num_tokens, req.num_tokens - 1))
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
-        req.arrival_seq = self._arrivals
+        req.life.arrival_seq = self._arrivals
         self._arrivals += 1
         self.waiting.append(req)
 
@@ -94,7 +94,7 @@ class Scheduler:
         failed: list[Request] = []
 
         # Running requests: decodes first, then unfinished prefills; victims come from the end.
-        order = sorted(self.running, key=lambda r: (r.prefilling, r.admit_seq))
+        order = sorted(self.running, key=lambda r: (r.prefilling, r.life.admit_seq))
         i = 0
         while i < len(order) and budget > 0:
             req = order[i]
@@ -113,7 +113,7 @@ class Scheduler:
                 break
             if not placed:
                 break
-            items.append(ScheduledItem(req, req.computed, n))
+            items.append(ScheduledItem(req, req.kv.computed, n))
             budget -= n
             i += 1
 
@@ -148,7 +148,7 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[ScheduledItem]:
         items = self._admit_in_order(budget)
-        self._count_overtakes([item.req.arrival_seq for item in items])
+        self._count_overtakes([item.req.life.arrival_seq for item in items])
         return items
 
     def _count_overtakes(self, admitted: list[int]) -> None:
@@ -157,7 +157,7 @@ class Scheduler:
             return
         admitted.sort()
         for req in self.waiting:
-            req.overtaken += len(admitted) - bisect.bisect_right(admitted, req.arrival_seq)
+            req.life.overtaken += len(admitted) - bisect.bisect_right(admitted, req.life.arrival_seq)
 
     def _admit_in_order(self, budget: int) -> list[ScheduledItem]:
         items: list[ScheduledItem] = []
@@ -175,16 +175,16 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.cache.record_admission(req)
-            req.status = Status.RUNNING
-            req.admit_seq = self._admitted
+            req.life.status = Status.RUNNING
+            req.life.admit_seq = self._admitted
             self._admitted += 1
-            if req.first_scheduled is None:
-                req.first_scheduled = time.monotonic()
+            if req.life.first_scheduled is None:
+                req.life.first_scheduled = time.monotonic()
             self.running.append(req)
-            items.append(ScheduledItem(req, req.computed, n))
+            items.append(ScheduledItem(req, req.kv.computed, n))
             budget -= n
             if in_flight is not None:
-                in_flight.insert(req.tokens, list(range(req.num_tokens)), req.namespace)
+                in_flight.insert(req.tokens, list(range(req.num_tokens)), req.input.namespace)
         return items
 
     def _admission_order(self) -> list[Request]:
@@ -194,10 +194,10 @@ class Scheduler:
         # first, in arrival order, so no request waits forever (counted in admissions, not
         # seconds, so the bound means the same on a slow CPU and a fast GPU).
         bound = self.config.max_overtakes
-        aged = [r for r in self.waiting if r.overtaken >= bound]
-        fresh = [r for r in self.waiting if r.overtaken < bound]
-        fresh.sort(key=lambda r: (-self.cache.peek(r), r.arrival_seq))
-        return sorted(aged, key=lambda r: r.arrival_seq) + fresh
+        aged = [r for r in self.waiting if r.life.overtaken >= bound]
+        fresh = [r for r in self.waiting if r.life.overtaken < bound]
+        fresh.sort(key=lambda r: (-self.cache.peek(r), r.life.arrival_seq))
+        return sorted(aged, key=lambda r: r.life.arrival_seq) + fresh
 
     def _in_flight_prefills(self) -> RadixCache | None:
         """A scratch token tree of what running requests are prefilling right now (for dedup)."""
@@ -208,28 +208,28 @@ class Scheduler:
         tree = RadixCache(1, _NullFreer())
         for req in self.running:
             if req.prefilling:
-                tree.insert(req.tokens, list(range(req.num_tokens)), req.namespace)
+                tree.insert(req.tokens, list(range(req.num_tokens)), req.input.namespace)
         return tree
 
     def _duplicates_in_flight(self, req: Request, in_flight: RadixCache) -> bool:
-        shared = in_flight.peek(req.tokens, req.namespace, max_len=req.match_limit)
+        shared = in_flight.peek(req.tokens, req.input.namespace, max_len=req.match_limit)
         return shared - self.cache.peek(req) >= self.config.dedup_min_tokens
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s KV (keeping what it computed in the cache) and requeue it at the front."""
         self.cache.release(req)
         self.running.remove(req)
-        req.status = Status.WAITING
-        req.preemptions += 1
+        req.life.status = Status.WAITING
+        req.life.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
-        log.debug("preempted %s (%d tokens)", req.rid, req.num_tokens)
+        log.debug("preempted %s (%d tokens)", req.input.rid, req.num_tokens)
 
     # -- after the forward pass ----------------------------------------------------------------
     def finish(self, req: Request, reason: str) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.finished_at = time.monotonic()
+        req.life.status = Status.FINISHED
+        req.out.finish_reason = reason
+        req.life.finished_at = time.monotonic()
         if req in self.running:
             self.cache.release(req, finished=True)
             self.running.remove(req)

@@ -167,7 +167,7 @@ class TensorParallelRunner:
         wire = []
         for item in items:
             end = item.start + item.num_tokens
-            wire.append((item.req.tokens[item.start : end], list(item.req.pages), item.start, item.num_tokens))
+            wire.append((item.req.tokens[item.start : end], list(item.req.kv.pages), item.start, item.num_tokens))
         message = (wire, list(groups))
         for rank, conn in enumerate(self._conns, start=1):
             try:

@@ -20,14 +20,14 @@ import msgspec
 
 from radixserve import protocol as P
 from radixserve.errors import OverloadedError, RadixServeError
-from radixserve.sampling_params import StructuredOutput
+from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
 from radixserve.serve.openai.prompts import chat_chars, chat_ids, chat_messages, completion_prompts
-from radixserve.serve.openai.schema import (ChatRequest, chat_tools, known_fields, parse_request, refuse_unsupported,
-                                            sampling_params, structured_field)
+from radixserve.serve.openai.schema import (ChatRequest, chat_tools, known_fields, max_tokens_field, parse_request,
+                                            refuse_unsupported, sampling_params, structured_field)
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.router.core import shareable
 from radixserve.tools.chat import ToolRequest
@@ -58,11 +58,11 @@ class GatewayConfig:
 
 @dataclass
 class Prepared:
-    """A checked completion request, ready to run: one job (index, prompt, sampling kwargs) per choice."""
+    """A checked completion request, ready to run: one job (index, prompt, SamplingParams) per choice."""
 
     chat: bool
     model: str
-    jobs: list[tuple[int, Any, dict]]
+    jobs: list[tuple[int, Any, SamplingParams]]
     n: int
     stream: bool
     include_usage: bool
@@ -70,6 +70,7 @@ class Prepared:
     headers: dict[str, str]
     return_token_ids: bool = False
     tools: ToolRequest | None = None  # chat with tools: the output is parsed for calls
+    max_tokens_param: str = "max_tokens"  # the field that set max_tokens (chat: maybe max_completion_tokens)
 
     @property
     def route(self) -> str:
@@ -85,17 +86,16 @@ class Prepared:
         return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
 
-def _jobs(prompts: list, params, n: int) -> list[tuple[int, Any, dict]]:
+def _jobs(prompts: list, params: SamplingParams, n: int) -> list[tuple[int, Any, SamplingParams]]:
     """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``, wrapped
     to 0 past the top of a seed's range (2**64 - 1)."""
-    base = msgspec.structs.asdict(params)
     jobs = []
     for pi, prompt in enumerate(prompts):
         for i in range(n):
-            sp = dict(base)
-            if n > 1 and sp["seed"] is not None:
-                seed = sp["seed"] + i
-                sp["seed"] = seed - 2**64 if seed >= 2**64 else seed
+            sp = params
+            if n > 1 and params.seed is not None:
+                seed = params.seed + i
+                sp = msgspec.structs.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
             jobs.append((pi * n + i, prompt, sp))
     return jobs
 
@@ -202,7 +202,7 @@ class Gateway:
         model = self._check_model(req.model)
         ignored = self._ignored(body, chat)
         refuse_unsupported(req)
-        params, n = sampling_params(req, self.config.limits)
+        params, n = sampling_params(req)
         if n > self.config.max_n:
             raise bad("n", f"must be at most {self.config.max_n}, got {n}")
         prompts: list[str | list[int]]
@@ -220,7 +220,7 @@ class Gateway:
         return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
                         namespace=self.tenants.namespace(tenant), headers=headers,
-                        return_token_ids=req.return_token_ids, tools=tools)
+                        return_token_ids=req.return_token_ids, tools=tools, max_tokens_param=max_tokens_field(req))
 
     @staticmethod
     def _with_tool_grammar(req: ChatRequest, params, tools: ToolRequest):
@@ -259,7 +259,7 @@ class Gateway:
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
-        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, **sp))
+        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp))
                  for _, p, sp in jobs]
         try:
             return await asyncio.gather(*tasks)
@@ -272,6 +272,7 @@ class Gateway:
         route = "chat" if chat else "completions"
         self.inflight += 1
         streaming = False
+        prep: Prepared | None = None
         try:
             try:
                 prep = await self._prepare(request, chat)
@@ -281,7 +282,8 @@ class Gateway:
                     return response
                 outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
             except Exception as exc:
-                return self._error(api_error_from(exc, "messages" if chat else "prompt"), route)
+                max_tokens_param = prep.max_tokens_param if prep is not None else "max_tokens"
+                return self._error(api_error_from(exc, "messages" if chat else "prompt", max_tokens_param), route)
             return self._json(await self._final_body(prep, outs), headers=prep.headers, route=route)
         finally:
             if not streaming:

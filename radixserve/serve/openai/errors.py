@@ -36,8 +36,9 @@ _UNAVAILABLE = ((OverloadedError, "overloaded", "1"), (ShuttingDownError, "shutt
                 (WorkerLostError, "worker_lost", "1"))
 
 
-def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError:
-    """Map an SDK / router error to the HTTP error a client of OpenAI expects."""
+def api_error_from(exc: BaseException, prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> APIError:
+    """Map an SDK / router error to the HTTP error a client of OpenAI expects. The router names
+    ``max_tokens`` what a chat may have set as ``max_completion_tokens`` (``max_tokens_param``)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, TooLongError):  # the prompt, or max_tokens on top of it, does not fit the context
@@ -45,9 +46,12 @@ def api_error_from(exc: BaseException, prompt_param: str = "prompt") -> APIError
         return APIError(400, exc.message, param=too_long, code="context_length_exceeded")
     if isinstance(exc, BadRequestError):
         param = getattr(exc, "field", None) or None
+        message = exc.message
         if param in ("prompt", "token_ids"):
             param = prompt_param
-        return APIError(400, exc.message, param=param, code=None)
+        elif param == "max_tokens" and message.startswith("max_tokens:"):
+            param, message = max_tokens_param, max_tokens_param + message[len("max_tokens"):]
+        return APIError(400, message, param=param, code=None)
     for cls, code, retry in _UNAVAILABLE:
         if isinstance(exc, cls):
             return APIError(503, exc.message, type="server_error", code=code, headers={"Retry-After": retry})

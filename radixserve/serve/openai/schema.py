@@ -2,11 +2,12 @@
 
 Types and static ranges are constraints on the Structs (``Meta(ge=..., le=...)``, ``Literal``),
 checked by ``msgspec.convert``; a failure becomes a 400 whose ``param`` names the field (the first
-path component, or ``messages[i].role`` / ``messages[i].content`` inside ``messages``). What depends
-on the server's limits (``max_tokens`` against its cap; against the context in the engine, 400
-``context_length_exceeded``; the number of stop strings) and what
-spans fields (``best_of`` against ``n``, ``top_logprobs`` needing ``logprobs``) is checked after, in
-:func:`sampling_params`; the result is validated once more by :meth:`SamplingParams.validate`.
+path component, or ``messages[i].role`` / ``messages[i].content`` inside ``messages``). What spans
+fields (``best_of`` against ``n``, ``top_logprobs`` needing ``logprobs``) is checked after, in
+:func:`sampling_params`; the result is validated once more by :meth:`SamplingParams.validate`. What
+depends on the server's limits (``max_tokens`` against its cap, the stop strings) is checked once,
+by the router (:func:`radixserve.limits.validate_generate`), and ``max_tokens`` against the context
+by the engine (400 ``context_length_exceeded``): their errors come back as 400s naming the field.
 
 Unknown top-level fields are ignored (like vLLM; each is listed in a response header by the app).
 Known OpenAI fields this server cannot honour (``logit_bias``, ``suffix``, ``echo``,
@@ -24,7 +25,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from radixserve import protocol as P
 from radixserve.errors import BadRequestError
 from radixserve.sampling_params import SamplingParams, StructuredOutput  # the type of SamplingParams.structured
 from radixserve.serve.openai.errors import bad
@@ -208,25 +208,22 @@ def structured_output(req: Request):
     return found[0][1] if found else None
 
 
-def _max_tokens(req: Request, limits: P.Limits) -> int | None:
-    chat = isinstance(req, ChatRequest)
-    for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
-        value = getattr(req, name)
-        if value is not None:
-            if value > limits.max_tokens:
-                raise bad(name, f"must be in [1, {limits.max_tokens}], got {value}")
-            return value
-    # OpenAI: completions default to 16 tokens; chat to "as many as fit" (None: the engine fills the context).
-    return None if chat else 16
+def _max_tokens(req: Request) -> int | None:
+    if isinstance(req, ChatRequest):  # OpenAI: chat defaults to "as many as fit" (None: the engine fills the context)
+        return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return 16 if req.max_tokens is None else req.max_tokens  # OpenAI: completions default to 16 tokens
 
 
-def _stop(stop: str | list[str] | None, limits: P.Limits) -> list[str] | None:
+def max_tokens_field(req: Request) -> str:
+    """The field that set ``max_tokens``: the router's error about it names that one."""
+    return "max_completion_tokens" if isinstance(req, ChatRequest) and req.max_completion_tokens is not None \
+        else "max_tokens"
+
+
+def _stop(stop: str | list[str] | None) -> list[str] | None:
     if stop is None:
         return None
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in stop):
-        raise bad("stop", f"at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters")
-    return [s for s in stop if s] or None
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s] or None
 
 
 def _logprobs(req: Request) -> int | None:
@@ -242,16 +239,17 @@ _COPIED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penal
            "seed", "stop_token_ids", "ignore_eos")
 
 
-def sampling_params(req: Request, limits: P.Limits) -> tuple[SamplingParams, int]:
-    """The validated SamplingParams of a request and its ``n`` (400 naming a bad field)."""
+def sampling_params(req: Request) -> tuple[SamplingParams, int]:
+    """The validated SamplingParams of a request and its ``n`` (400 naming a bad field). The
+    server's limits (``max_tokens``, stop strings) are the router's to check: its 400 comes back."""
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise bad("best_of", "is not supported (only best_of == n)")
     kw: dict[str, Any] = {name: getattr(req, name) for name in _COPIED if getattr(req, name) is not None}
-    kw["max_tokens"] = _max_tokens(req, limits)
+    kw["max_tokens"] = _max_tokens(req)
     if req.top_k is not None:
         kw["top_k"] = -1 if req.top_k == 0 else req.top_k
-    optional = {"stop": _stop(req.stop, limits), "logprobs": _logprobs(req), "structured": structured_output(req)}
+    optional = {"stop": _stop(req.stop), "logprobs": _logprobs(req), "structured": structured_output(req)}
     kw.update({k: v for k, v in optional.items() if v is not None})
     try:  # the ranges are SamplingParams' own: what the Structs above leave open is refused here
         params = convert(kw, SamplingParams)

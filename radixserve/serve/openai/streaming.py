@@ -21,7 +21,7 @@ def open_streams(client, jobs, namespace) -> tuple[asyncio.Queue, list[asyncio.F
 
     async def one(index, prompt, sp):
         try:
-            async for item in client.stream(prompt, namespace=namespace, timeout=None, **sp):
+            async for item in client.stream(prompt, namespace=namespace, timeout=None, params=sp):
                 queue.put_nowait((index, item, None))
         except asyncio.CancelledError:
             raise
@@ -50,7 +50,7 @@ async def sse_events(prep, first, queue: asyncio.Queue, logprobs: Callable[[Any,
     while True:
         index, msg, exc = item
         if exc is not None:
-            yield R.sse(api_error_from(exc, "messages" if chat else "prompt").body())
+            yield R.sse(api_error_from(exc, "messages" if chat else "prompt", prep.max_tokens_param).body())
             break
         if isinstance(msg, Completion):
             finals[index] = msg

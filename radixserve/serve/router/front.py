@@ -14,6 +14,7 @@ from typing import Any
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError, TooLongError, UnauthorizedError
+from radixserve.limits import check_prompt_tokens
 from radixserve.serve.router.dispatch import Dispatcher
 from radixserve.serve.router.jobs import JobKey, JobTable
 from radixserve.serve.router.registry import WorkerRegistry
@@ -173,8 +174,7 @@ class ClientFront:
 
     def _admit_generate(self, key, identity: bytes, msg: P.Generate, ids, tenant: str) -> None:
         try:
-            if len(ids) > self.config.limits.max_prompt_tokens:
-                raise P._too_long(len(ids), self.config.limits)
+            check_prompt_tokens(ids, self.config.limits)
             if not ids:
                 raise P.DecodeError("prompt tokenizes to nothing", msg.id)
         except RadixServeError as exc:
@@ -214,8 +214,7 @@ class ClientFront:
 
     def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids, tenant: str) -> None:
         try:
-            if len(ids) > self.config.limits.max_prompt_tokens:
-                raise P._too_long(len(ids), self.config.limits)
+            check_prompt_tokens(ids, self.config.limits)
             if not ids or not all(choice_ids):
                 raise P.DecodeError("prompt or a choice tokenizes to nothing", msg.id)
             n = sum(map(len, choice_ids))
