@@ -68,8 +68,7 @@ def validate_generate(msg: Generate, limits: Limits = DEFAULT_LIMITS) -> None:
     _check_namespace(msg.namespace, limits)
     p = msg.params
     if p.max_tokens is not None and (not isinstance(p.max_tokens, int) or not 1 <= p.max_tokens <= limits.max_tokens):
-        raise BadRequestError("max_tokens", f"must be an integer in [1, {limits.max_tokens}] (or unset: until the "
-                                            f"context is full), got {p.max_tokens!r}")
+        raise BadRequestError("max_tokens", f"must be an integer in [1, {limits.max_tokens}], got {p.max_tokens!r}")
     if p.stop is not None:
         if len(p.stop) > limits.max_stop or any(len(s) > limits.max_stop_chars for s in p.stop):
             raise BadRequestError("stop", f"at most {limits.max_stop} strings of at most {limits.max_stop_chars} characters")
