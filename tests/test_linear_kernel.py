@@ -1103,7 +1103,7 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
     if gemm.has_onednn_ops():
         got = gemm.measure(torch.float32, ("mkl", "onednn"))
         assert set(got) == {"mkl", "onednn"} and all(r > 0 for r in got.values())
-    monkeypatch.setattr(lin, "_state", {"packed": None})  # RADIXSERVE_PACKED_LINEAR=0 / no extension
+    monkeypatch.setattr(gemm, "_state", {"packed": None})  # RADIXSERVE_PACKED_LINEAR=0 / no extension
     assert gemm.gemm_backend(torch.float32) == "none" and gemm.gemm_backend(torch.bfloat16) == "none"
 
 
