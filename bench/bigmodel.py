@@ -100,8 +100,8 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
 
-from radixserve.attention import cpu_ext
-cpu_ext.load()  # (built or loaded before the baseline: every engine process has it)
+from radixserve.kernels import build
+build.load()  # (built or loaded before the baseline: every engine process has it)
 base_rss = rss()
 start = time.perf_counter()
 engine = Engine(sys.argv[1], kv_cache_tokens=int(sys.argv[3]), max_running=1, weights=sys.argv[5], quant_compute=sys.argv[6])

@@ -41,7 +41,7 @@ def run(args) -> int:
     import torch
 
     from radixserve.attention.metadata import build_metadata
-    from radixserve.attention import cpu_ext
+    from radixserve.kernels import attention as attention_ops
     from radixserve.attention.cpu_backend import CpuAttention
     from radixserve.attention.torch_backend import TorchAttention
     from radixserve.kv.pool import KVPool
@@ -64,7 +64,7 @@ def run(args) -> int:
     q = torch.randn(args.batch, args.heads, args.head_dim, generator=g).to(dtype)
     k = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=g).to(dtype)
     v = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=g).to(dtype)
-    ext = cpu_ext.load() if args.backend == "cpu" else None
+    ext = attention_ops.ops() if args.backend == "cpu" else None
     backend = CpuAttention(pool, args.head_dim**-0.5, ext) if ext else TorchAttention(pool, args.head_dim**-0.5)
 
     def once(groups) -> float:

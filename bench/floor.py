@@ -91,11 +91,11 @@ def gemm_rate(shape: Shape, rows: int, dtype: str, threads: int, repeats: int = 
     """FLOP/s of one layer's linear maps at ``rows`` rows: total FLOPs over the summed best times
     (the best of ``repeats``, since this is a floor: a busy machine only makes it look lower), each
     map on the faster of ``F.linear`` and radixserve's own (its packed-weight GEMM: MKL's or oneDNN's,
-    whichever :func:`radixserve.model.linear.gemm_backend` takes on this CPU; MKL's ``F.linear``
+    whichever :func:`radixserve.kernels.gemm.gemm_backend` takes on this CPU; MKL's ``F.linear``
     is the slower one on AMD CPUs)."""
     import torch
 
-    from radixserve.model import linear as lin
+    from radixserve.kernels import linear as lin
 
     torch.set_num_threads(threads)
     dt = getattr(torch, dtype)

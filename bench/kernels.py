@@ -21,8 +21,9 @@ random order, as a pool does once requests have come and gone.
 
 ``--against DIR`` times another version of the kernels next to this checkout's, in the same
 process: DIR is another checkout's csrc/ (say from ``git worktree add /tmp/base HEAD~1``), whose
-attention module (attention.cpp, prefill.cpp, decode.cpp) is built under a name of its own into
-the kernel cache. Every mode except "torch" then also runs on it ("MODE@against"), the two calls
+attention module (attention.cpp, prefill.cpp, decode.cpp) is built into the kernel cache with its
+ops under a namespace of its own (a checkout from before the ops were torch ops: a Python module
+of its own). Every mode except "torch" then also runs on it ("MODE@against"), the two calls
 alternating in each repeat, and the table adds the median over repeats of each repeat's own
 ratio (this checkout / DIR): on these VMs, whose speed drifts by tens of percent from minute to
 minute, runs of two builds one after the other could not tell a 1% change from a 20% one.
@@ -101,26 +102,32 @@ AGAINST_SOURCES = ("attention.cpp", "prefill.cpp", "decode.cpp")
 
 
 def build_against(csrc: str | Path):
-    """The attention module of another checkout's ``csrc`` (its ``AGAINST_SOURCES``; the op
-    libraries of layers.cpp and linear.cpp stay this checkout's, which decode.cpp finds by name),
-    built under a name of its own in the kernel cache so that it loads next to this checkout's."""
+    """The attention ops of another checkout's ``csrc`` (its ``AGAINST_SOURCES``; the op libraries
+    of layers.cpp and linear.cpp stay this checkout's, which decode.cpp finds by name), built under
+    a namespace of its own in the kernel cache so that they load next to this checkout's. A
+    checkout whose attention.cpp still binds with pybind11 loads as a module of its own name."""
     from torch.utils import cpp_extension
 
-    from radixserve.attention import cpu_ext
+    from radixserve.kernels import attention
+    from radixserve.kernels import build
 
     csrc = Path(csrc)
     missing = [s for s in AGAINST_SOURCES if not (csrc / s).is_file()]
     if missing:
         raise SystemExit(f"--against {csrc}: no {', '.join(missing)} there (give another checkout's csrc/)")
-    tag = cpu_ext._sources_tag(csrc)
-    directory = cpu_ext.build_dir().parent / f"against-{tag}"
+    tag = build._sources_tag(csrc)
+    directory = build.build_dir().parent / f"against-{tag}"
     directory.mkdir(parents=True, exist_ok=True)
-    staged = cpu_ext._stage_sources(directory, csrc)  # (headers too; unchanged copies keep ninja's build)
+    staged = build._stage_sources(directory, csrc)  # (headers too; unchanged copies keep ninja's build)
     print(f"  loading {csrc}'s attention kernels from {directory} (the first time: a minute or two to build)",
           flush=True, file=sys.stderr)
-    return cpp_extension.load(name=f"radixserve_attention_{tag}", sources=[str(staged / s) for s in AGAINST_SOURCES],
-                              build_directory=str(directory), extra_cflags=cpu_ext.CFLAGS,
-                              extra_ldflags=["-fopenmp"], verbose=False)
+    name = f"radixserve_attention_{tag}"
+    pybind = "PYBIND11_MODULE" in (csrc / "attention.cpp").read_text()
+    loaded = cpp_extension.load(name=name, sources=[str(staged / s) for s in AGAINST_SOURCES],
+                                build_directory=str(directory),
+                                extra_cflags=build.CFLAGS + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"]),
+                                extra_ldflags=["-fopenmp"], verbose=False, is_python_module=pybind)
+    return loaded if pybind else attention.ops(name)
 
 
 def _case(shape, dtype, page, shared=(0, 0), shuffle=False, cascade=False):
@@ -158,13 +165,13 @@ def _case(shape, dtype, page, shared=(0, 0), shuffle=False, cascade=False):
 def run(args) -> int:
     import torch
 
-    from radixserve.attention import cpu_ext
     from radixserve.attention.cpu_backend import CpuAttention
     from radixserve.attention.torch_backend import TorchAttention
+    from radixserve.kernels import attention
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    ext = cpu_ext.load()
+    ext = attention.ops()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if ext is None:
         modes = [m for m in modes if m == "torch"]

@@ -3,10 +3,10 @@
 Modes (same random weights, same inputs):
   old          main's layer before the fusion: separate q/k/v and gate/up GEMMs, RMSNorm, RoPE,
                SiLU, mul and the residual adds as separate torch ops
-  fused-torch  fused qkv_proj / gate_up_proj GEMMs, the torch fallbacks of radixserve.model.fused
+  fused-torch  fused qkv_proj / gate_up_proj GEMMs, the torch fallbacks of radixserve.kernels.layers
                (what RADIXSERVE_NO_EXT=1 runs)
   fused        fused GEMMs and the csrc/layers.cpp kernels (the default); GEMMs on the packed
-               weights of radixserve.model.linear's backend (fp32: MKL's, from 16 rows; bf16 on
+               weights of radixserve.kernels.gemm's backend (fp32: MKL's, from 16 rows; bf16 on
                AMX: csrc/linear.cpp's AMX GEMM beyond 32 rows; RADIXSERVE_PACKED_LINEAR)
   fused-unpacked  the same with every GEMM beyond the small-M kernel on F.linear
                (RADIXSERVE_PACKED_LINEAR=0; where the dtype has a packed backend)
@@ -107,8 +107,8 @@ def run(args) -> int:
     import torch
     from transformers import LlamaConfig
 
-    from radixserve.model import fused
-    from radixserve.model import linear as lin
+    from radixserve.kernels import gemm
+    from radixserve.kernels import layers as fused
     from radixserve.model.llama import ArchSpec, DecoderLayer, ForwardBatch, RotaryEmbedding
 
     torch.set_num_threads(args.threads)
@@ -127,7 +127,7 @@ def run(args) -> int:
     layer = layer.to(dtype).eval()
     old = _old_layer(layer)
     kernels = fused.kernels()
-    packed = lin.packed_ops() if kernels is not None and lin.gemm_backend(dtype) != "none" else None
+    packed = gemm.packed_ops() if kernels is not None and gemm.gemm_backend(dtype) != "none" else None
     modes = [m for m in MODES if (m != "fused" or kernels is not None) and (m != "fused-unpacked" or packed is not None)]
     if kernels is None:
         print("csrc/ kernels unavailable: timing old and fused-torch only", file=sys.stderr)
@@ -161,12 +161,12 @@ def run(args) -> int:
             for rep in range(args.repeats + 1):
                 for mode in modes:
                     fused._ops[:] = [kernels if mode in ("fused", "fused-unpacked") else None]
-                    lin._state["packed"] = packed if mode == "fused" else None  # (fused-torch: no extension)
+                    gemm._state["packed"] = packed if mode == "fused" else None  # (fused-torch: no extension)
                     t = call(mode, outputs if rep == 0 else None)
                     if rep:  # the first round warms up (and checks that the modes agree)
                         times[mode].append(t)
         fused._ops[:] = [kernels]
-        lin._state["packed"] = packed
+        gemm._state["packed"] = packed
         results[m] = {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
         diffs[m] = {mode: float((outputs[mode] - outputs["old"]).abs().max()) for mode in modes if mode != "old"}
         print(f"  M={m} done", file=sys.stderr, flush=True)

@@ -185,10 +185,10 @@ class RadixAdapter:
         self.engine = Engine(spec["model"], dtype=spec["dtype"], max_running=spec["max_running"],
                              max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0,
                              attention=spec.get("attention", "auto"))
-        from radixserve.model import linear
+        from radixserve.kernels.gemm import gemm_backend
 
         # the attention backend and the GEMM backend the load chose (RADIXSERVE_CPU_GEMM)
-        gemm = linear.gemm_backend(getattr(torch, spec["dtype"]))
+        gemm = gemm_backend(getattr(torch, spec["dtype"]))
         self.backend = f"{type(self.engine.runner.attention).__name__}/{gemm}"
         self.live: dict = {}  # request id -> Request, until it finishes
         self.steps: list[dict] | None = None  # per timed step with --breakdown (record_steps)

@@ -11,12 +11,12 @@ N requests decode in one cascade group (where N x P reaches the engine's thresho
 agent fleet under one system prompt does.
 
 Where radixserve's linear layers send the batch to the small-M kernel
-(``radixserve.model.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
+(``radixserve.kernels.linear``: bf16/fp16, and fp32 where oneDNN is the fp32 GEMM), the decode
 steps alternate between the kernel and the path the layers take without it (``F.linear``, or
 oneDNN's prepacked GEMM), step by step on the same requests, and both medians are printed. bf16
 on AMX takes csrc/linear.cpp's AMX GEMM over packed weights at every row count instead of the
 kernel ("amx"); its alternate steps run ``F.linear`` with no packed copies.
-Where the decoder layers of a step run in one native call (``radixserve.model.fused_decode``,
+Where the decoder layers of a step run in one native call (``radixserve.kernels.fused_decode``,
 the default), another set of steps runs the same operators layer by layer from Python, and its
 median is printed too. ``--gemv`` adds a table of the bench model's linear shapes at several
 row counts: the kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and oneDNN's
@@ -92,23 +92,24 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
     import torch
     import torch.nn.functional as F
 
-    from radixserve.model import linear as lin
+    from radixserve.kernels import gemm
+    from radixserve.kernels import linear as lin
 
     op = lin.kernel()
     if op is not None and dtype == torch.float32 and not torch.ops.radixserve_linear.supports_fp32():
         op = None
     # (oneDNN is radixserve's GEMM for fp32 and bf16 only; its fp16 needs AVX512-FP16 or AVX-NE-CONVERT)
-    onednn = dtype in (torch.float32, torch.bfloat16) and lin._has_onednn_ops(dtype)
+    onednn = dtype in (torch.float32, torch.bfloat16) and gemm.has_onednn_ops(dtype)
 
     def kernel_fn(a, w):
         return op(a, w, None, False)
 
     prepacked: dict[int, object] = {}
-    amx = dtype == torch.bfloat16 and lin.packed_ops() is not None and bool(torch.ops.radixserve_linear.supports_amx_gemm())
+    amx = dtype == torch.bfloat16 and gemm.packed_ops() is not None and bool(torch.ops.radixserve_linear.supports_amx_gemm())
     tiles: dict[int, object] = {}
 
     def onednn_fn(a, w):
-        return lin._onednn_linear(a, prepacked[id(w)], None)
+        return gemm.onednn_linear(a, prepacked[id(w)], None)
 
     def amx_fn(a, w):
         return torch.ops.radixserve_linear.amx_linear(a, tiles[id(w)], None, False)
@@ -160,8 +161,8 @@ def quant_gemv_table(model, rows: list[int], mib: int, repeats: int = 7) -> list
     (what the dequantized model runs), each with weights rotated over ``mib`` MiB of copies."""
     import torch
 
-    from radixserve.model import quant
-    from radixserve.model.quant import QuantLinear
+    from radixserve.kernels import quant
+    from radixserve.kernels.quant import QuantLinear
 
     layer = model.model.layers[0]
     head = model.quant_head if model.tie_word_embeddings else model.lm_head
@@ -244,8 +245,8 @@ def run(args) -> int:
     import torch
 
     from radixserve import Engine, SamplingParams
-    from radixserve.model import fused_decode
-    from radixserve.model import linear as lin
+    from radixserve.kernels import fused_decode, gemm
+    from radixserve.kernels import linear as lin
 
     torch.set_num_threads(args.threads)
     if args.model is None:
@@ -264,13 +265,13 @@ def run(args) -> int:
     param_dtype = next(model.parameters()).dtype
     # bf16 on AMX: the AMX GEMM over packed weights at every row count (where the model's sizes allow)
     quantized = engine.loaded.quantized  # (its linear layers: csrc/quant.cpp, no A/B against F.linear)
-    amx = not quantized and lin._amx_first(model.model.layers[0].self_attn.qkv_proj.weight)
+    amx = not quantized and gemm.amx_first(model.model.layers[0].self_attn.qkv_proj.weight)
     kernel = lin.kernel() if not quantized and (amx or 0 < args.batch <= lin.max_rows(param_dtype)) else None
-    packed_ops = lin._state.get("packed")
-    lo, hi = (1, 0) if quantized else lin.packed_row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
-    onednn = not quantized and not amx and lin.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
+    packed_ops = gemm._state.get("packed")
+    lo, hi = (1, 0) if quantized else gemm.packed_row_range(param_dtype)  # the rows linear() sends to oneDNN (or MKL's packed GEMM)
+    onednn = not quantized and not amx and gemm.gemm_backend(param_dtype) in ("onednn", "amx") and lo <= args.batch <= hi
     fallback = "oneDNN" if onednn else "F.linear"
-    # ... and between the decoder layers in one native call (radixserve.model.fused_decode, the
+    # ... and between the decoder layers in one native call (radixserve.kernels.fused_decode, the
     # default, which the steps without the kernel do not take) and layer by layer
     was_enabled = model.fused_decode.enabled
     fused = was_enabled and fused_decode.unsupported(model, param_dtype) is None
@@ -301,7 +302,7 @@ def run(args) -> int:
             if kernel is not None:
                 lin._state["op"] = None if mode == fallback else kernel
                 if amx:  # (F.linear's steps: no packed copies either)
-                    lin._state["packed"] = None if mode == fallback else packed_ops
+                    gemm._state["packed"] = None if mode == fallback else packed_ops
             model.fused_decode.enabled = fused and mode == first
             start = time.perf_counter()
             engine.step()
@@ -311,7 +312,7 @@ def run(args) -> int:
         if kernel is not None:
             lin._state["op"] = kernel
             if amx:
-                lin._state["packed"] = packed_ops
+                gemm._state["packed"] = packed_ops
         model.fused_decode.enabled = was_enabled
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches

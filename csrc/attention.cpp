@@ -40,6 +40,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -1207,28 +1209,62 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                             const std::vector<torch::Tensor>& prefix, const std::vector<torch::Tensor>& quant);
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "radixserve CPU paged attention kernels";
-  m.def("paged_attention", &paged_attention,
-        "Paged attention over FlashInfer-format metadata; returns (out, lse base 2)");
-  m.def("prefill_attention", &prefill_attention,
-        "Many-row (prefill/extend) paged attention through GEMMs, same arguments and results as paged_attention; "
-        "bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else vdpbf16ps where the CPU has AVX512-BF16, "
-        "else widened to fp32), 'brgemm', 'dpbf16' or 'fp32'",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qo_indptr"), py::arg("kv_indptr"),
-        py::arg("kv_indices"), py::arg("kv_last_page_len"), py::arg("scale"), py::arg("causal"),
-        py::arg("bf16_gemm") = "auto");
-  m.def("bf16_brgemm", &bf16_brgemm, "Whether prefill_attention runs bf16 on brgemm (AMX) on this CPU");
-  m.def("bf16_dpbf16", &bf16_dpbf16,
-        "Whether prefill_attention can run bf16 on vdpbf16ps (AVX512-BF16; its path where there is no AMX)");
-  m.def("merge_state", &merge_state, "Merge two attention states by base-2 LSE");
-  m.def("store_kv", &store_kv, "Write new K/V rows [T, Hkv, D] into cache slots [T] of k_cache/v_cache (in place)",
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"));
-  m.def("decode_layers", &decode_layers,
-        "A decode batch's decoder layers in one call (csrc/decode.cpp); returns the last MLP output",
-        py::arg("x"), py::arg("params"), py::arg("packed"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"), py::arg("sin"),
-        py::arg("slots"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("kv_indices"),
-        py::arg("kv_last_page_len"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-        py::arg("eps"), py::arg("scale"), py::arg("prefix") = std::vector<torch::Tensor>(),
-        py::arg("quant") = std::vector<torch::Tensor>());
+// The attention module's ops (this file's, prefill.cpp's and decode.cpp's) as torch ops, like
+// layers.cpp's and linear.cpp's: torch.ops.radixserve_attention.<op>. The namespace is a macro
+// so that another version of these three files (bench/kernels.py --against) can load next to
+// this one under a name of its own (-DRADIXSERVE_ATTENTION_NS=...).
+#ifndef RADIXSERVE_ATTENTION_NS
+#define RADIXSERVE_ATTENTION_NS radixserve_attention
+#endif
+#define RADIXSERVE_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // (expands the macro before TORCH_LIBRARY pastes it)
+
+namespace {
+
+std::tuple<torch::Tensor, torch::Tensor> out_and_lse(std::vector<torch::Tensor> v) {
+  return {std::move(v[0]), std::move(v[1])};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> paged_attention_op(
+    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+    torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale, bool causal) {
+  return out_and_lse(paged_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                     scale, causal));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> prefill_attention_op(
+    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+    torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale, bool causal, std::string bf16_gemm) {
+  return out_and_lse(prefill_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                       scale, causal, bf16_gemm));
+}
+
+}  // namespace
+
+RADIXSERVE_TORCH_LIBRARY(RADIXSERVE_ATTENTION_NS, m) {
+  // Paged attention over FlashInfer-format metadata: (out, lse base 2)
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, Tensor kv_indptr, "
+        "Tensor kv_indices, Tensor kv_last_page_len, float scale, bool causal) -> (Tensor, Tensor)",
+        &paged_attention_op);
+  // Many-row (prefill/extend) paged attention through GEMMs, same arguments and results as
+  // paged_attention; bf16_gemm: 'auto' (brgemm/AMX where cpublas::could_pack, else vdpbf16ps where
+  // the CPU has AVX512-BF16, else widened to fp32), 'brgemm', 'dpbf16' or 'fp32'
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, Tensor kv_indptr, "
+        "Tensor kv_indices, Tensor kv_last_page_len, float scale, bool causal, str bf16_gemm=\"auto\") "
+        "-> (Tensor, Tensor)",
+        &prefill_attention_op);
+  // Whether prefill_attention runs bf16 on brgemm (AMX) on this CPU
+  m.def("bf16_brgemm() -> bool", &bf16_brgemm);
+  // Whether prefill_attention can run bf16 on vdpbf16ps (AVX512-BF16; its path where there is no AMX)
+  m.def("bf16_dpbf16() -> bool", &bf16_dpbf16);
+  // Merge two attention states by base-2 LSE
+  m.def("merge_state(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> Tensor", &merge_state);
+  // Write new K/V rows [T, Hkv, D] into cache slots [T] of k_cache/v_cache (in place)
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()", &store_kv);
+  // A decode batch's decoder layers in one call (decode.cpp): x updated in place as the residual
+  // stream, the caches written; returns the last MLP output. (No defaults: a Tensor[] cannot have one.)
+  m.def("decode_layers(Tensor(a!) x, Tensor[] params, Tensor[] packed, Tensor(b!)[] k_caches, "
+        "Tensor(c!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor qo_indptr, Tensor kv_indptr, "
+        "Tensor kv_indices, Tensor kv_last_page_len, int num_heads, int num_kv_heads, int head_dim, float eps, "
+        "float scale, Tensor[] prefix, Tensor[] quant) -> Tensor",
+        &decode_layers);
 }

@@ -107,7 +107,7 @@ std::optional<at::Tensor> bias_of(const at::Tensor& b) {
 // Whether a prepacked weight is the AMX GEMM's tiles (else oneDNN's copy, or none: the small-M kernel).
 bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.numel() > 0 && !packed.is_mkldnn(); }
 
-// x W^T + b as radixserve.model.linear.linear computes it for x's rows: the small-M kernel, or
+// x W^T + b as radixserve.kernels.linear.linear computes it for x's rows: the small-M kernel, or
 // the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
 // oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
 // A linear layer's weight kept in GGUF blocks (quant.cpp's qlinear): its parts, their types and
@@ -146,7 +146,7 @@ std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, 
 
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                    const at::Tensor& packed, const QuantWeight& qw) {
-  if (!qw.parts.empty()) {  // fp32 arithmetic, as radixserve.model.quant.QuantLinear
+  if (!qw.parts.empty()) {  // fp32 arithmetic, as radixserve.kernels.quant.QuantLinear
     const at::Tensor y = qlinear_op().call(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), qw.parts, qw.qtypes,
                                            qw.maps, bias_of(b), qw.impl);
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
@@ -173,7 +173,7 @@ constexpr int64_t kPerLayer = 10;
 // attends to both and merges the grouped rows by LSE, as radixserve/attention/cpu_backend.py
 // does. quant: empty, or for each layer's qkv, o, gate_up and down weights in turn an int64 tensor
 // [parts, qtype...] then each part's GGUF blocks and row map (no parts: that weight is dense),
-// for weights held in their quantized blocks (radixserve.model.quant.QuantLinear: quant.cpp's
+// for weights held in their quantized blocks (radixserve.kernels.quant.QuantLinear: quant.cpp's
 // qlinear, in fp32). Returns the last layer's MLP output (the pending residual).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                             const std::vector<torch::Tensor>& packed,
@@ -233,7 +233,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     h = at::empty_like(x);
     op.norm.call(x, o, w[5], eps, h);
     // silu(gate) * up: on the AMX GEMM's packed copy in its epilogue, as
-    // radixserve.model.linear.linear_silu_and_mul takes it; else the product, then the activation
+    // radixserve.kernels.linear.linear_silu_and_mul takes it; else the product, then the activation
     const at::Tensor& pgu = pw(2);
     at::Tensor act;
     if (amx_packed(pgu) && qw[2].parts.empty()) {

@@ -10,7 +10,7 @@
 //   silu_and_mul  out [N, I] = silu(gate) * up over the fused gate_up output [N, 2I].
 //   argmax_rows   each fp32 row's index of its first maximum, or of its first NaN when it has one
 //                 (torch.max(x, dim=-1).indices, which runs on one thread): the greedy sampler's.
-// Registered as torch.ops.radixserve_layers.* (the extension's pybind module is attention.cpp's).
+// Registered as torch.ops.radixserve_layers.*, like every op of the extension.
 //
 // Inner loops have fixed-width blocks (16 floats) so -O3 -march=native vectorises them; bf16 is
 // widened to fp32 by a shift and narrowed by round-to-nearest-even, as c10::BFloat16 does. With

@@ -26,7 +26,7 @@
 // vector paths are compute-bound beyond a few rows; AMX stays bandwidth-bound up to 16-32 rows.
 //
 // Built with -march=native: without AVX2/FMA/F16C (or AVX-512) the op refuses that dtype and the
-// Python side (radixserve/model/linear.py) keeps F.linear.
+// Python side (radixserve/kernels/linear.py) keeps F.linear.
 //
 // fp32: MKL's packed GEMM (cblas_sgemm_pack / cblas_sgemm_compute, exported by the MKL inside
 // torch's x86 wheels, like sgemm_). torch's fp32 F.linear hands W to sgemm, which re-packs all of
@@ -44,7 +44,7 @@
 //   header keeps that address and packed_linear refuses a moved (copied) buffer.
 // - Results equal F.linear's bit for bit only where MKL adds the K products in sgemm's order: it
 //   depends on the shape, M and the thread count (never below 16 rows here; at 16-2048 rows the
-//   bench model's K=512 weights always, its K=1408 one never). radixserve/model/linear.py checks.
+//   bench model's K=512 weights always, its K=1408 one never). radixserve/kernels/packed.py checks.
 // - The packed copy is as large as W in resident memory (MKL's size has ~7.6 MiB more per matrix
 //   that is never touched), so it doubles an fp32 model's weight memory.
 
@@ -294,7 +294,7 @@ inline void tile_fp16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
 #endif
 
 // fp32 (AVX2 and AVX-512 builds alike: the 8-lane tiles are bound by reading W). At 1-2 rows it
-// beats oneDNN's prepacked fp32 GEMM (bench/RESULTS.md, section 20); radixserve/model/linear.py
+// beats oneDNN's prepacked fp32 GEMM (bench/RESULTS.md, section 20); radixserve/kernels/linear.py
 // sends it no more rows than that measurement supports.
 #if defined(RADIXSERVE_AVX2_LINEAR)
 #define RADIXSERVE_HAVE_FP32 1
@@ -990,7 +990,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace
 
-// Registered as torch ops (the extension's one PYBIND11_MODULE lives in attention.cpp):
+// Registered as torch ops, like every op of the extension:
 // torch.ops.radixserve_linear.linear(x, weight, bias, fp32_out), .supports_bf16(), .supports_fp16(),
 // and for fp32 .pack_fp32(weight, rows=256) and .packed_linear(x, packed, n, k, bias).
 TORCH_LIBRARY(radixserve_linear, m) {

@@ -445,7 +445,7 @@ std::vector<Part> check_parts(const std::vector<torch::Tensor>& weights, const s
     const auto& map = row_maps[i];
     const int64_t rows = map.numel() ? map.numel() : w.size(0);
     // (a row map's entries are not range-checked here, on every call of a decode step: the
-    // caller's, radixserve.model.quant.QuantTensor checks them once)
+    // caller's, radixserve.kernels.quant.QuantTensor checks them once)
     TORCH_CHECK(!map.numel() || (map.scalar_type() == at::kInt && map.dim() == 1 && map.is_contiguous()),
                 "qlinear: row_maps must be contiguous int32 vectors (or empty)");
     parts.push_back({w.data_ptr<uint8_t>(), map.numel() ? map.data_ptr<int32_t>() : nullptr, qtypes[i], rows,

@@ -129,9 +129,9 @@ def pytest_sessionstart(session):
     fall to the worker processes of a test cluster, whose wait for them to be ready it outlasts,
     and inside a test it would count against that test's timeout. Where it cannot be built, the
     torch paths run instead (one warning)."""
-    from radixserve.attention import cpu_ext
+    from radixserve.kernels import build
 
-    cpu_ext.load()
+    build.load()
 
 
 @pytest.fixture(scope="session")

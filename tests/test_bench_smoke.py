@@ -126,9 +126,9 @@ def test_structured_mask_steps_every_mode(tiny_model):
 def test_kernels_against_another_build():
     # --against: another csrc/ (here this checkout's own, built again under a name of its own) timed
     # next to these kernels in one process; each mode but torch gets an @against column and a ratio
-    from radixserve.attention import cpu_ext
+    from radixserve.kernels import attention as attention_ops
 
-    if cpu_ext.load() is None:
+    if attention_ops.ops() is None:
         pytest.skip("the csrc/ kernels do not build here")
     out = run_bench("kernels", "--cases", "extend7x128/130", "--modes", "kernel,torch", "--repeats", "3",
                     "--against", str(ROOT / "csrc"), timeout=600)
@@ -147,9 +147,9 @@ def test_kernels_cascade_case_is_planned_as_one_group(name, new_tokens, own_keys
     import torch
 
     from bench.kernels import CASES, SHARED, _case
-    from radixserve.attention import cpu_ext
     from radixserve.attention.cpu_backend import CpuAttention
     from radixserve.attention.torch_backend import TorchAttention
+    from radixserve.kernels import attention as attention_ops
 
     pool, meta, q, k, v, flops = _case(CASES[name], torch.float32, 16, SHARED[name], cascade=True)
     assert meta.cascade is not None and meta.cascade.groups == ((0, 8, 1024),)
@@ -159,7 +159,7 @@ def test_kernels_cascade_case_is_planned_as_one_group(name, new_tokens, own_keys
     ref = TorchAttention(pool, 64**-0.5)
     ref.plan(meta)
     want = ref.forward(q, k, v, 0)
-    ext = cpu_ext.load()
+    ext = attention_ops.ops()
     if ext is None:
         pytest.skip("the csrc/ kernels do not build here")
     got = CpuAttention(pool, 64**-0.5, ext)

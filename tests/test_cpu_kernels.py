@@ -12,14 +12,15 @@ import sys
 import pytest
 import torch
 
-from radixserve.attention import cpu_ext
 from radixserve.attention.cascade import attend_with_lse
 from radixserve.attention.cpu_backend import CpuAttention
 from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
+from radixserve.kernels import attention as attention_ops
+from radixserve.kernels import build as cpu_build
 from radixserve.kv.pool import KVPool
 
-ext = cpu_ext.load()
+ext = attention_ops.ops()
 # Skip only where the kernels cannot be built at all; with a compiler, a broken build must fail here.
 TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
 pytestmark = pytest.mark.skipif(ext is None and not TOOLCHAIN,
@@ -44,8 +45,8 @@ def test_the_sources_compile_for_a_cpu_without_avx512():
     cxx = os.environ.get("CXX", "c++")
     if platform.machine() != "x86_64" or shutil.which(cxx) is None:
         pytest.skip("needs an x86-64 C++ compiler")
-    csrc = cpu_ext.csrc_dir()
-    flags = [f for f in cpu_ext.CFLAGS if not f.startswith(("-march", "-O"))]  # the build's own, another target
+    csrc = cpu_build.csrc_dir()
+    flags = [f for f in cpu_build.CFLAGS if not f.startswith(("-march", "-O"))]  # the build's own, another target
     flags += ["-march=x86-64-v3", "-fsyntax-only", f"-I{csrc}", f"-I{sysconfig.get_paths()['include']}",
               *(f"-I{path}" for path in cpp_extension.include_paths())]
     from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,7 @@ def test_the_sources_compile_for_a_cpu_without_avx512():
         return run.returncode, run.stdout
 
     with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(cpu_ext.SOURCES, pool.map(check, cpu_ext.SOURCES), strict=True))
+        results = dict(zip(cpu_build.SOURCES, pool.map(check, cpu_build.SOURCES), strict=True))
     failed = {name: out for name, (code, out) in results.items() if code != 0}
     assert not failed, "\n".join(f"{name}:\n{out[-3000:]}" for name, out in failed.items())
 
@@ -400,12 +401,12 @@ def test_each_version_of_the_sources_builds_in_its_own_directory(monkeypatch, tm
         (tmp_path / name / "common.h").write_text("// header\n")
     dirs = {}
     for name in ("a", "b"):
-        monkeypatch.setattr(cpu_ext, "csrc_dir", lambda name=name: tmp_path / name)
-        dirs[name] = cpu_ext.build_dir()
+        monkeypatch.setattr(cpu_build, "csrc_dir", lambda name=name: tmp_path / name)
+        dirs[name] = cpu_build.build_dir()
     assert dirs["a"] == dirs["b"]  # same contents, another place: one build
     (tmp_path / "b" / "common.h").write_text("// header, changed\n")  # a header counts too
-    assert cpu_ext.build_dir() != dirs["a"]
-    assert cpu_ext.build_dir().parent == dirs["a"].parent
+    assert cpu_build.build_dir() != dirs["a"]
+    assert cpu_build.build_dir().parent == dirs["a"].parent
 
 
 def test_the_build_runs_this_environments_ninja(monkeypatch, tmp_path):
@@ -419,12 +420,12 @@ def test_the_build_runs_this_environments_ninja(monkeypatch, tmp_path):
     (own / "ninja").write_text("#!/bin/sh\n")
     monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(own)))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    with cpu_ext._own_ninja_first():
+    with cpu_build._own_ninja_first():
         assert os.environ["PATH"].split(os.pathsep) == [str(own), "/usr/bin", "/bin"]
     assert os.environ["PATH"] == "/usr/bin:/bin"
     # without the package's binary, PATH is left alone
     monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(tmp_path / "nowhere")))
-    with cpu_ext._own_ninja_first():
+    with cpu_build._own_ninja_first():
         assert os.environ["PATH"] == "/usr/bin:/bin"
 
 
@@ -432,10 +433,10 @@ def test_each_torch_install_builds_in_its_own_directory(monkeypatch, tmp_path):
     """torch's include and library paths are in the build's ninja file: two environments with the
     same torch version sharing one cache (a checkout's venv and a CI clone's) rebuilt the
     extension at every switch between them. Each install now has a directory of its own."""
-    here = cpu_ext.build_dir()
-    assert cpu_ext.build_dir() == here  # (stable within one install)
+    here = cpu_build.build_dir()
+    assert cpu_build.build_dir() == here  # (stable within one install)
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
-    elsewhere = cpu_ext.build_dir()
+    elsewhere = cpu_build.build_dir()
     assert elsewhere != here and elsewhere.parent == here.parent
 
 
@@ -451,26 +452,26 @@ def test_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch, tm
         (tmp_path / name).mkdir()
         (tmp_path / name / "attention.cpp").write_text("// one\n")
         (tmp_path / name / "common.h").write_text("// header\n")
-    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "a")
-    staged = cpu_ext._stage_sources(build)
+    monkeypatch.setattr(cpu_build, "csrc_dir", lambda: tmp_path / "a")
+    staged = cpu_build._stage_sources(build)
     assert staged.parent == build and sorted(p.name for p in staged.iterdir()) == ["attention.cpp", "common.h"]
     os.utime(staged / "attention.cpp", (1_000_000, 1_000_000))
-    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "b")
-    assert cpu_ext._stage_sources(build) == staged
+    monkeypatch.setattr(cpu_build, "csrc_dir", lambda: tmp_path / "b")
+    assert cpu_build._stage_sources(build) == staged
     assert (staged / "attention.cpp").stat().st_mtime == 1_000_000  # the same contents: untouched
     (tmp_path / "b" / "common.h").write_text("// header, changed\n")
-    cpu_ext._stage_sources(build)
+    cpu_build._stage_sources(build)
     assert (staged / "common.h").read_text() == "// header, changed\n"
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog, llama_dir):
     from radixserve import Engine
 
-    monkeypatch.setattr(cpu_ext, "csrc_dir", lambda: tmp_path / "no-csrc")
-    monkeypatch.setattr(cpu_ext, "_state", {})
+    monkeypatch.setattr(cpu_build, "csrc_dir", lambda: tmp_path / "no-csrc")
+    monkeypatch.setattr(cpu_build, "_state", {})
     with caplog.at_level("WARNING", logger="radixserve"):
-        assert cpu_ext.load() is None
-        assert cpu_ext.load() is None  # remembered: no second attempt, no second warning
+        assert cpu_build.load() is None
+        assert cpu_build.load() is None  # remembered: no second attempt, no second warning
         engine = Engine(llama_dir, kv_cache_tokens=256)
     assert type(engine.runner.attention).__name__ == "TorchAttention"
     warnings = [r for r in caplog.records if "CPU kernels unavailable" in r.getMessage()]
@@ -498,11 +499,11 @@ def test_contiguous_prefixes_read_in_place_equal_torch(order, dtype, page_size):
 def test_a_stale_torch_build_lock_is_removed_instead_of_waited_on(tmp_path, caplog):
     """A build killed midway leaves torch's ``lock`` file; the next start must not hang on it."""
     (tmp_path / "lock").touch()
-    with caplog.at_level("WARNING", logger="radixserve"), cpu_ext._build_lock(tmp_path):
+    with caplog.at_level("WARNING", logger="radixserve"), cpu_build._build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
     assert "stale build lock" in caplog.text
     caplog.clear()
-    with cpu_ext._build_lock(tmp_path):  # nothing stale: no warning
+    with cpu_build._build_lock(tmp_path):  # nothing stale: no warning
         pass
     assert "stale" not in caplog.text
 
@@ -519,7 +520,7 @@ def test_the_build_lock_admits_one_builder_at_a_time(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
-        with cpu_ext._build_lock(tmp_path):
+        with cpu_build._build_lock(tmp_path):
             waited = time.monotonic() - t0
         assert waited > 0.5  # it waited for the holder (a sleeping process, 1.5 s) to let go
     finally:

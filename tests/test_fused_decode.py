@@ -1,4 +1,4 @@
-"""The fused decode path (csrc/decode.cpp through radixserve/model/fused_decode.py) gives the same
+"""The fused decode path (csrc/decode.cpp through radixserve/kernels/fused_decode.py) gives the same
 logits as the layer-by-layer path, bit for bit, on every decode batch it takes (on the small-M
 kernel, and on oneDNN where that is the GEMM for the batch); and models or batches it cannot take
 fall back to the layers."""
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.model import fused_decode
-from radixserve.model import linear as lin
+from radixserve.kernels import fused_decode
+from radixserve.kernels import gemm
+from radixserve.kernels import linear as lin
 from radixserve.testing import make_tiny_model_dir
 from tests.conftest import random_prompts
 
@@ -94,7 +95,7 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
 def test_fused_decode_on_the_amx_gemm_equals_layer_by_layer(tmp_path, monkeypatch, name):
     """bf16 decode batches beyond the kernel's rows run fused over the AMX GEMM's packed weights
     (csrc/decode.cpp calls amx_linear, as linear() does layer by layer): the same logits."""
-    if lin.gemm_backend(torch.bfloat16) != "amx" or not torch.ops.radixserve_linear.supports_amx_gemm():
+    if gemm.gemm_backend(torch.bfloat16) != "amx" or not torch.ops.radixserve_linear.supports_amx_gemm():
         pytest.skip("no AMX GEMM here")
     arch, overrides = MODELS[name]
     model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))

@@ -1,4 +1,4 @@
-"""The fused decoder-layer ops (csrc/layers.cpp via radixserve/model/fused.py) equal their torch
+"""The fused decoder-layer ops (csrc/layers.cpp via radixserve/kernels/layers.py) equal their torch
 references, in place where they should be; the fused qkv_proj/gate_up_proj load from Hugging Face
 names and shard right under tensor parallelism."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from radixserve.model import fused
+from radixserve.kernels import layers as fused
 from radixserve.model.loader import load_model
 from radixserve.model.parallel import shard_model
 from radixserve.testing import TINY_ARCHS

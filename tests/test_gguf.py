@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from radixserve import Engine, SamplingParams
 from radixserve.errors import ModelLoadError
+from radixserve.kernels.quant import QuantLinear
 from radixserve.model.default import INSTALL_HINT, resolve_model, smollm2_gguf
 from radixserve.model.gguf import convert_gguf, gguf_config, gguf_tensors
 from radixserve.model.loader import load_model
-from radixserve.model.quant import QuantLinear
 from radixserve.testing_gguf import write_gguf
 
 from conftest import random_prompts

@@ -1,5 +1,5 @@
 """The small-M linear kernel (csrc/linear.cpp) equals F.linear computed in fp32 on the same bf16/fp16/fp32
-inputs; radixserve.model.linear dispatches to it only where it applies and falls back otherwise."""
+inputs; radixserve.kernels.linear dispatches to it only where it applies and falls back otherwise."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention import cpu_ext
-from radixserve.model import linear as lin
+from radixserve.kernels import build
+from radixserve.kernels import gemm
+from radixserve.kernels import linear as lin
+from radixserve.kernels import packed as packing
 
-ext = cpu_ext.load()
+ext = build.load()
 TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
 needs_ext = pytest.mark.skipif(ext is None and not TOOLCHAIN,
                                reason="no C++ compiler (or RADIXSERVE_NO_EXT set): the CPU kernels cannot build")
@@ -40,22 +42,22 @@ def impls(dtype) -> list[int]:
 
 
 def spy_onednn(monkeypatch) -> list[int]:
-    """Record the row count of every oneDNN product (radixserve.model.linear._onednn_linear)."""
+    """Record the row count of every oneDNN product (radixserve.kernels.gemm.onednn_linear)."""
     rows: list[int] = []
-    real = lin._onednn_linear
+    real = gemm.onednn_linear
 
     def spy(x, p, b):
         rows.append(x.numel() // x.shape[-1])
         return real(x, p, b)
 
-    monkeypatch.setattr(lin, "_onednn_linear", spy)
+    monkeypatch.setattr(gemm, "onednn_linear", spy)
     return rows
 
 
 def pin_gemm(monkeypatch, dtype, backend: str) -> None:
     """Make ``backend`` the GEMM of ``dtype`` for one test, dropping the kernel's row limit that was
     derived from the previous backend (fp32's depends on it)."""
-    monkeypatch.setitem(lin._state, ("gemm", dtype), backend)
+    monkeypatch.setitem(gemm._state, ("gemm", dtype), backend)
     if lin.kernel() is not None:
         monkeypatch.delitem(lin._state["limits"], dtype, raising=False)
 
@@ -87,7 +89,7 @@ def test_kernel_equals_fp32_linear_every_row_count_and_tails(dtype, fp32_out, bi
     # K: below one vector, a vector + odd tail, exact multiples, long with a tail; N: tails of 1..3
     # (AVX-512 tiles of 4) and of up to 15 (AMX tiles of 16)
     shapes = [(7, 5), (33, 17), (64, 16), (96, 35), (511, 67), (1030, 19)]
-    for m in sorted(set(range(1, 18)) | {lin.MAX_ROWS_VECTOR + 1, lin.MAX_ROWS, lin.MAX_ROWS + 1, 31, 32, 33}):
+    for m in sorted(set(range(1, 18)) | {gemm.MAX_ROWS_VECTOR + 1, gemm.MAX_ROWS, gemm.MAX_ROWS + 1, 31, 32, 33}):
         for k, n in shapes:
             x = torch.randn(m, k, generator=g).to(dtype)
             w = torch.randn(n, k, generator=g).to(dtype)
@@ -194,7 +196,9 @@ def test_linear_dispatch_uses_the_kernel_only_where_it_applies(monkeypatch):
 def test_fallback_without_the_extension(monkeypatch):
     """With the extension unavailable (RADIXSERVE_NO_EXT, no compiler) every call is F.linear."""
     monkeypatch.setattr(lin, "_state", {})
-    monkeypatch.setattr(cpu_ext, "_state", {})
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(packing, "_state", {})
+    monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("RADIXSERVE_NO_EXT", "1")
     layer = lin.Linear(24, 10).bfloat16()
     x = torch.randn(2, 24).bfloat16()
@@ -211,14 +215,16 @@ def test_fp32_few_rows_is_always_f_linear_with_mkl(monkeypatch):
     below PACKED_MIN_ROWS stays on F.linear (the kernel's fp32 path was measured against oneDNN
     only) and packs nothing."""
     monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(packing, "_state", {})
     monkeypatch.setenv("RADIXSERVE_CPU_GEMM", "mkl")
     layer = lin.Linear(24, 10)
-    x = torch.randn(lin.PACKED_MIN_ROWS - 1, 24)
+    x = torch.randn(gemm.PACKED_MIN_ROWS - 1, 24)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         assert torch.equal(lin.logits(x, layer.weight, lin.PackedWeight()), F.linear(x, layer.weight))
-    assert "packed" not in lin._state and "policy" not in lin._state
-    assert lin.gemm_backend(torch.float32) == "mkl" and lin.max_rows(torch.float32) == 0
+    assert "packed" not in gemm._state and "policy" not in gemm._state
+    assert gemm.gemm_backend(torch.float32) == "mkl" and lin.max_rows(torch.float32) == 0
 
 
 def test_state_dict_is_nn_linears():
@@ -251,22 +257,22 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
 
     monkeypatch.setitem(lin._state, "op", spy)
     widened = _Spy(packed())
-    monkeypatch.setitem(lin._state, "packed", widened)
+    monkeypatch.setitem(gemm._state, "packed", widened)
     onednn_rows = spy_onednn(monkeypatch)
     with_kernel = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     assert all(n <= lin.max_rows(torch.bfloat16) for n in calls)
-    if lin.gemm_backend(torch.bfloat16) == "amx" and torch.ops.radixserve_linear.supports_amx_gemm():
+    if gemm.gemm_backend(torch.bfloat16) == "amx" and torch.ops.radixserve_linear.supports_amx_gemm():
         # every product on the AMX GEMM (the tiny model's sizes are multiples of 32): prefills and
         # the 12-row decode steps (layer by layer for the logits; decode.cpp for the layers)
-        assert not calls and 12 in widened.calls and max(widened.calls) > lin.MAX_ROWS, widened.calls[:20]
+        assert not calls and 12 in widened.calls and max(widened.calls) > gemm.MAX_ROWS, widened.calls[:20]
     elif lin.max_rows(torch.bfloat16) >= len(prompts):  # (AMX: the decode steps, 12 rows, on the kernel)
         assert calls, "the bf16 decode steps did not use the kernel"
     else:  # no AMX: batches of more than MAX_ROWS_VECTOR rows widened or on oneDNN, whichever is faster here
-        rows = widened.calls if lin.gemm_backend(torch.bfloat16) == "widen" else onednn_rows
-        assert rows and min(rows) > lin.MAX_ROWS_VECTOR, f"bf16 batches did not take the {lin.gemm_backend(torch.bfloat16)} GEMM"
+        rows = widened.calls if gemm.gemm_backend(torch.bfloat16) == "widen" else onednn_rows
+        assert rows and min(rows) > gemm.MAX_ROWS_VECTOR, f"bf16 batches did not take the {gemm.gemm_backend(torch.bfloat16)} GEMM"
     monkeypatch.setitem(lin._state, "op", None)
-    monkeypatch.setitem(lin._state, "packed", None)
-    monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16), "none")
+    monkeypatch.setitem(gemm._state, "packed", None)
+    monkeypatch.setitem(gemm._state, ("gemm", torch.bfloat16), "none")
     without = [o.token_ids for o in Engine(llama_dir, dtype="bfloat16", kv_cache_tokens=4096).generate(prompts, params)]
     same = sum(a == b for a, b in zip(with_kernel, without))
     tokens = sum(x == y for a, b in zip(with_kernel, without) for x, y in zip(a, b))
@@ -289,7 +295,7 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys, dtype)
     assert result["decode_step_ms"] > 0 and result["floor_ms"] > 0
     assert len(result["gemv"]) == 7 * 2 and all(r["torch_ms"] > 0 and r["torch_fp32_gb_s"] > 0 for r in result["gemv"])
     if lin.kernel() is not None:
-        amx = dtype == "bfloat16" and lin.gemm_backend(torch.bfloat16) == "amx" and \
+        amx = dtype == "bfloat16" and gemm.gemm_backend(torch.bfloat16) == "amx" and \
             torch.ops.radixserve_linear.supports_amx_gemm()  # (the tiny model's sizes are multiples of 32)
         assert result["linear"] == ("amx" if amx else "kernel") and result["decode_step_fallback_ms"] > 0
         assert result["fallback"] == "F.linear"
@@ -297,7 +303,7 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys, dtype)
         # bf16: the kernel steps ran the layers in one native call, the "layers" steps one by one
         assert result["fused_layers"] == (dtype == "bfloat16")
         assert ("decode_step_layers_ms" in result) == (dtype == "bfloat16")
-    if dtype == "bfloat16" and lin._has_onednn_ops(torch.bfloat16):
+    if dtype == "bfloat16" and gemm.has_onednn_ops(torch.bfloat16):
         assert all(r["onednn_ms"] > 0 for r in result["gemv"])
     if dtype == "float16":  # (radixserve never runs fp16 on oneDNN: no column)
         assert not any("onednn_ms" in r for r in result["gemv"])
@@ -312,7 +318,7 @@ def test_roofline_bench_fp32_ab_names_the_path_without_the_kernel(llama_dir, cap
 
     from bench import roofline
 
-    pin_gemm(monkeypatch, torch.float32, "onednn" if lin._has_onednn_ops() else "mkl")
+    pin_gemm(monkeypatch, torch.float32, "onednn" if gemm.has_onednn_ops() else "mkl")
     parser = argparse.ArgumentParser()
     roofline.add_arguments(parser)
     args = parser.parse_args(["--model", llama_dir, "--context", "8", "--steps", "3", "--buffer-mib", "8", "--json"])
@@ -328,7 +334,7 @@ def test_roofline_bench_fp32_ab_names_the_path_without_the_kernel(llama_dir, cap
 # ---- fp32: MKL's packed GEMM (torch.ops.radixserve_linear.pack_fp32 / packed_linear) ----
 
 def packed():
-    ns = lin.packed_ops()
+    ns = gemm.packed_ops()
     assert ns is not None, "the extension built but torch.ops.radixserve_linear.pack_fp32 is missing"
     return ns
 
@@ -343,18 +349,18 @@ def mkl_backends(monkeypatch) -> None:
     widened to it (without AMX) or on AMX, whatever this CPU would choose."""
     pin_gemm(monkeypatch, torch.float32, "mkl")
     amx = ext is not None and torch.ops.radixserve_linear.supports_amx()
-    monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16),
-                        ("amx" if lin._has_onednn_ops(torch.bfloat16) else "none") if amx else "widen")
+    monkeypatch.setitem(gemm._state, ("gemm", torch.bfloat16),
+                        ("amx" if gemm.has_onednn_ops(torch.bfloat16) else "none") if amx else "widen")
 
 
 @pytest.fixture
 def fresh_state(monkeypatch):
     """The packed path on with the "exact" policy and MKL's GEMMs, whatever the environment says."""
-    monkeypatch.setitem(lin._state, "policy", "exact")
-    monkeypatch.delitem(lin._state, "packed", raising=False)
+    monkeypatch.setitem(gemm._state, "policy", "exact")
+    monkeypatch.delitem(gemm._state, "packed", raising=False)
     mkl_backends(monkeypatch)
     yield
-    lin._state.pop("packed", None)
+    gemm._state.pop("packed", None)
 
 
 @needs_ext
@@ -458,7 +464,7 @@ def test_packed_op_refuses_bad_input_clearly(fresh_state):
 
 
 class _Spy:
-    """Stands in for torch.ops.radixserve_linear in lin._state["packed"], counting calls."""
+    """Stands in for torch.ops.radixserve_linear in gemm._state["packed"], counting calls."""
 
     def __init__(self, real):
         self.real, self.packs, self.calls = real, 0, []
@@ -482,7 +488,7 @@ class _Spy:
 @pytest.fixture
 def spy(fresh_state, monkeypatch):
     s = _Spy(packed())
-    monkeypatch.setitem(lin._state, "packed", s)
+    monkeypatch.setitem(gemm._state, "packed", s)
     return s
 
 
@@ -495,14 +501,14 @@ def test_linear_dispatch_packs_fp32_from_16_rows(spy):
             x = torch.randn(*shape, generator=g)
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         assert spy.packs == 0 and spy.calls == []
-        for shape in [(16, 53), (100, 53), (4, 5, 53), (2, 256, 53), (lin.PACKED_MAX_ROWS + 1, 53)]:
+        for shape in [(16, 53), (100, 53), (4, 5, 53), (2, 256, 53), (gemm.PACKED_MAX_ROWS + 1, 53)]:
             x = torch.randn(*shape, generator=g)
             y = layer(x)
             assert y.shape == (*shape[:-1], 37)
             assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
         # packed once (then checked against F.linear at PROBE_ROWS rows), reused; more than
         # PACKED_MAX_ROWS rows: F.linear
-        assert spy.packs == 1 and spy.calls == [*lin.PROBE_ROWS, 16, 100, 20, 512]
+        assert spy.packs == 1 and spy.calls == [*gemm.PROBE_ROWS, 16, 100, 20, 512]
         del spy.calls[:]
         xt = torch.randn(20, 106, generator=g)[:, ::2]  # a strided last dimension: made contiguous
         assert torch.equal(layer(xt), F.linear(xt, layer.weight, layer.bias)) and spy.calls == [20]
@@ -514,7 +520,7 @@ def test_linear_dispatch_packs_fp32_from_16_rows(spy):
     layer.bfloat16()
     with torch.inference_mode():
         layer(torch.randn(20, 53).bfloat16())
-    assert spy.calls == ([20, 20] if lin.gemm_backend(torch.bfloat16) == "widen" else [20])
+    assert spy.calls == ([20, 20] if gemm.gemm_backend(torch.bfloat16) == "widen" else [20])
 
 
 @needs_ext
@@ -525,14 +531,14 @@ def test_bf16_widened_to_the_packed_fp32_gemm_without_amx(spy):
     layer = lin.Linear(53, 37, bias=True).bfloat16()
     g = torch.Generator().manual_seed(15)
     widens = not packed().supports_amx()
-    assert (lin.gemm_backend(torch.bfloat16) == "widen") == widens
+    assert (gemm.gemm_backend(torch.bfloat16) == "widen") == widens
     emb = torch.randn(300, 53).bfloat16()  # (made outside inference mode: such tensors are never packed)
     with torch.inference_mode():
-        for rows in (1, lin.MAX_ROWS_VECTOR, lin.MAX_ROWS_VECTOR + 1, 16, 700):
+        for rows in (1, gemm.MAX_ROWS_VECTOR, gemm.MAX_ROWS_VECTOR + 1, 16, 700):
             x = torch.randn(rows, 53, generator=g).bfloat16()
             y = layer(x)
             assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
-            if widens and rows > lin.MAX_ROWS_VECTOR:  # the same fp32 sums, rounded once
+            if widens and rows > gemm.MAX_ROWS_VECTOR:  # the same fp32 sums, rounded once
                 want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
                 torch.testing.assert_close(y.float(), want.float(), atol=0, rtol=2**-8)
             else:
@@ -542,7 +548,7 @@ def test_bf16_widened_to_the_packed_fp32_gemm_without_amx(spy):
         out = lin.logits(h, emb, lin.PackedWeight())
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, F.linear(h.float(), emb.float()).bfloat16().float(), atol=0, rtol=2**-8)
-    expected = [lin.MAX_ROWS_VECTOR + 1, 16, 700, 9] if widens else []
+    expected = [gemm.MAX_ROWS_VECTOR + 1, 16, 700, 9] if widens else []
     assert spy.calls == expected and spy.packs == (2 if widens else 0)
 
 
@@ -601,22 +607,22 @@ def test_exact_policy_keeps_f_linear_for_shapes_that_differ(spy, monkeypatch):
         checks.append(tuple(weight.shape))
         return False
 
-    monkeypatch.setattr(lin, "_bit_identical", differs)
+    monkeypatch.setattr(packing, "_bit_identical", differs)
     with torch.inference_mode():
         for _ in range(3):
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert checks == [(20, 24)] and spy.packs == 1 and spy.calls == []
     assert layer.packed._entry is not None and layer.packed._entry[2] is None  # the copy was dropped
-    monkeypatch.setitem(lin._state, "policy", "all")
+    monkeypatch.setitem(gemm._state, "policy", "all")
     layer.packed.clear()
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert checks == [(20, 24)] and spy.calls == [32]
-    monkeypatch.setitem(lin._state, "policy", "off")
-    monkeypatch.delitem(lin._state, "packed")
+    monkeypatch.setitem(gemm._state, "policy", "off")
+    monkeypatch.delitem(gemm._state, "packed")
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert lin._state["packed"] is None and spy.calls == [32]
+    assert gemm._state["packed"] is None and spy.calls == [32]
 
 
 @needs_ext
@@ -629,7 +635,7 @@ def test_exact_policy_probe_agrees_with_the_real_comparison(fresh_state):
         p = packed().pack_fp32(w)
         same = all(torch.equal(packed().packed_linear(x, p, n, k, None), F.linear(x, w))
                    for x in (torch.randn(m, k, generator=g) for m in (16, 33, 300)))
-        assert lin._bit_identical(w, p, packed()) == same, (n, k)
+        assert packing._bit_identical(w, p, packed()) == same, (n, k)
         layer = lin.Linear(k, n, bias=False)
         with torch.no_grad():
             layer.weight.copy_(w)
@@ -655,7 +661,7 @@ def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir, monkeypatch
 
     # (under "all": whether a 16 x 8 weight adds in F.linear's order depends on the CPU, e.g. not on
     # an AMD EPYC, and the "exact" policy would drop that copy)
-    monkeypatch.setitem(lin._state, "policy", "all")
+    monkeypatch.setitem(gemm._state, "policy", "all")
     layer = lin.Linear(16, 8)
     with torch.inference_mode():
         layer(torch.randn(16, 16))
@@ -668,7 +674,7 @@ def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir, monkeypatch
     model = load_model(llama_dir).model
     names = set(model.state_dict())
     with torch.inference_mode():
-        from radixserve.model import fused  # noqa: F401  (the layers' kernels, as the engine runs them)
+        from radixserve.kernels import layers  # noqa: F401  (the layers' kernels, as the engine runs them)
 
         x = torch.randn(20, model.config.hidden_size)
         model.model.layers[0].mlp(x)
@@ -689,9 +695,9 @@ def test_fp32_engine_tokens_equal_with_and_without_packing(llama_dir, spy, monke
     prompts = random_prompts([40, 9, 70, 25, 3], seed=4)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     packed_tokens = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
-    assert spy.calls and min(spy.calls) >= lin.PACKED_MIN_ROWS, "the fp32 prefill did not use the packed path"
-    assert max(spy.calls) <= lin.PACKED_MAX_ROWS
-    monkeypatch.setitem(lin._state, "packed", None)
+    assert spy.calls and min(spy.calls) >= gemm.PACKED_MIN_ROWS, "the fp32 prefill did not use the packed path"
+    assert max(spy.calls) <= gemm.PACKED_MAX_ROWS
+    monkeypatch.setitem(gemm._state, "packed", None)
     plain = [o.token_ids for o in Engine(llama_dir, kv_cache_tokens=4096).generate(prompts, params)]
     assert packed_tokens == plain
 
@@ -704,15 +710,15 @@ def test_packed_copies_stay_within_the_memory_budget(spy, monkeypatch):
     gc.collect()  # (earlier tests' copies return their bytes now, not into this test's budget)
     a, b = lin.Linear(64, 32), lin.Linear(64, 32)
     x = torch.randn(20, 64)
-    monkeypatch.setitem(lin._state, "pack_budget", 4 * 64 * 32 + 100)  # room for one copy
+    monkeypatch.setitem(packing._state, "pack_budget", 4 * 64 * 32 + 100)  # room for one copy
     with torch.inference_mode():
         assert torch.equal(a(x), F.linear(x, a.weight, a.bias))
-        assert spy.packs == 1 and lin._state["pack_budget"] == 100
+        assert spy.packs == 1 and packing._state["pack_budget"] == 100
         assert torch.equal(b(x), F.linear(x, b.weight, b.bias))
         assert spy.packs == 1 and spy.calls.count(20) == 1  # b: F.linear, nothing packed
     a.packed.clear()  # a's copy freed: its bytes come back, and b packs on its next call
     gc.collect()
-    assert lin._state["pack_budget"] == 4 * 64 * 32 + 100
+    assert packing._state["pack_budget"] == 4 * 64 * 32 + 100
     b.packed.clear()
     with torch.inference_mode():
         assert torch.equal(b(x), F.linear(x, b.weight, b.bias))
@@ -727,7 +733,7 @@ def test_engine_prepacks_every_fp32_weight_at_load(llama_dir, spy, monkeypatch):
 
     from radixserve import Engine, SamplingParams
 
-    monkeypatch.setitem(lin._state, "policy", "all")  # (the default: no copy dropped by a probe)
+    monkeypatch.setitem(gemm._state, "policy", "all")  # (the default: no copy dropped by a probe)
 
     eng = Engine(llama_dir, kv_cache_tokens=4096)
     model = eng.runner.model
@@ -749,7 +755,7 @@ def test_prepack_skips_what_never_packs(spy, monkeypatch):
     assert lin.prepack(torch.nn.Sequential(frozen)) == 0 and spy.packs == 0
     model[1].double()  # neither fp32 nor bf16
     assert lin.prepack(model) == 1 and spy.packs == 1
-    monkeypatch.setitem(lin._state, "packed", None)  # RADIXSERVE_PACKED_LINEAR=0
+    monkeypatch.setitem(gemm._state, "packed", None)  # RADIXSERVE_PACKED_LINEAR=0
     assert lin.prepack(torch.nn.Sequential(lin.Linear(32, 16))) == 0
 
 
@@ -767,16 +773,16 @@ def test_bf16_on_amx_runs_on_a_prepacked_copy(fresh_state, shape, kind):
     small-M kernel's rows too); otherwise oneDNN's prepacked copy for MAX_ROWS + 1 to
     ONEDNN_MAX_ROWS rows, the kernel below and F.linear above. Results match F.linear to bf16
     rounding (the GEMMs sum in other orders)."""
-    if lin.gemm_backend(torch.bfloat16) != "amx":
+    if gemm.gemm_backend(torch.bfloat16) != "amx":
         pytest.skip("no AMX here (or torch lacks the mkldnn linear ops): bf16 never takes this path")
     if kind == "amx" and not torch.ops.radixserve_linear.supports_amx_gemm():
         pytest.skip("this build has no AMX GEMM")
     g = torch.Generator().manual_seed(21)
     k, n = shape
     layer = lin.Linear(k, n, bias=True).bfloat16()
-    lo, hi = (1, 1000) if kind == "amx" else (lin.MAX_ROWS + 1, lin.ONEDNN_MAX_ROWS)
+    lo, hi = (1, 1000) if kind == "amx" else (gemm.MAX_ROWS + 1, gemm.ONEDNN_MAX_ROWS)
     with torch.inference_mode():
-        for rows in (1, 7, lin.MAX_ROWS, lin.MAX_ROWS + 1, 64, 128, 129, 300):
+        for rows in (1, 7, gemm.MAX_ROWS, gemm.MAX_ROWS + 1, 64, 128, 129, 300):
             x = torch.randn(rows, k, generator=g).bfloat16()
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
             assert _packed_kind(layer) == (kind if rows >= lo else None), rows  # made at the first batch in range
@@ -883,7 +889,7 @@ def test_mlp_takes_the_gemm_with_silu_on_amx(fresh_state):
     """linear_silu_and_mul (the MLP's gate_up_proj and activation) runs amx_linear_silu where linear
     would take the AMX GEMM, and matches the product-then-activation path within bf16's rounding;
     without the packed copy it is exactly that path."""
-    from radixserve.model import fused
+    from radixserve.kernels import layers as fused
     g = torch.Generator().manual_seed(3)
     layer = lin.Linear(512, 2816, bias=False).to(torch.bfloat16).requires_grad_(False)
     layer.weight.copy_(torch.randn(2816, 512, generator=g) * 0.05)
@@ -892,7 +898,7 @@ def test_mlp_takes_the_gemm_with_silu_on_amx(fresh_state):
                        fused.silu_and_mul(lin.linear(x, layer.weight, None)))
     two_steps = fused.silu_and_mul(layer(x))  # (the AMX GEMM, its sums rounded to bf16, then the op)
     got = lin.linear_silu_and_mul(x, layer.weight, None, packed=layer.packed)
-    buf = layer.packed.get(layer.weight, lin.packed_ops())
+    buf = layer.packed.get(layer.weight, gemm.packed_ops())
     assert buf is not None and buf.dim() == 4  # the AMX GEMM's tiles
     assert torch.equal(got, torch.ops.radixserve_linear.amx_linear_silu(x, buf, None))
     assert not torch.equal(got, two_steps)  # (no bf16 rounding of gate and up in between)
@@ -919,8 +925,8 @@ def test_amx_gemm_refuses_bad_input():
     assert ops.amx_linear(torch.randn(0, 64).bfloat16(), packed, None, False).shape == (0, 64)
 
 
-needs_onednn = pytest.mark.skipif(not lin._has_onednn_ops(), reason="torch lacks the mkldnn linear ops")
-needs_onednn_bf16 = pytest.mark.skipif(not lin._has_onednn_ops(torch.bfloat16),
+needs_onednn = pytest.mark.skipif(not gemm.has_onednn_ops(), reason="torch lacks the mkldnn linear ops")
+needs_onednn_bf16 = pytest.mark.skipif(not gemm.has_onednn_ops(torch.bfloat16),
                                        reason="no oneDNN bf16 GEMM here (torch or the CPU: AVX2 only)")
 
 
@@ -935,11 +941,11 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     pin_gemm(monkeypatch, torch.float32, "onednn")
     few = lin.max_rows(torch.float32)
     assert few == (0 if not torch.ops.radixserve_linear.supports_fp32() else
-                   lin.MAX_ROWS_FP32_AVX512 if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-                   else lin.MAX_ROWS_FP32)
-    monkeypatch.setitem(lin._state, "policy", "all")
-    monkeypatch.delitem(lin._state, "packed", raising=False)
-    real = lin._onednn_linear
+                   gemm.MAX_ROWS_FP32_AVX512 if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+                   else gemm.MAX_ROWS_FP32)
+    monkeypatch.setitem(gemm._state, "policy", "all")
+    monkeypatch.delitem(gemm._state, "packed", raising=False)
+    real = gemm.onednn_linear
     rows_seen = spy_onednn(monkeypatch)
     g = torch.Generator().manual_seed(31)
     layer = lin.Linear(53, 37, bias=True)
@@ -969,10 +975,10 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     # "exact": the probe runs oneDNN's product; it keeps the copy exactly when that equals F.linear
     w = torch.randn(40, 512, generator=g)
     p = torch.ops.mkldnn._reorder_linear_weight(w)
-    monkeypatch.setattr(lin, "_onednn_linear", real)
+    monkeypatch.setattr(gemm, "onednn_linear", real)
     same = all(torch.equal(real(x_, p, None), F.linear(x_, w))
-               for x_ in (torch.randn(m, 512, generator=g) for m in (*lin.PROBE_ROWS, 33, 300)))
-    assert lin._bit_identical(w, p, packed()) == same
+               for x_ in (torch.randn(m, 512, generator=g) for m in (*gemm.PROBE_ROWS, 33, 300)))
+    assert packing._bit_identical(w, p, packed()) == same
 
 
 @needs_ext
@@ -981,20 +987,20 @@ def test_bf16_on_onednn_without_amx(monkeypatch):
     """Where oneDNN is the bf16 backend without AMX (CPUs with avx512_bf16 whose vdpbf16ps GEMM
     beats the widened fp32 one), bf16 batches of more than MAX_ROWS_VECTOR rows run oneDNN over a
     prepacked bf16 copy; fewer keep the kernel. Results match fp32 arithmetic to bf16 rounding."""
-    monkeypatch.setitem(lin._state, ("gemm", torch.bfloat16), "onednn")
-    monkeypatch.delitem(lin._state, "packed", raising=False)
-    if lin.max_rows(torch.bfloat16) != lin.MAX_ROWS_VECTOR:
+    monkeypatch.setitem(gemm._state, ("gemm", torch.bfloat16), "onednn")
+    monkeypatch.delitem(gemm._state, "packed", raising=False)
+    if lin.max_rows(torch.bfloat16) != gemm.MAX_ROWS_VECTOR:
         pytest.skip("AMX here: the kernel takes up to MAX_ROWS bf16 rows")
     g = torch.Generator().manual_seed(32)
     layer = lin.Linear(96, 160, bias=True).bfloat16()
     with torch.inference_mode():
-        for rows in (1, lin.MAX_ROWS_VECTOR, lin.MAX_ROWS_VECTOR + 1, 64, 700):
+        for rows in (1, gemm.MAX_ROWS_VECTOR, gemm.MAX_ROWS_VECTOR + 1, 64, 700):
             x = torch.randn(rows, 96, generator=g).bfloat16()
             y = layer(x)
             assert y.dtype == torch.bfloat16
             check(y, reference(x, layer.weight, layer.bias), torch.bfloat16, False)
             entry = layer.packed._entry
-            assert (entry is not None and entry[2] is not None and entry[2].is_mkldnn) == (rows > lin.MAX_ROWS_VECTOR)
+            assert (entry is not None and entry[2] is not None and entry[2].is_mkldnn) == (rows > gemm.MAX_ROWS_VECTOR)
         h = torch.randn(9, 96, generator=g).bfloat16()
         emb = torch.randn(300, 96).bfloat16()
         out = lin.logits(h, emb, lin.PackedWeight())  # rounded to bf16, then fp32
@@ -1010,11 +1016,11 @@ def test_prepacked_weight_names_the_batches_linear_sends_to_a_prepacked_copy(mon
     linear() would run oneDNN: for each row count, it returns the copy linear() used, or None
     where linear() took another path (the kernel, F.linear: a float64 bias, a weight that needs
     grad, an inference tensor)."""
-    if dtype == torch.bfloat16 and not lin._has_onednn_ops(torch.bfloat16):
+    if dtype == torch.bfloat16 and not gemm.has_onednn_ops(torch.bfloat16):
         pytest.skip("no oneDNN bf16 GEMM here")
     pin_gemm(monkeypatch, dtype, "onednn")
-    monkeypatch.setitem(lin._state, "policy", "all")
-    monkeypatch.delitem(lin._state, "packed", raising=False)
+    monkeypatch.setitem(gemm._state, "policy", "all")
+    monkeypatch.delitem(gemm._state, "packed", raising=False)
     rows_seen = spy_onednn(monkeypatch)
     g = torch.Generator().manual_seed(33)
     layers = {"plain": lin.Linear(40, 24, bias=True).to(dtype), "f64 bias": lin.Linear(40, 24, bias=True).to(dtype),
@@ -1048,7 +1054,7 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
     1.1x faster; RADIXSERVE_CPU_GEMM=mkl/onednn chooses; anything else warns and measures; bf16
     with AMX is always AMX; fp16 and no extension: F.linear."""
     amx = torch.ops.radixserve_linear.supports_amx() if ext is not None else False
-    monkeypatch.setattr(lin, "_has_onednn_ops", lambda dtype=torch.float32: True)
+    monkeypatch.setattr(gemm, "has_onednn_ops", lambda dtype=torch.float32: True)
     rates = {"mkl": 100.0, "widen": 100.0, "onednn": 105.0}
     measured = []
 
@@ -1056,50 +1062,56 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
         measured.append((dtype, candidates))
         return {c: rates[c] for c in candidates}
 
-    monkeypatch.setattr(lin, "_measure", fake_measure)
+    monkeypatch.setattr(gemm, "measure", fake_measure)
     for env, onednn_rate, fp32, bf16 in [("auto", 105.0, "mkl", "widen"), ("", 120.0, "onednn", "onednn"),
                                          ("mkl", 500.0, "mkl", "widen"), ("onednn", 1.0, "onednn", "onednn"),
                                          ("fast", 300.0, "onednn", "onednn")]:
         monkeypatch.setattr(lin, "_state", {})
+        monkeypatch.setattr(gemm, "_state", {})
+        monkeypatch.setattr(packing, "_state", {})
         monkeypatch.setenv("RADIXSERVE_CPU_GEMM", env)
         rates["onednn"] = onednn_rate
         measured.clear()
         with caplog.at_level("INFO", logger="radixserve"):
-            assert lin.gemm_backend(torch.float32) == fp32, env
-            assert lin.gemm_backend(torch.bfloat16) == ("amx" if amx else bf16), env
-            assert lin.gemm_backend(torch.float32) == fp32  # decided once
-        assert lin.gemm_backend(torch.float16) == "none"
+            assert gemm.gemm_backend(torch.float32) == fp32, env
+            assert gemm.gemm_backend(torch.bfloat16) == ("amx" if amx else bf16), env
+            assert gemm.gemm_backend(torch.float32) == fp32  # decided once
+        assert gemm.gemm_backend(torch.float16) == "none"
         want = [(torch.float32, ("mkl", "onednn"))] + ([] if amx else [(torch.bfloat16, ("widen", "onednn"))])
         assert measured == (want if env in ("auto", "", "fast") else []), env
     assert "RADIXSERVE_CPU_GEMM='fast' is not one of" in caplog.text
     assert "GFLOP/s" in caplog.text
     # a CPU without oneDNN's bf16 (AVX2 only): bf16 widens without measuring; asking for oneDNN warns.
     # (With AMX, whose path is oneDNN's bf16 GEMM, bf16 batches beyond the kernel fall back to F.linear.)
-    monkeypatch.setattr(lin, "_has_onednn_ops", lambda dtype=torch.float32: dtype != torch.bfloat16)
+    monkeypatch.setattr(gemm, "has_onednn_ops", lambda dtype=torch.float32: dtype != torch.bfloat16)
     for env in ("auto", "onednn"):
         monkeypatch.setattr(lin, "_state", {})
+        monkeypatch.setattr(gemm, "_state", {})
+        monkeypatch.setattr(packing, "_state", {})
         monkeypatch.setenv("RADIXSERVE_CPU_GEMM", env)
         measured.clear()
         caplog.clear()
         with caplog.at_level("INFO", logger="radixserve"):
-            assert lin.gemm_backend(torch.bfloat16) == ("none" if amx else "widen"), env
+            assert gemm.gemm_backend(torch.bfloat16) == ("none" if amx else "widen"), env
         assert not measured
         assert ("oneDNN's bfloat16 GEMM does not run" in caplog.text) == (env == "onednn" and not amx), env
     # the real measurement: a rate for each candidate
     monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(packing, "_state", {})
     monkeypatch.undo()
-    if lin._has_onednn_ops():
-        got = lin._measure(torch.float32, ("mkl", "onednn"))
+    if gemm.has_onednn_ops():
+        got = gemm.measure(torch.float32, ("mkl", "onednn"))
         assert set(got) == {"mkl", "onednn"} and all(r > 0 for r in got.values())
-    monkeypatch.setattr(lin, "_state", {"packed": None})  # RADIXSERVE_PACKED_LINEAR=0 / no extension
-    assert lin.gemm_backend(torch.float32) == "none" and lin.gemm_backend(torch.bfloat16) == "none"
+    monkeypatch.setattr(gemm, "_state", {"packed": None})  # RADIXSERVE_PACKED_LINEAR=0 / no extension
+    assert gemm.gemm_backend(torch.float32) == "none" and gemm.gemm_backend(torch.bfloat16) == "none"
 
 
 @needs_ext
 def test_gemm_backend_probe_times_the_models_own_shapes(monkeypatch, caplog):
     """prepack() names the model's linear shapes (not its output embedding) before the backend is
     chosen, so the probe times those products rather than the default square one."""
-    if not lin._has_onednn_ops():
+    if not gemm.has_onednn_ops():
         pytest.skip("oneDNN's fp32 GEMM does not run here: nothing to measure")
     model = torch.nn.Module()
     model.qkv = lin.Linear(64, 96, bias=False)
@@ -1107,14 +1119,16 @@ def test_gemm_backend_probe_times_the_models_own_shapes(monkeypatch, caplog):
     model.down = lin.Linear(80, 64, bias=True)
     model.other = lin.Linear(64, 96, bias=True)  # a shape seen already: timed once
     timed = []
-    real = lin._measure
+    real = gemm.measure
 
     def spy(dtype, candidates):
-        timed.append(lin._state.get("probe_shapes") or lin.GEMM_PROBE_SHAPES)
+        timed.append(gemm._state.get("probe_shapes") or gemm.GEMM_PROBE_SHAPES)
         return real(dtype, candidates)
 
-    monkeypatch.setattr(lin, "_measure", spy)
+    monkeypatch.setattr(gemm, "measure", spy)
     monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(packing, "_state", {})
     monkeypatch.setenv("RADIXSERVE_CPU_GEMM", "auto")
     with caplog.at_level("INFO", logger="radixserve"):
         lin.prepack(model)
@@ -1126,12 +1140,14 @@ def test_gemm_backend_probe_times_the_models_own_shapes(monkeypatch, caplog):
     big.down = lin.Linear(14336, 4096, bias=False, device="meta")
     big.o = lin.Linear(64, 96, bias=False, device="meta")
     lin.probe_shapes(big)
-    assert lin._state["probe_shapes"] == ((96, 64), (128, 14336), (512, 4096))
+    assert gemm._state["probe_shapes"] == ((96, 64), (128, 14336), (512, 4096))
     # with no model named, the square default
     monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(packing, "_state", {})
     timed.clear()
-    assert lin.gemm_backend(torch.float32) in ("mkl", "onednn")
-    assert timed == [lin.GEMM_PROBE_SHAPES]
+    assert gemm.gemm_backend(torch.float32) in ("mkl", "onednn")
+    assert timed == [gemm.GEMM_PROBE_SHAPES]
 
 
 @needs_ext
@@ -1139,7 +1155,7 @@ def test_gemm_backend_probe_times_the_models_own_shapes(monkeypatch, caplog):
 def test_fp32_engine_greedy_tokens_equal_transformers_on_each_gemm(llama_dir, monkeypatch, backend):
     """Greedy tokens equal transformers' fp32 generate with either fp32 GEMM, whichever this CPU
     would choose (the other correctness tests run the chosen one)."""
-    if backend == "onednn" and not lin._has_onednn_ops():
+    if backend == "onednn" and not gemm.has_onednn_ops():
         pytest.skip("torch lacks the mkldnn linear ops")
     from conftest import hf_greedy, random_prompts
 
@@ -1174,14 +1190,16 @@ def test_products_off_the_cpu_never_load_the_extension(monkeypatch):
     """A model on another device (CUDA; here the meta device) runs F.linear and never loads, let
     alone builds, the CPU extension, whatever its dtype and batch (a CUDA bf16 model once built it
     on its first product, through the AMX GEMM's check)."""
-    from radixserve.attention import cpu_ext
+    from radixserve.kernels import build
 
     def refuse(*args, **kwargs):
         raise AssertionError("the CPU extension was asked for")
 
-    monkeypatch.setattr(cpu_ext, "ops", refuse)
-    monkeypatch.setattr(cpu_ext, "load", refuse)
+    monkeypatch.setattr(build, "ops", refuse)
+    monkeypatch.setattr(build, "load", refuse)
     monkeypatch.setattr(lin, "_state", {})
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(packing, "_state", {})
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         layer = lin.Linear(64, 96, device="meta", dtype=dtype)
         for rows in (1, 16, 64, 300):

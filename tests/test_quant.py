@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks multiplied in place (csrc/quant.cpp, radixserve.model.quant): every
+"""GGUF's quantized blocks multiplied in place (csrc/quant.cpp, radixserve.kernels.quant): every
 type's rows equal gguf's numpy dequantize bit for bit, and its products equal
 dequantize-then-matmul within fp32 tolerance, on every path (the AVX-512 rows and tiles, the
 portable loops, and a build for an AVX2 CPU), for odd shapes and 1 to 512 rows. With activations
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.attention import cpu_ext
-from radixserve.model import quant
-from radixserve.model.quant import QTYPES, QuantLinear, QuantTensor
+from radixserve.kernels import build as cpu_build
+from radixserve.kernels import quant
+from radixserve.kernels.quant import QTYPES, QuantLinear, QuantTensor
 from radixserve.testing_gguf import quantize
 
 ops = quant.ops()
@@ -229,9 +229,9 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     cxx = os.environ.get("CXX", "c++")
     if platform.machine() != "x86_64" or shutil.which(cxx) is None:
         pytest.skip("needs an x86-64 C++ compiler")
-    csrc = cpu_ext.csrc_dir()
+    csrc = cpu_build.csrc_dir()
     lib = tmp_path / "quant_avx2.so"
-    flags = [f for f in cpu_ext.CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-shared", "-fPIC"]
+    flags = [f for f in cpu_build.CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-shared", "-fPIC"]
     includes = [f"-I{csrc}", f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in cpp_extension.include_paths())]
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     cmd = [cxx, *flags, *includes, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", str(csrc / "quant.cpp"),

@@ -14,9 +14,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from radixserve import Engine, SamplingParams
-from radixserve.model import quant
+from radixserve.kernels import quant
 from radixserve.model.default import INSTALL_HINT, smollm2_gguf
-from radixserve.model.quant import QuantEmbedding, QuantLinear
+from radixserve.kernels.quant import QuantEmbedding, QuantLinear
 from radixserve.testing import make_tiny_model_dir
 from radixserve.testing_gguf import write_gguf
 
@@ -196,7 +196,7 @@ def test_smollm2_q4_1_greedy_agreement(smollm2_reference, compute):
 def test_fused_decode_over_quantized_weights_equals_layer_by_layer(quant_ggufs, arch, dtype, tmp_path, monkeypatch):
     """csrc/decode.cpp runs the quantized layers (quant.cpp's qlinear) in its one call: every
     step's logits equal the layer-by-layer path's bit for bit, at batch 1 and at a batch of 6."""
-    from radixserve.model import fused_decode
+    from radixserve.kernels import fused_decode
 
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
     for prompts in (random_prompts([9], seed=1), random_prompts([3, 8, 13, 21, 34, 55], seed=3)):

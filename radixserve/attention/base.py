@@ -52,7 +52,7 @@ class AttentionBackend(ABC):
 
     def decode_kernel_args(self) -> DecodeKernelArgs | None:
         """What csrc/decode.cpp needs to run the planned batch's attention itself (the whole decode
-        step's layers in one native call, :mod:`radixserve.model.fused_decode`), or None where this
+        step's layers in one native call, :mod:`radixserve.kernels.fused_decode`), or None where this
         backend or this batch cannot (the default)."""
         return None
 

@@ -1,4 +1,4 @@
-"""CPU attention through the C++ kernels of ``csrc/`` (see :mod:`radixserve.attention.cpu_ext`).
+"""CPU attention through the C++ kernels of ``csrc/`` (the ops of :mod:`radixserve.kernels.attention`).
 
 The kernels read K/V pages in place from the pool, driven by the batch's FlashInfer-format
 metadata, so nothing is gathered per layer:

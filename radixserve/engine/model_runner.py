@@ -18,7 +18,7 @@ from radixserve.attention.torch_backend import TorchAttention
 from radixserve.errors import BadRequestError
 from radixserve.engine.scheduler import ScheduledItem
 from radixserve.kv.pool import KVPool
-from radixserve.model.linear import prepack
+from radixserve.kernels.linear import prepack
 from radixserve.model.llama import Attention, CausalLM, ForwardBatch, head_dim_of
 
 log = logging.getLogger("radixserve")
@@ -138,7 +138,8 @@ def _freeze_gc_once() -> None:
 def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.device) -> AttentionBackend:
     """``auto``: FlashInfer on CUDA when it imports; on the CPU the C++ kernels of ``csrc/`` when
     they build and support the pool (dtype, head_dim), else the torch backend (the oracle)."""
-    from radixserve.attention import cpu_backend, cpu_ext, flashinfer_backend
+    from radixserve.attention import cpu_backend, flashinfer_backend
+    from radixserve.kernels import attention as attention_ops
 
     scale = head_dim_of(model.config) ** -0.5
     if pool.quantized:  # int8 KV: only the torch backend dequantizes on read
@@ -152,7 +153,7 @@ def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.devic
             name = "flashinfer" if flashinfer_backend.available() else "torch"
         elif device.type == "cpu":
             reason = cpu_backend.supports(pool, heads)
-            if reason is None and cpu_ext.load() is not None:
+            if reason is None and attention_ops.ops() is not None:
                 name = "cpu"
             else:
                 if reason is not None:
@@ -166,7 +167,7 @@ def make_attention(name: str, model: CausalLM, pool: KVPool, device: torch.devic
         reason = cpu_backend.supports(pool, heads)
         if reason is not None:
             raise BadRequestError("attention", f"the cpu backend cannot serve this model: {reason}")
-        ext = cpu_ext.load()
+        ext = attention_ops.ops()
         if ext is None:
             raise BadRequestError("attention", "the CPU attention kernels failed to build (see the warning above); use attention='torch'")
         return cpu_backend.CpuAttention(pool, scale, ext)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from radixserve.engine.request import Request, TokenLogprob
-from radixserve.model import fused
+from radixserve.kernels import layers
 
 log = logging.getLogger("radixserve.sampler")
 
@@ -43,7 +43,7 @@ class Sampler:
                         failed.add(row)
         if any(r.decode.grammar is not None for r in reqs):
             logits = apply_grammar_masks(logits.clone() if logits is raw else logits, reqs, failed)
-        tokens = fused.argmax(logits)  # the first maximum's (or first NaN's) index, as max(-1).indices
+        tokens = layers.argmax(logits)  # the first maximum's (or first NaN's) index, as max(-1).indices
         sampled = [row for row, r in enumerate(reqs) if not r.input.params.greedy and row not in failed]
         if sampled:
             try:

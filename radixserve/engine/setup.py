@@ -30,7 +30,7 @@ def weights_mode(config: EngineConfig) -> str:
 def quant_compute(loaded, config: EngineConfig) -> str | None:
     """Applies ``config.quant_compute`` to the loaded model's quantized layers; returns the mode
     taken (None: no weight is quantized)."""
-    from radixserve.model import quant
+    from radixserve.kernels import quant
 
     try:
         return quant.set_compute(loaded.model, config.quant_compute)

@@ -2,8 +2,8 @@
 
 With ``quantized``, every linear projection (q/k/v, o, gate/up, down, the output head) and the
 token embedding whose tensors are all of a type csrc/quant.cpp multiplies
-(:data:`radixserve.model.quant.QTYPES`) becomes a :class:`~radixserve.model.quant.QuantLinear` /
-:class:`~radixserve.model.quant.QuantEmbedding` over views of the mapped file: the weights cost
+(:data:`radixserve.kernels.quant.QTYPES`) becomes a :class:`~radixserve.kernels.quant.QuantLinear` /
+:class:`~radixserve.kernels.quant.QuantEmbedding` over views of the mapped file: the weights cost
 what the file costs, and pages are read in as the first steps touch them. Everything else (norms,
 biases, and weights of other types, logged once by type) is dequantized into the model's ordinary
 parameters. Without ``quantized`` every tensor is dequantized: the reference the quantized path
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from radixserve.errors import ModelLoadError
-from radixserve.model import quant
+from radixserve.kernels import quant
 from radixserve.model.gguf import decoder_tensors, field_value, kept_quantized, permuted_qk, unpermute_qk
 from radixserve.model.llama import CausalLM
-from radixserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, QuantTensor
+from radixserve.kernels.quant import QTYPES, QuantEmbedding, QuantLinear, QuantTensor
 
 log = logging.getLogger("radixserve")
 

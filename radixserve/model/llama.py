@@ -3,7 +3,7 @@
 Parameter names equal Hugging Face's except for the fused ``qkv_proj`` and ``gate_up_proj``,
 whose row blocks the checkpoint's ``q/k/v_proj`` and ``gate/up_proj`` load into
 (:meth:`CausalLM.checkpoint_tensors`). RMSNorm (fused with the residual add), RoPE and SiLU-and-mul
-run as :mod:`radixserve.model.fused` ops. The model sees no scheduler: it gets token ids, positions and a planned attention backend, and returns logits
+run as :mod:`radixserve.kernels.layers` ops. The model sees no scheduler: it gets token ids, positions and a planned attention backend, and returns logits
 for the rows asked for.
 """
 
@@ -17,11 +17,11 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
-from radixserve.model import fused
-from radixserve.model.fused_decode import FusedDecode
-from radixserve.model.linear import Linear, PackedWeight, logits
-from radixserve.model import quant
-from radixserve.model.quant import QuantLinear
+from radixserve.kernels.layers import add_rms_norm, rope_
+from radixserve.kernels import quant
+from radixserve.kernels.fused_decode import DecodeLayer, FusedDecode
+from radixserve.kernels.linear import Linear, PackedWeight, logits
+from radixserve.kernels.quant import QuantLinear
 
 
 @dataclass
@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``rmsnorm(x) * weight``; with ``residual``, ``x += residual`` in place first (fused)."""
-        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -96,7 +96,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (one fused call for both)."""
         cos, sin = self.tables(positions, q.dtype)
-        fused.rope_(q, k, cos, sin)
+        rope_(q, k, cos, sin)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Half-width cos/sin ``[T, D/2]`` for ``positions``, gathered once per batch.
@@ -205,7 +205,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # the packed fp32 copy of output_embedding (tied or not; radixserve.model.linear), not a parameter
+        # the packed copy of output_embedding (tied or not; radixserve.kernels.packed), not a parameter
         self.output_packed = PackedWeight()
         # the output head over a quantized embedding table (tied weights of a GGUF; gguf_weights.py)
         self.quant_head: QuantLinear | None = None
@@ -223,7 +223,7 @@ class CausalLM(nn.Module):
         # every row samples: decode tokens, which quantized layers may take in int8 (quant.decode_rows)
         with quant.decode_rows(len(batch.logits_rows) == len(batch.input_ids)):
             x = self.model.embed_tokens(batch.input_ids)  # a new tensor: the layers add into it in place
-            pending = self.fused_decode(self, x, batch)  # None: this batch runs the layers one by one
+            pending = self.fused_decode(self, x, batch.positions, batch.attention)  # None: the layers one by one
             if pending is None:
                 for layer in self.model.layers:
                     pending = layer(x, pending, batch)
@@ -233,6 +233,25 @@ class CausalLM(nn.Module):
             if isinstance(head, QuantLinear):
                 return head(x).float()
             return logits(x, cast(torch.Tensor, self.output_embedding), self.output_packed)
+
+    def decode_layers(self) -> list[DecodeLayer] | str:
+        """The decoder layers as the fused decode runs them (:class:`DecodeLayer`), or why it cannot."""
+        described = []
+        for layer in cast("list[DecoderLayer]", list(self.model.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qk_norm:
+                return "QK norm is not fused"
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(type(norm) is not RMSNorm for norm in norms):
+                return "the layers' norms differ"
+            described.append(DecodeLayer(layer, norms[0].weight, norms[1].weight, (norms[0].eps, norms[1].eps),
+                                         (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                                         attn.num_heads, attn.num_kv_heads, attn.head_dim))
+        return described
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers' half-width cos/sin for ``positions`` (:meth:`RotaryEmbedding.tables`)."""
+        return self.model.rotary.tables(positions, dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights a decode step reads: every dense parameter and every quantized

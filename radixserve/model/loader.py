@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixserve.errors import ModelLoadError
-from radixserve.model import quant
+from radixserve.kernels import quant
 from radixserve.model.checks import check_config_values, check_memory, rope_table_bytes
 from radixserve.model.default import resolve_model
 from radixserve.model.gguf import gguf_source

@@ -1,9 +1,8 @@
-"""The decoder layer's fused elementwise ops: csrc/layers.cpp kernels, or torch when unavailable.
+"""The decoder layer's elementwise ops: csrc/layers.cpp's kernels (``torch.ops.radixserve_layers``)
+for fp32/bf16 CPU tensors when the extension is built, the equivalent torch ops otherwise.
 
-Each op is one call into the extension (one pass over memory, one OpenMP region at most) for
-fp32/bf16 CPU tensors when the extension is built, and the equivalent torch ops otherwise
-(``RADIXSERVE_NO_EXT=1``, no compiler, other devices or dtypes). The torch versions are the
-references the kernels are tested against, and round like Hugging Face's modules:
+Contract: each op's result equals its ``*_reference`` torch version, which rounds like Hugging
+Face's modules and is what the kernels are tested against:
 
 - :func:`add_rms_norm`: ``x += residual`` (in place), then ``rmsnorm(x) * weight``, normalised in
   fp32, cast to the dtype, then multiplied by the weight (HF's ``LlamaRMSNorm``);
@@ -17,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.kernels import build
+
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ops: list = []  # [torch.ops.radixserve_layers or None], resolved on first use
 
@@ -24,9 +25,7 @@ _ops: list = []  # [torch.ops.radixserve_layers or None], resolved on first use
 def kernels():
     """``torch.ops.radixserve_layers`` when the extension is built, else None (cached)."""
     if not _ops:
-        from radixserve.attention import cpu_ext
-
-        _ops.append(cpu_ext.ops("radixserve_layers", "add_rms_norm"))
+        _ops.append(build.ops("radixserve_layers", "add_rms_norm"))
     return _ops[0]
 
 
@@ -118,8 +117,7 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.max(dim=-1).indices`` of 2-D fp32 logits (first maximum; first NaN where a row has
-    one): torch's runs on one thread ([64, 32000]: ~0.9 ms, a few percent of a decode step); the
-    kernel splits the rows over the threads."""
+    one), the rows split over the threads (torch's runs on one)."""
     ops = _use_kernel(logits)
     if ops is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or not logits.shape[1]:
         return logits.max(dim=-1).indices

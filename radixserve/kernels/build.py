@@ -1,17 +1,12 @@
-"""Build (once) and load the C++ CPU attention kernels in ``csrc/``.
+"""Build (once) and load the C++ CPU kernels in ``csrc/``: one shared library whose ops register
+with torch (``torch.ops.radixserve_attention``, ``_layers``, ``_linear``, ``_quant``).
 
-The extension is compiled at first use with ``torch.utils.cpp_extension.load`` (ninja,
-``-O3 -march=native -fopenmp``) into ``$RADIXSERVE_CACHE/ext/<torch, python, CPU, sources>``
-(default ``~/.cache/radixserve/ext/...``) and reused from there by every later process; torch's
-file lock keeps concurrent first uses from building twice. The directory name includes a hash of
-the CPU's feature flags, so a cache shared between different machines never loads code built for
-another CPU, a hash of csrc/, so different versions of the kernels never build over each
-other, and a hash of torch's install path, so two environments never rebuild each other's. It
-compiles copies of csrc/'s files kept in that directory, so checkouts of the same sources in
-different places share one build rather than rebuilding it in turn. It builds with the ninja of
-radixserve's own environment (the ``ninja`` package it depends on), whatever PATH holds. When the build
-is impossible (no compiler, no ninja, no sources) :func:`load` returns None and logs one
-warning; callers then fall back to the torch backend.
+Contract: :func:`load` compiles at first use (``-O3 -march=native -fopenmp``) into
+``$RADIXSERVE_CACHE/ext/<torch, python, CPU, sources>`` (default ``~/.cache/radixserve/ext/...``),
+loads the library into this process and returns its path; a later process reuses the build. It
+returns None, with one warning, when the build is impossible (no compiler, no ninja, no sources,
+``RADIXSERVE_NO_EXT``): callers then take their torch paths. :func:`ops` is one namespace of ops
+or None. Why the directory is keyed and locked as it is: docs/KERNELS.md ("Building").
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import torch
 
 log = logging.getLogger("radixserve")
 
-NAME = "radixserve_cpu_attention"
+NAME = "radixserve_cpu_kernels"
 SOURCES = ("attention.cpp", "prefill.cpp", "layers.cpp", "linear.cpp", "decode.cpp", "quant.cpp", "quant_int8.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
@@ -95,13 +90,13 @@ def ops(namespace: str, probe: str):
     return ns
 
 
-def load():
-    """The compiled module, or None (with one warning) when it cannot be built."""
+def load() -> str | None:
+    """The path of the loaded library, or None (with one warning) when it cannot be built."""
     with _lock:
-        if "module" in _state:
-            return _state["module"]
-        _state["module"] = module = _build()
-        return module
+        if "library" in _state:
+            return _state["library"]
+        _state["library"] = library = _build()
+        return library
 
 
 @contextlib.contextmanager
@@ -199,14 +194,14 @@ def _build():
         with _build_lock(directory), _own_ninja_first():
             cpp_extension.verify_ninja_availability()
             copies = _stage_sources(directory)
-            module = cpp_extension.load(
+            library = cpp_extension.load(
                 name=NAME, sources=[str(copies / s.name) for s in sources], build_directory=str(directory),
-                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False, is_python_module=False,
             )
         elapsed = time.perf_counter() - start
         if not built or elapsed > 5:
             log.warning("built the CPU kernels in %.1f s", elapsed)
-        return module
+        return str(library)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, once, loudly
         log.warning("CPU kernels unavailable (%s: %s); using the torch attention backend and torch ops",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixserve.model import fused
+from radixserve.kernels import build, layers
 from radixserve.model.gguf import BLOCKS, QTYPES
 
 IMPL_FP32, IMPL_INT8 = 0, 4  # qlinear's impl: fp32; int8 activations (for the types with int8 kernels)
@@ -53,9 +53,7 @@ _state: dict[str, object] = {}
 def ops():
     """``torch.ops.radixserve_quant`` when the CPU extension is built, else None."""
     if "ops" not in _state:
-        from radixserve.attention import cpu_ext
-
-        _state["ops"] = cpu_ext.ops("radixserve_quant", "qlinear")
+        _state["ops"] = build.ops("radixserve_quant", "qlinear")
     return _state["ops"]
 
 
@@ -133,7 +131,7 @@ class QuantLinear(nn.Module):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of this ``[gate; up]`` projection."""
-        return fused.silu_and_mul(self(x))
+        return layers.silu_and_mul(self(x))
 
     def extra_repr(self) -> str:
         types = "+".join(p.type_name for p in self.parts)
