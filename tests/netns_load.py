@@ -1,4 +1,4 @@
-"""Load driver for tests/test_netns.py (not a test module): a raw-protocol client, so it sees
+"""Load driver for tests/serve/test_netns.py (not a test module): a raw-protocol client, so it sees
 every reply, including a second answer to the same request, which the SDK would hide.
 
 It keeps ``--concurrency`` requests in flight for ``--duration`` seconds (half share one of a few

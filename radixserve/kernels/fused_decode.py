@@ -2,7 +2,7 @@
 
 Contract: :class:`FusedDecode` runs every decoder layer of a decode batch in one call over the
 same operators in the same order as the layer-by-layer path, so its results are bit-identical to
-it (tests/test_fused_decode.py). It returns None, and the caller then runs the layers one by one,
+it (tests/kernels/test_fused_decode.py). It returns None, and the caller then runs the layers one by one,
 where the model (:func:`unsupported`), the batch (not every sequence on the decode kernel,
 ``AttentionBackend.decode_kernel_args``; a KV pool of another dtype) or the row count (some linear
 layer on neither the small-M kernel nor a prepacked copy) does not qualify. It knows the model

@@ -17,7 +17,7 @@ from radixserve.ops.report import (drain_cycles, format_report, read_metrics_log
                                    windows_of)
 from radixserve.serve.metrics import Histogram
 
-RECORDED = Path(__file__).parent / "data" / "metrics_bursts.jsonl"
+RECORDED = Path(__file__).parents[1] / "data" / "metrics_bursts.jsonl"
 
 
 def synthetic_log(intervals, *, step_s: float = 60.0, t0: float = 1.7e9) -> list[dict]:
@@ -184,7 +184,7 @@ def test_texts_say_what_the_figures_are():
 
     subs = next(a for a in build_parser()._actions if a.dest == "command").choices
     helps = {name: " ".join(subs[name].format_help().split()) for name in ("plan", "report")}
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     printed = format_report(report(flat(12)))
     for text in (*helps.values(), readme, printed):
         assert not re.search(r"\bseed's\b|\bthe seed\b", text, re.I), re.search(r".{60}\bseed's?\b.{60}", text, re.I)

@@ -13,13 +13,13 @@ import pytest
 
 from radixserve.model.default import INSTALL_HINT, smollm2_gguf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "traces" / "README.md",
         *sorted((REPO / "docs").glob("*.md"))]
 
 
 def test_no_reference_outside_the_repository():
-    files = DOCS + sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "tests").glob("*.py"))
+    files = DOCS + sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "tests").rglob("*.py"))
     for f in files:
         if f == Path(__file__).resolve():
             continue

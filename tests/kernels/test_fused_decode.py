@@ -16,7 +16,7 @@ from radixserve.kernels import fused_decode
 from radixserve.kernels import gemm
 from radixserve.kernels import linear as lin
 from radixserve.testing import make_tiny_model_dir
-from tests.conftest import random_prompts
+from conftest import random_prompts
 
 TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
 pytestmark = pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler (or RADIXSERVE_NO_EXT)")

@@ -16,7 +16,7 @@ import pytest
 from bench.sim import policies as P
 from bench.sim.workloads import Request, Workload, agent_fleet, load_trace, multi_turn_chat, shared_prefix
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOONCAKE = REPO / "bench" / "traces" / "mooncake" / "conversation_trace.jsonl"  # vendored, Apache-2.0
 
 

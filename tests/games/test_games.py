@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: examples/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: examples/
 
 chess = pytest.importorskip("chess")
 pytest.importorskip("pyffish")

@@ -242,7 +242,7 @@ def test_bench_layers_runs_and_the_modes_agree():
 
     proc = subprocess.run([sys.executable, "-m", "bench", "layers", "--tokens", "1,5", "--repeats", "1", "--hidden", "48",
                            "--heads", "4", "--kv-heads", "2", "--head-dim", "12", "--intermediate", "40", "--threads", "1",
-                           "--json"], cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+                           "--json"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     assert set(res["ms"]) == {"1", "5"} and all(v > 0 for r in res["ms"].values() for v in r.values())

@@ -28,7 +28,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
            PYTHONPATH=str(ROOT), RADIXSERVE_API_KEY="netns-key")
 ROUTER_IP = "10.231.0.1"
