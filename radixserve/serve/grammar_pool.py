@@ -216,6 +216,68 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 
 
 # ------------------------------------------------------------------------------ the child process
+class WorkerGrammars:
+    """A worker's side of the grammars: which requests wait for a compile (and whether they were
+    aborted meanwhile), and the compile process, started at the first grammar the engine lacks.
+    ``grammars``: the engine's GrammarCache (None: no structured output); ``timeout_s`` None
+    compiles in the engine's own thread, unbounded."""
+
+    def __init__(self, grammars: Any, timeout_s: float | None):
+        self.grammars = grammars
+        self.timeout_s = timeout_s
+        self.waiting: dict[str, bool] = {}  # work id -> aborted while its grammar compiles
+        self._pool: GrammarPool | None = None
+
+    def prepare(self) -> None:
+        """Build the tokenizer table now (before the worker registers): at the first grammar, a
+        Python loop over the vocabulary holding the GIL for seconds starved the worker's loop of
+        its heartbeats under load, and the router declared the worker dead."""
+        if self.grammars is not None and self.timeout_s is not None:
+            from radixserve.engine.structured import xgrammar_available
+
+            if xgrammar_available():
+                self.grammars.tokenizer_info()
+
+    def begin(self, work_id: str) -> None:
+        self.waiting[work_id] = False
+
+    def abort(self, work_id: str) -> bool:
+        """Mark ``work_id`` aborted if it waits for a compile (its compile stops when no other
+        request waits for it); False when it does not wait."""
+        if work_id not in self.waiting:
+            return False
+        self.waiting[work_id] = True
+        if self._pool is not None:
+            self._pool.abandon(work_id)
+        return True
+
+    def end(self, work_id: str) -> bool:
+        """``work_id`` no longer waits; whether it was aborted meanwhile."""
+        return self.waiting.pop(work_id, False)
+
+    async def compile(self, spec: StructuredOutput | None, namespace: str | None, work_id: str) -> None:
+        """Compile ``spec`` in the killable compile process (bounded in time, fair between
+        namespaces) unless the engine has it; raises :class:`CompileAborted` or the refusal."""
+        grammars = self.grammars
+        if spec is None or grammars is None or self.timeout_s is None:
+            return
+        spec.validate()  # shape, size and depth before any work
+        if grammars.cached(spec):
+            return
+        from radixserve.engine.structured import xgrammar_available
+
+        if not xgrammar_available():
+            return  # make_request refuses it, saying how to install xgrammar
+        if self._pool is None:
+            info = await asyncio.get_running_loop().run_in_executor(None, grammars.tokenizer_info)
+            self._pool = GrammarPool(info, timeout_s=self.timeout_s)
+        grammars.put(spec, await self._pool.compile(spec, namespace, work_id))
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+
+
 def _read_exactly(stream, n: int) -> bytes:
     data = stream.read(n)
     if len(data) != n:

@@ -36,6 +36,7 @@ import zmq.asyncio
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
 from radixserve.serve.cache_events import CacheEventOutbox
+from radixserve.serve.grammar_pool import CompileAborted, WorkerGrammars
 from radixserve.serve.metrics import Histogram
 
 log = logging.getLogger("radixserve.worker")
@@ -65,10 +66,8 @@ class Worker:
 
         self.fingerprint = model_fingerprint(engine.info()["model"], len(engine.tokenizer))
         self.active: dict[str, Any] = {}  # work id -> Request
-        self.compiling: dict[str, bool] = {}  # work id -> aborted meanwhile, while its grammar compiles
-        # Grammars compile in a child process, killed past this (None: in a thread, unbounded)
-        self.grammar_timeout_s = grammar_timeout_s
-        self._grammar_pool: Any = None  # GrammarPool, started at the first grammar to compile
+        # Grammars compile in a child process, killed past grammar_timeout_s (None: in a thread, unbounded)
+        self.grammars = WorkerGrammars(getattr(engine, "grammars", None), grammar_timeout_s)
         self.stopping = False
         self._last_router = time.monotonic()
         self._registered_in_silence = False
@@ -126,10 +125,7 @@ class Worker:
         self.engine.call_soon(self._snapshot)
 
     def _abort(self, work_id: str) -> None:
-        if work_id in self.compiling:
-            self.compiling[work_id] = True
-            if self._grammar_pool is not None:
-                self._grammar_pool.abandon(work_id)  # its compile stops if no other request waits for it
+        if self.grammars.abort(work_id):
             return
         item = self.active.get(work_id)
         if item is None:
@@ -173,7 +169,7 @@ class Worker:
         if work.params.structured is not None:
             # Compiling a grammar can take seconds (a large schema or choice list): off the loop,
             # so heartbeats keep going and the router does not declare this worker dead.
-            self.compiling[work.id] = False
+            self.grammars.begin(work.id)
             asyncio.ensure_future(self._start_structured(work))
             return
         try:
@@ -184,13 +180,11 @@ class Worker:
         self._launch(work, req)
 
     async def _start_structured(self, work: P.Work) -> None:
-        from radixserve.serve.grammar_pool import CompileAborted
-
         try:
-            await self._compile_grammar(work)
+            await self.grammars.compile(work.params.structured, work.namespace, work.id)
             req = await asyncio.get_running_loop().run_in_executor(None, self._make_request, work)
         except CompileAborted:  # aborted while its grammar compiled: never started, so answered here
-            self.compiling.pop(work.id, None)
+            self.grammars.end(work.id)
             self._send(P.Final(id=work.id, token_ids=[], text="", finish_reason="abort",
                                usage=P.Usage(prompt_tokens=len(work.token_ids), cached_tokens=0, completion_tokens=0),
                                timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0), worker=self.name))
@@ -198,33 +192,11 @@ class Worker:
         except Exception as exc:
             req = None
             self._refuse(work, exc)
-        aborted = self.compiling.pop(work.id, False)
+        aborted = self.grammars.end(work.id)
         if req is not None:
             self._launch(work, req)
             if aborted:  # the abort came while its grammar compiled: the engine answers it in order
                 self.engine.abort(work.id)
-
-    async def _compile_grammar(self, work: P.Work) -> None:
-        """Compile the request's grammar in the killable compile process (bounded in time, fair
-        between namespaces; :mod:`radixserve.serve.grammar_pool`) unless the engine has it."""
-        spec = work.params.structured
-        grammars = getattr(self.engine, "grammars", None)
-        if spec is None or grammars is None or self.grammar_timeout_s is None:
-            return
-        spec.validate()  # shape, size and depth before any work
-        if grammars.cached(spec):
-            return
-        from radixserve.engine.structured import xgrammar_available
-
-        if not xgrammar_available():
-            return  # make_request refuses it, saying how to install xgrammar
-        if self._grammar_pool is None:
-            from radixserve.serve.grammar_pool import GrammarPool
-
-            info = await asyncio.get_running_loop().run_in_executor(None, grammars.tokenizer_info)
-            self._grammar_pool = GrammarPool(info, timeout_s=self.grammar_timeout_s)
-        compiled = await self._grammar_pool.compile(spec, work.namespace, work.id)
-        grammars.put(spec, compiled)
 
     def _make_request(self, work: P.Work):
         return self.engine.make_request(work.token_ids, work.params, request_id=work.id, namespace=work.namespace)
@@ -354,15 +326,7 @@ class Worker:
                 self.loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain(5.0)))
             except (NotImplementedError, RuntimeError):
                 pass
-        # The grammars' tokenizer table, before this worker registers: built at the first grammar (a
-        # Python loop over the vocabulary, holding the GIL for seconds, on an executor thread), it
-        # starved this loop of its heartbeats under load, and the router declared the worker dead.
-        grammars = getattr(self.engine, "grammars", None)
-        if grammars is not None and self.grammar_timeout_s is not None:
-            from radixserve.engine.structured import xgrammar_available
-
-            if xgrammar_available():
-                grammars.tokenizer_info()
+        self.grammars.prepare()  # the grammars' tokenizer table, before this worker registers
         self._register()
         tasks = [asyncio.ensure_future(self._sender()), asyncio.ensure_future(self._heartbeats())]
         receiver = asyncio.ensure_future(self._receiver())
@@ -370,8 +334,7 @@ class Worker:
         await self._done.wait()
         for t in tasks + [receiver]:
             t.cancel()
-        if self._grammar_pool is not None:
-            await self._grammar_pool.aclose()
+        await self.grammars.aclose()
         self.engine.shutdown()
         self.sock.close(linger=500)
         self.ctx.term()
