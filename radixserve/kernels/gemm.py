@@ -68,11 +68,29 @@ def packed_ops():
     return _state["packed"]
 
 
+def onednn_rows(m: int) -> int:
+    """The row count oneDNN is called with for ``m`` rows: ``m`` up to 64, then ``m`` rounded up to
+    a multiple of 16 (to 256) or of 64. oneDNN compiles and keeps a kernel per row count and weight
+    shape, about 0.6 MiB each; called with every row count a server meets, a worker grew by 15
+    MiB a minute without end (bench/RESULTS.md section 43). Rounded, a weight has at most 104."""
+    if m <= 64:
+        return m
+    step = 16 if m <= 256 else 64
+    return -(-m // step) * step
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product of ``x`` with a weight prepacked by ``_reorder_linear_weight``."""
+    """oneDNN's product of ``x`` with a weight prepacked by ``_reorder_linear_weight`` (rows padded
+    to :func:`onednn_rows`; the padding's rows are dropped from the result)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    m = x.numel() // x.shape[-1] if x.dim() > 1 else 1
+    padded = onednn_rows(m)
+    if padded == m:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(m, x.shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, padded - m)), packed, bias, "none", [], "")
+    return y[:m].view(*x.shape[:-1], y.shape[-1])
 
 
 def has_onednn_ops(dtype: torch.dtype = torch.float32) -> bool:

@@ -1205,3 +1205,23 @@ def test_products_off_the_cpu_never_load_the_extension(monkeypatch):
         for rows in (1, 16, 64, 300):
             assert layer(torch.empty(rows, 64, device="meta", dtype=dtype)).shape == (rows, 96)
         assert lin.logits(torch.empty(3, 64, device="meta", dtype=dtype), layer.weight, lin.PackedWeight()).shape == (3, 96)
+
+
+def test_onednn_meets_a_bounded_set_of_row_counts():
+    """oneDNN keeps a compiled kernel per row count and weight (about 0.6 MiB each): a server that
+    calls it with every batch size grows without end. Rows are padded to a bounded set (exact up to
+    64), and the padding changes no real row's result."""
+    from radixserve.kernels import gemm
+
+    rows = [gemm.onednn_rows(m) for m in range(1, 2049)]
+    assert len(set(rows)) <= 104 and all(r >= m for m, r in zip(range(1, 2049), rows))
+    assert rows[:64] == list(range(1, 65)) and max(r / m for m, r in zip(range(65, 2049), rows[64:])) < 1.25
+    if not gemm.has_onednn_ops():
+        pytest.skip("torch without oneDNN's prepacked linear ops")
+    w = torch.randn(96, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    for shape in ((65, 64), (300, 64), (3, 100, 64)):
+        x = torch.randn(*shape)
+        y = gemm.onednn_linear(x, packed, None)
+        assert y.shape == (*shape[:-1], 96)
+        assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
