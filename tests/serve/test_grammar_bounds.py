@@ -151,3 +151,22 @@ def test_the_protocol_refuses_deep_schemas_before_any_work():
     msg = P.Generate(id="x", token_ids=[1], params=SamplingParams(structured={"json_schema": _deep(200)}))
     with pytest.raises(BadRequestError, match="levels deep"):
         P.validate_generate(msg)
+
+
+def test_the_compile_process_runs_below_its_worker(info):
+    """A tenant's slow grammars must not take CPU from every tenant's decodes: the compile process
+    runs COMPILE_NICENESS below the process that started it."""
+    import os
+
+    from radixserve.serve.grammar_pool import COMPILE_NICENESS, GrammarPool
+
+    async def main():
+        pool = GrammarPool(info, timeout_s=5.0)
+        try:
+            assert await pool.compile(StructuredOutput(choice=["yes", "no"]), "ns", "w0") is not None
+            child = pool._proc.pid
+            assert os.getpriority(os.PRIO_PROCESS, child) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICENESS)
+        finally:
+            await pool.aclose()
+
+    asyncio.run(main())
