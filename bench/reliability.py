@@ -13,8 +13,10 @@ torch thread per worker), drives it with the SDK and raw HTTP, and checks one cr
   every pending call ``router_lost``.
 - ``overload``: 1 worker, ``--max-inflight`` in flight and ``--max-queue`` queued (the capacity);
   ``--overload-rounds`` bursts of ``--overload-factor`` x the capacity of long generates, over
-  ZMQ (one SDK client) and over HTTP (one connection each, ``POST /v1/completions``). Criterion:
-  the refusals (``overloaded`` / HTTP 503) answered with p99 < ``--refusal-p99-ms``, per transport.
+  ZMQ as bare frames on one socket (the router's time), over ZMQ as SDK calls on one client (the
+  router's and the SDK's), and over HTTP (one connection each, ``POST /v1/completions``, a bare
+  asyncio client). Criterion: the refusals (``overloaded`` / HTTP 503) answered with p99 <
+  ``--refusal-p99-ms``, per transport; each refusal timed from its own send.
 - ``idle-sockets``: 1 worker, serve under ``prlimit --nofile`` ``--nofile`` (by a resource limit set
   in the child, as prlimit does); ``--idle-sockets`` DEALER sockets connect to the client port and
   stay idle; then w0 is SIGKILLed. Criterion: the restart starts within its backoff (the
@@ -48,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import emit, fmt, load_average, log, machine_summary, table
+from bench.common import emit, fmt, git_revision, load_average, log, machine_summary, table
 from radixserve.ops.stats import percentile
 
 HELP = "SIGKILLs under load, overload refusals, idle client sockets, hostile tenants: PASS/FAIL per criterion"
@@ -392,6 +394,51 @@ async def _zmq_burst(address: str, n: int, vocab: int, seed: int) -> dict:
             "other": dict(other), "refused_s": refused}
 
 
+def _raw_zmq_burst(address: str, n: int, vocab: int, seed: int) -> dict:
+    """The burst as bare frames on one DEALER socket, no SDK: each refusal's time from its frame's
+    send to its error frame's arrival (what the router takes; the SDK's own cost per call is not in it)."""
+    import zmq
+
+    from radixserve import protocol as P
+    from radixserve.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    frames = [P.encode(P.Generate(id=f"raw-{i}", token_ids=random_prompt(rng, vocab, 16), params=params))
+              for i in range(n)]
+    ctx = zmq.Context()
+    refused: list[float] = []
+    admitted, other = 0, Counter[str]()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(P.encode(P.Health(id="raw-health")))
+        if not sock.poll(30_000):
+            raise RuntimeError("no answer to a health probe within 30 s")
+        sock.recv()
+        sent: dict[str, float] = {}
+        for i, frame in enumerate(frames):
+            sent[f"raw-{i}"] = time.monotonic()
+            sock.send(frame)
+        while sent and sock.poll(300_000):
+            msg = P.decode(sock.recv(), max_frame_bytes=P.WORKER_MAX_FRAME_BYTES)
+            if isinstance(msg, P.Error) and msg.id in sent:
+                t = sent.pop(msg.id)
+                if msg.code == P.OVERLOADED:
+                    refused.append(time.monotonic() - t)
+                else:
+                    other[msg.code] += 1
+            elif isinstance(msg, P.Final) and msg.id in sent:
+                sent.pop(msg.id)
+                admitted += 1
+        other["no answer"] += len(sent)
+    finally:
+        ctx.destroy(linger=0)
+    return {"sent": n, "refused": dist(refused), "admitted": admitted, "admitted_e2e": dist([]),
+            "other": {k: v for k, v in other.items() if v}, "refused_s": refused}
+
+
 async def _http_burst(port: int, n: int, vocab: int, seed: int) -> dict:
     rng = random.Random(seed)
     bodies = [{"prompt": random_prompt(rng, vocab, 16), "max_tokens": 256, "temperature": 0.0, "ignore_eos": True}
@@ -429,13 +476,16 @@ def scenario_overload(args, model: str) -> dict:
     port = int(server.http_url.split(":")[2].split("/")[0])
     log(f"overload: serve up at {server.address} / {server.http_url}; capacity {capacity} "
         f"({args.max_inflight} in flight + {args.max_queue} queued), bursts of {n}")
-    rounds: dict[str, list[dict]] = {"zmq": [], "http": []}
+    rounds: dict[str, list[dict]] = {"zmq": [], "zmq-sdk": [], "http": []}
     try:
         for r in range(args.overload_rounds):
-            for transport in ("zmq", "http"):
-                burst = (_zmq_burst(server.address, n, vocab, r) if transport == "zmq"
-                         else _http_burst(port, n, vocab, 100 + r))
-                res = asyncio.run(burst)
+            for transport in rounds:
+                if transport == "zmq":
+                    res = _raw_zmq_burst(server.address, n, vocab, r)
+                elif transport == "zmq-sdk":
+                    res = asyncio.run(_zmq_burst(server.address, n, vocab, 50 + r))
+                else:
+                    res = asyncio.run(_http_burst(port, n, vocab, 100 + r))
                 rounds[transport].append(res)
                 log(f"overload: round {r + 1} {transport}: {len(res['refused_s'])} refused, {dist_text(res['refused'])}; "
                     f"{res['admitted']} admitted; other {res['other']}")
@@ -448,7 +498,7 @@ def scenario_overload(args, model: str) -> dict:
         d = dist(refused)
         out["transports"][transport] = {"refused": d, "admitted": sum(res["admitted"] for res in runs),
                                         "sent": n * len(runs), "runs": runs}
-        label = "ZMQ overloaded" if transport == "zmq" else "HTTP 503"
+        label = {"zmq": "ZMQ overloaded (frames)", "zmq-sdk": "ZMQ overloaded (SDK calls)", "http": "HTTP 503"}[transport]
         crits.append(criterion(f"{label} at {args.overload_factor:g}x capacity: refusals' p99 < {args.refusal_p99_ms:g} ms",
                                d["p99_ms"] < args.refusal_p99_ms, dist_text(d), f"p99 < {args.refusal_p99_ms:g} ms"))
     out["criteria"] = crits
@@ -729,7 +779,7 @@ def _warm_grammars(address: str, workers: int, rounds: int = 6) -> list[str]:
             for r in range(rounds):
                 if len(served) >= workers:
                     break
-                outs = await asyncio.gather(*(c.generate(f"Warm-up {r} {i}:", max_tokens=4, structured=StructuredOutput(
+                outs = await asyncio.gather(*(c.generate(f"{i * 7 + r} warm-up:", max_tokens=4, structured=StructuredOutput(
                     choice=[f"yes {r} {i}", f"no {r} {i}"])) for i in range(2 * workers)))
                 served.update(str(o.worker) for o in outs)
         return sorted(served)
@@ -848,7 +898,7 @@ def run(args) -> int:
     if unknown or not names:
         log(f"reliability: unknown scenario(s) {unknown}; expected some of {', '.join(SCENARIOS)}")
         return 2
-    load_at_start = load_average()
+    load_at_start, git_at_start = load_average(), git_revision()  # the code that runs: edits made meanwhile do not count
     model = args.model or str(bench_model_path())
     results: dict[str, dict] = {}
     for name in names:
@@ -858,7 +908,8 @@ def run(args) -> int:
         for c in results[name]["criteria"]:
             log(f"reliability: {name}: {'PASS' if c['pass'] else 'FAIL'}: {c['criterion']}: {c['measured']}")
     criteria = [c for r in results.values() for c in r["criteria"]]
-    result = {"command": "reliability", "machine": {**machine_summary(), "load_average_at_start": load_at_start},
+    result = {"command": "reliability", "machine": {**machine_summary(), "load_average_at_start": load_at_start,
+                                                       "git": git_at_start},
               "model": model, "scenarios": results, "criteria": criteria, "ok": all(c["pass"] for c in criteria)}
     emit(args, result, render)
     return 0 if result["ok"] else 1

@@ -37,7 +37,7 @@ def test_reliability_kill_and_overload_tiny(tmp_path):
     assert kill["router"]["ends"] == {"coded router_lost": 4} and kill["router"]["hung"] == 0
     over = res["scenarios"]["overload"]
     assert over["capacity"] == 4 and over["burst"] == 20
-    for t in ("zmq", "http"):
+    for t in ("zmq", "zmq-sdk", "http"):
         side = over["transports"][t]
         assert side["sent"] == 20 and side["admitted"] == 4 and side["refused"]["n"] == 16, side
-    assert [c["criterion"][:4] for c in res["criteria"]] == ["1 wo", "rout", "ZMQ ", "HTTP"]
+    assert [c["criterion"][:4] for c in res["criteria"]] == ["1 wo", "rout", "ZMQ ", "ZMQ ", "HTTP"]
