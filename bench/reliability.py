@@ -158,6 +158,31 @@ async def wait_back(ctl, name: str, old_pid: int, timeout: float) -> float | Non
     return None
 
 
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by ``root`` (serve: the router and the HTTP gateway),
+    its workers, and the workers' grammar compile processes (live ones, plus those the workers reaped)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: dict[int, tuple[int, list[int]]] = {}  # pid -> (ppid, [utime, stime, cutime, cstime])
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+                procs[int(entry)] = (int(fields[1]), [int(x) for x in fields[11:15]])
+            except (OSError, IndexError, ValueError):
+                continue
+    out = {"router": 0.0, "workers": 0.0, "grammar": 0.0}
+    if root in procs:
+        out["router"] = sum(procs[root][1][:2]) / tick
+    for ppid, t in procs.values():
+        if ppid == root:
+            out["workers"] += (t[0] + t[1]) / tick
+            out["grammar"] += (t[2] + t[3]) / tick  # its reaped children: killed compile processes
+        elif procs.get(ppid, (0,))[0] == root:
+            out["grammar"] += (t[0] + t[1]) / tick
+    return out
+
+
 def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(7, vocab) for _ in range(n)]  # ids below 7: the special tokens
 
@@ -689,7 +714,8 @@ async def _hostile_message(kind: str, salt: str, c, port: int, data: Payloads) -
             status, body = await http_request(port, "POST", "/v1/completions",
                                               {"prompt": "Pick:", "max_tokens": 8, **field}, timeout=120)
             if status != 200:
-                return f"HTTP {status} {(body.get('error') or {}).get('code')}"
+                err = body.get("error") or {}
+                return f"HTTP {status} {err.get('code') or err.get('type')}"
         return "ok"
     except RadixServeError as exc:
         return exc.code
@@ -756,15 +782,18 @@ async def _tenant(i: int, address: str, vocab: int, stop: asyncio.Event, lat: li
 
 async def _phase(args, server, vocab: int, name: str, go=None) -> dict:
     stop, lat, errors = asyncio.Event(), list[float](), Counter[str]()
+    cpu0, t0 = cpu_seconds(server.pid), time.monotonic()
     tenants = [asyncio.ensure_future(_tenant(i, server.address, vocab, stop, lat, errors)) for i in range(args.tenants)]
     if go is not None:
         go.set()
     await asyncio.sleep(args.phase_s)
     stop.set()
     await asyncio.gather(*tenants)
-    out = {"latency": dist(lat), "errors": dict(errors)}
-    log(f"hostile: {name}: others' latency {dist_text(out['latency'])}; errors {dict(errors)}")
-    return out
+    cpu1, wall = cpu_seconds(server.pid), time.monotonic() - t0
+    latency, cpu = dist(lat), {k: cpu1[k] - cpu0[k] for k in cpu0}
+    log(f"hostile: {name}: others' latency {dist_text(latency)}; errors {dict(errors)}; CPU seconds in "
+        f"{wall:.0f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+    return {"latency": latency, "errors": dict(errors), "wall_s": wall, "cpu_s": cpu}
 
 
 def _warm_grammars(address: str, workers: int, rounds: int = 6) -> list[str]:
@@ -877,9 +906,12 @@ def render(result: dict) -> str:
     if "hostile" in s:
         h = s["hostile"]
         rows = [[p, v["latency"]["n"], v["latency"]["p50_ms"], v["latency"]["p99_ms"], v["latency"]["max_ms"],
+                 v["cpu_s"]["workers"], v["cpu_s"]["grammar"], v["cpu_s"]["router"],
                  ", ".join(f"{k} {n}" for k, n in v["errors"].items()) or "-"] for p, v in h["phases"].items()]
-        lines += ["", "hostile: the other tenants' requests (32-token prompt, 16 tokens)",
-                  table(["phase", "requests", "p50 (ms)", "p99 (ms)", "max (ms)", "errors"], rows),
+        lines += ["", f"hostile: the other tenants' requests (32-token prompt, 16 tokens); CPU seconds used in each "
+                      f"{fmt(h['phases']['baseline']['wall_s'], 0)} s phase (2 cores)",
+                  table(["phase", "requests", "p50 (ms)", "p99 (ms)", "max (ms)", "workers' CPU (s)",
+                         "grammar compiles' CPU (s)", "serve's CPU (s)", "errors"], rows),
                   table(["hostile message", "sent", "p50 (ms)", "max (ms)", "ends"],
                         [[k, v["sent"], v["latency"]["p50_ms"], v["latency"]["max_ms"],
                           ", ".join(f"{e} {n}" for e, n in v["ends"].items())] for k, v in h["hostile"].items()]),
