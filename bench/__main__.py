@@ -12,7 +12,8 @@ import importlib
 import sys
 
 COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "soak", "structured",
-            "kv_quant", "peers", "tensor_parallel", "routing", "kernels", "roofline", "floor", "layers", "sampler", "bigmodel"]
+            "kv_quant", "peers", "tensor_parallel", "routing", "kernels", "roofline", "floor", "layers", "sampler", "bigmodel",
+            "reliability"]
 
 
 def build_parser() -> argparse.ArgumentParser:
