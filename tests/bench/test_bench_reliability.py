@@ -14,7 +14,7 @@ import pytest
 
 from radixserve.testing import make_tiny_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(240)
 
