@@ -53,9 +53,15 @@ class _Window:
 
 
 @dataclass
-class _Req:
-    tokens: _Window
+class _KV:
     pages: list[int]
+
+
+@dataclass
+class _Req:
+    """What the runner reads of a Request: its tokens and its KV's pages."""
+    tokens: _Window
+    kv: _KV
 
 
 @dataclass
@@ -105,7 +111,7 @@ def _follower(rank: int, world: int, store_path: str, spec: FollowerSpec, conn) 
         if message is None:
             return
         wire, groups = message
-        items = [_Item(_Req(_Window(start, toks), pages), start, n) for toks, pages, start, n in wire]
+        items = [_Item(_Req(_Window(start, toks), _KV(pages)), start, n) for toks, pages, start, n in wire]
         runner.forward(cast("list[ScheduledItem]", items), groups)  # _Item has what forward reads of a ScheduledItem
 
 
