@@ -11,9 +11,29 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["throughput", "fleet", "schedule", "cascade", "simulate", "batching", "serve", "plots", "soak", "structured",
-            "kv_quant", "peers", "tensor_parallel", "routing", "kernels", "roofline", "floor", "layers", "sampler", "bigmodel",
-            "reliability"]
+COMMANDS = [
+    "throughput",
+    "fleet",
+    "schedule",
+    "cascade",
+    "simulate",
+    "batching",
+    "serve",
+    "plots",
+    "soak",
+    "structured",
+    "kv_quant",
+    "peers",
+    "tensor_parallel",
+    "routing",
+    "kernels",
+    "roofline",
+    "floor",
+    "layers",
+    "sampler",
+    "bigmodel",
+    "reliability",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         module = importlib.import_module(f"bench.{name}")
-        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(handler=module.run)
     return parser

@@ -35,13 +35,17 @@ def run(args) -> int:
     model = args.model or str(bench_model_path())
     rng = random.Random(0)
     prompts = [[rng.randrange(7, 30000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    params = [SamplingParams(max_tokens=rng.randint(args.min_output, args.max_output), temperature=0.0,
-                             ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(max_tokens=rng.randint(args.min_output, args.max_output), temperature=0.0, ignore_eos=True) for _ in prompts]
     results = {}
     for mode in ("static", "continuous"):
-        engine = Engine(model, batching=mode, max_running=args.max_running, enable_prefix_cache=False,
-                        kv_cache_tokens=args.max_running * (args.prompt_len + args.max_output) * 2,
-                        max_batched_tokens=max(2048, args.max_running * args.prompt_len))
+        engine = Engine(
+            model,
+            batching=mode,
+            max_running=args.max_running,
+            enable_prefix_cache=False,
+            kv_cache_tokens=args.max_running * (args.prompt_len + args.max_output) * 2,
+            max_batched_tokens=max(2048, args.max_running * args.prompt_len),
+        )
         print(f"running {mode} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
@@ -61,12 +65,16 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
-    print(f"{args.requests} requests, prompt {args.prompt_len} tokens, output {args.min_output}-{args.max_output} "
-          f"tokens, max_running {args.max_running}, all arriving at once")
+    print(
+        f"{args.requests} requests, prompt {args.prompt_len} tokens, output {args.min_output}-{args.max_output} "
+        f"tokens, max_running {args.max_running}, all arriving at once"
+    )
     print(f"{'mode':<11} {'wall':>8} {'throughput':>13} {'TTFT p50':>10} {'TTFT p99':>10} {'E2E p50':>10} {'steps':>6}")
     for mode in ("static", "continuous"):
         r = results[mode]
-        print(f"{mode:<11} {r['wall_s']:>6.1f} s {r['output_tok_s']:>7.1f} tok/s {r['ttft_p50_s']:>8.2f} s "
-              f"{r['ttft_p99_s']:>8.2f} s {r['e2e_p50_s']:>8.2f} s {r['steps']:>6}")
+        print(
+            f"{mode:<11} {r['wall_s']:>6.1f} s {r['output_tok_s']:>7.1f} tok/s {r['ttft_p50_s']:>8.2f} s "
+            f"{r['ttft_p99_s']:>8.2f} s {r['e2e_p50_s']:>8.2f} s {r['steps']:>6}"
+        )
     print(f"continuous / static throughput: {results['throughput_ratio']:.2f} x")
     return 0

@@ -28,34 +28,60 @@ from pathlib import Path
 HELP = "7B-shaped random GGUF (Q4_0 or Q4_K_M) served quantized: load time, RSS, plan, batch-1 decode"
 
 SHAPES = {
-    "tiny": dict(arch="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),  # (for the smoke test)
-    "llama2-7b": dict(arch="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0),
-    "qwen2-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=32000, rope_theta=1000000.0),
+    "tiny": dict(
+        arch="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        rope_theta=10000.0,
+    ),  # (for the smoke test)
+    "llama2-7b": dict(
+        arch="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        rope_theta=10000.0,
+    ),
+    "qwen2-7b": dict(
+        arch="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+    ),
 }
 MIXES = ("q4_0", "q4_k_m")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES),
-                        help="the model's shapes (qwen2-7b keeps its layers but a 32,000-token vocabulary)")
+    parser.add_argument(
+        "--shape", default="llama2-7b", choices=sorted(SHAPES), help="the model's shapes (qwen2-7b keeps its layers but a 32,000-token vocabulary)"
+    )
     parser.add_argument("--mix", default="q4_0", choices=MIXES, help="quantization types of the weights")
-    parser.add_argument("--file", default=None, metavar="GGUF",
-                        help="measure this GGUF file instead of writing a synthetic one (--shape and --mix then unused)")
-    parser.add_argument("--dir", default=None, help="where the file is written (default: $RADIXSERVE_CACHE/bench or "
-                                                    "~/.cache/radixserve/bench)")
-    parser.add_argument("--weights", default="auto", choices=["auto", "quantized", "dequantize"],
-                        help="how the engine holds the GGUF's weights (radixserve's --weights)")
-    parser.add_argument("--quant-compute", default="auto", choices=["auto", "int8", "fp32"],
-                        help="how decode multiplies the quantized weights (radixserve's --quant-compute)")
+    parser.add_argument(
+        "--file", default=None, metavar="GGUF", help="measure this GGUF file instead of writing a synthetic one (--shape and --mix then unused)"
+    )
+    parser.add_argument("--dir", default=None, help="where the file is written (default: $RADIXSERVE_CACHE/bench or ~/.cache/radixserve/bench)")
+    parser.add_argument(
+        "--weights", default="auto", choices=["auto", "quantized", "dequantize"], help="how the engine holds the GGUF's weights (radixserve's --weights)"
+    )
+    parser.add_argument(
+        "--quant-compute", default="auto", choices=["auto", "int8", "fp32"], help="how decode multiplies the quantized weights (radixserve's --quant-compute)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the engine")
     parser.add_argument("--kv-cache-tokens", type=int, default=4096, help="the engine's KV pool")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens generated after the load")
     parser.add_argument("--loads", type=int, default=2, help="loads timed (the first may read the file from disk)")
-    parser.add_argument("--max-rss-ratio", type=float, default=1.15,
-                        help="the RSS target: at most this times the file's size, plus the KV pool")
+    parser.add_argument("--max-rss-ratio", type=float, default=1.15, help="the RSS target: at most this times the file's size, plus the KV pool")
     parser.add_argument("--json", action="store_true")
 
 
@@ -71,6 +97,7 @@ def qtype_of(mix: str):
         if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")):
             return 14  # Q6_K
         return 12  # Q4_K
+
     return pick
 
 
@@ -139,8 +166,11 @@ def run(args) -> int:
     planned = read_model_shape(str(path), dequantize=args.weights == "dequantize").weights_bytes
     loads = []
     for i in range(args.loads):
-        out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(args.threads), str(args.kv_cache_tokens),
-                              str(args.tokens), args.weights, args.quant_compute], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path), str(args.threads), str(args.kv_cache_tokens), str(args.tokens), args.weights, args.quant_compute],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1
@@ -152,11 +182,22 @@ def run(args) -> int:
     bw = bandwidth(1024)
     last = loads[-1]
     limit = args.max_rss_ratio * size + last["kv_bytes"]
-    result = {"file": str(path), "file_bytes": size, "plan_weight_bytes": planned, "held_weight_bytes": last["held_bytes"],
-              "load_s": [x["load_s"] for x in loads], "rss_base": last["rss_base"], "rss_loaded": last["rss_loaded"],
-              "rss_after": last["rss_after"],
-              "kv_bytes": last["kv_bytes"], "rss_limit": limit, "decode_ms": statistics.median(x["decode_ms"] for x in loads),
-              "read_bytes": last["read_bytes"], "bandwidth_gb_s": bw / 1e9, "threads": args.threads}
+    result = {
+        "file": str(path),
+        "file_bytes": size,
+        "plan_weight_bytes": planned,
+        "held_weight_bytes": last["held_bytes"],
+        "load_s": [x["load_s"] for x in loads],
+        "rss_base": last["rss_base"],
+        "rss_loaded": last["rss_loaded"],
+        "rss_after": last["rss_after"],
+        "kv_bytes": last["kv_bytes"],
+        "rss_limit": limit,
+        "decode_ms": statistics.median(x["decode_ms"] for x in loads),
+        "read_bytes": last["read_bytes"],
+        "bandwidth_gb_s": bw / 1e9,
+        "threads": args.threads,
+    }
     result["floor_ms"] = last["read_bytes"] / bw * 1e3
     if args.json:
         print(json.dumps(result))
@@ -164,14 +205,20 @@ def run(args) -> int:
     gib = 2**30
     print(f"{path.name}: {size / gib:.2f} GiB file; {args.threads} thread(s)")
     print(f"  load: {', '.join(f'{s:.1f} s' for s in result['load_s'])} (first, then warm)")
-    print(f"  weights held: {result['held_weight_bytes'] / gib:.3f} GiB; radixserve plan: {planned / gib:.3f} GiB "
-          f"({'agree' if abs(planned - result['held_weight_bytes']) <= 0.001 * planned else 'DISAGREE'})")
-    print(f"  RSS: {result['rss_loaded'] / gib:.2f} GiB after the load, {result['rss_after'] / gib:.2f} GiB after "
-          f"{args.tokens} tokens; limit {args.max_rss_ratio} x file + KV {result['kv_bytes'] / gib:.2f} GiB = "
-          f"{limit / gib:.2f} GiB ({'within' if result['rss_after'] <= limit else 'OVER'}); the engine grew the process "
-          f"by {(result['rss_after'] - result['rss_base']) / gib:.2f} GiB (from {result['rss_base'] / gib:.2f} GiB of "
-          "runtime before it)")
-    print(f"  batch-1 decode: {result['decode_ms']:.1f} ms/token ({1e3 / result['decode_ms']:.1f} tok/s); floor "
-          f"{result['read_bytes'] / 1e9:.2f} GB / {result['bandwidth_gb_s']:.1f} GB/s = {result['floor_ms']:.1f} ms "
-          f"({result['decode_ms'] / result['floor_ms']:.2f}x)")
+    print(
+        f"  weights held: {result['held_weight_bytes'] / gib:.3f} GiB; radixserve plan: {planned / gib:.3f} GiB "
+        f"({'agree' if abs(planned - result['held_weight_bytes']) <= 0.001 * planned else 'DISAGREE'})"
+    )
+    print(
+        f"  RSS: {result['rss_loaded'] / gib:.2f} GiB after the load, {result['rss_after'] / gib:.2f} GiB after "
+        f"{args.tokens} tokens; limit {args.max_rss_ratio} x file + KV {result['kv_bytes'] / gib:.2f} GiB = "
+        f"{limit / gib:.2f} GiB ({'within' if result['rss_after'] <= limit else 'OVER'}); the engine grew the process "
+        f"by {(result['rss_after'] - result['rss_base']) / gib:.2f} GiB (from {result['rss_base'] / gib:.2f} GiB of "
+        "runtime before it)"
+    )
+    print(
+        f"  batch-1 decode: {result['decode_ms']:.1f} ms/token ({1e3 / result['decode_ms']:.1f} tok/s); floor "
+        f"{result['read_bytes'] / 1e9:.2f} GB / {result['bandwidth_gb_s']:.1f} GB/s = {result['floor_ms']:.1f} ms "
+        f"({result['decode_ms'] / result['floor_ms']:.2f}x)"
+    )
     return 0

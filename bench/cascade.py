@@ -25,25 +25,27 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--backend", default="cpu", choices=["cpu", "torch"],
-                        help="cpu: the csrc/ kernels (falls back to torch if they do not build); torch: the oracle")
+    parser.add_argument(
+        "--backend", default="cpu", choices=["cpu", "torch"], help="cpu: the csrc/ kernels (falls back to torch if they do not build); torch: the oracle"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q and KV pool dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode (median reported)")
-    parser.add_argument("--floor", action="store_true",
-                        help="also measure the GEMM rate (bench floor's, same run) and print the cascade step's FLOPs "
-                             "at that rate, and the step against it")
-    parser.add_argument("--json", action="store_true",
-                        help='print {"backend", "dtype", "flat_s", "cascade_s", "ratio"} (and the floor\'s fields)')
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the GEMM rate (bench floor's, same run) and print the cascade step's FLOPs at that rate, and the step against it",
+    )
+    parser.add_argument("--json", action="store_true", help='print {"backend", "dtype", "flat_s", "cascade_s", "ratio"} (and the floor\'s fields)')
 
 
 def run(args) -> int:
     import torch
 
-    from radixserve.attention.metadata import build_metadata
-    from radixserve.kernels import attention as attention_ops
     from radixserve.attention.cpu_backend import CpuAttention
+    from radixserve.attention.metadata import build_metadata
     from radixserve.attention.torch_backend import TorchAttention
+    from radixserve.kernels import attention as attention_ops
     from radixserve.kv.pool import KVPool
 
     if args.threads:
@@ -52,8 +54,15 @@ def run(args) -> int:
 
     page = args.page_size
     tokens = args.prefix + args.batch * (args.suffix + page)
-    pool = KVPool(num_layers=args.layers, num_pages=-(-tokens // page) + args.batch, page_size=page,
-                  num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype, device="cpu")
+    pool = KVPool(
+        num_layers=args.layers,
+        num_pages=-(-tokens // page) + args.batch,
+        page_size=page,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        device="cpu",
+    )
     g = torch.Generator().manual_seed(0)
     for layer in range(args.layers):
         pool.k[layer].normal_(generator=g)
@@ -82,24 +91,27 @@ def run(args) -> int:
         for name, groups in modes.items():
             times[name].append(once(groups))
     flat_s, cascade_s = statistics.median(times["flat"]), statistics.median(times["cascade"])
-    result = {"backend": type(backend).__name__, "dtype": args.dtype, "flat_s": flat_s, "cascade_s": cascade_s,
-              "ratio": flat_s / cascade_s}
+    result = {"backend": type(backend).__name__, "dtype": args.dtype, "flat_s": flat_s, "cascade_s": cascade_s, "ratio": flat_s / cascade_s}
     if args.floor:
         result.update(floor(args, kv_lens[0]))
         result["cascade_over_floor"] = cascade_s / result["floor_s"]
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"decode attention, {args.batch} requests x ({args.prefix} shared + {args.suffix} own) tokens, "
-          f"{args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, page {page}, "
-          f"{type(backend).__name__} {args.dtype}, median of {args.repeats}")
+    print(
+        f"decode attention, {args.batch} requests x ({args.prefix} shared + {args.suffix} own) tokens, "
+        f"{args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, page {page}, "
+        f"{type(backend).__name__} {args.dtype}, median of {args.repeats}"
+    )
     print(f"flat     {flat_s * 1e3:9.1f} ms/step")
     print(f"cascade  {cascade_s * 1e3:9.1f} ms/step")
     print(f"ratio    {result['ratio']:9.2f} x (flat / cascade)")
     if args.floor:
-        print(f"floor    {result['floor_s'] * 1e3:9.1f} ms/step: {result['gflop']:.2f} GFLOP (QK^T and PV over every "
-              f"visible key) at {result['gemm_gflop_per_s']:.0f} GFLOP/s (bench floor's GEMM rate, {args.batch} rows, "
-              f"this run); cascade {result['cascade_over_floor']:.2f}x it")
+        print(
+            f"floor    {result['floor_s'] * 1e3:9.1f} ms/step: {result['gflop']:.2f} GFLOP (QK^T and PV over every "
+            f"visible key) at {result['gemm_gflop_per_s']:.0f} GFLOP/s (bench floor's GEMM rate, {args.batch} rows, "
+            f"this run); cascade {result['cascade_over_floor']:.2f}x it"
+        )
     return 0
 
 
@@ -111,9 +123,17 @@ def floor(args, visible_keys: int) -> dict:
     from bench.shapes import Shape
 
     hidden = args.heads * args.head_dim
-    shape = Shape(dict(hidden_size=hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim, intermediate_size=4 * hidden,
-                       vocab_size=32000))
+    shape = Shape(
+        dict(
+            hidden_size=hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            intermediate_size=4 * hidden,
+            vocab_size=32000,
+        )
+    )
     import torch
 
     rate = gemm_rate(shape, args.batch, args.dtype, args.threads or torch.get_num_threads())

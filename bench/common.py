@@ -10,9 +10,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterable, Sequence
 
 # Ids below this are the built-in tokenizers' special tokens (bos, eos, pad, roles, end):
 # random workloads never use them, so no prompt contains an EOS.
@@ -23,13 +23,17 @@ _START: dict[str, Any] = {}
 
 # -- options -----------------------------------------------------------------------------------
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="model directory or .gguf file (default: the bench model, built once in ~/.cache/radixserve)")
+    p.add_argument("--model", default=None, metavar="PATH", help="model directory or .gguf file (default: the bench model, built once in ~/.cache/radixserve)")
     p.add_argument("--device", default="cpu", help="torch device for the engine (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
-    p.add_argument("--threads", type=threads_arg, default="auto", metavar="N|auto",
-                   help="torch intra-op threads; auto: the CPUs not already busy (1-minute load average) "
-                        "-- torch's worker threads slow down several-fold when they share cores")
+    p.add_argument(
+        "--threads",
+        type=threads_arg,
+        default="auto",
+        metavar="N|auto",
+        help="torch intra-op threads; auto: the CPUs not already busy (1-minute load average) "
+        "-- torch's worker threads slow down several-fold when they share cores",
+    )
 
 
 def threads_arg(text: str) -> int | str:
@@ -96,11 +100,12 @@ def choose_threads(requested: int | str, default: int) -> int:
         busy = round(load) if load is not None else 0
         threads = max(1, min(default, cpus - busy))
         if threads < default:
-            log(f"note: load average {load} on {cpus} CPUs before starting: using {threads} torch thread(s) "
-                f"instead of {default} (override with --threads N)")
+            log(f"note: load average {load} on {cpus} CPUs before starting: using {threads} torch thread(s) instead of {default} (override with --threads N)")
     if load is not None and load > cpus - 0.5:
-        log(f"warning: load average {load} on {cpus} CPUs: other processes compete for the cores, so the "
-            f"numbers will be lower and noisier than on a quiet machine")
+        log(
+            f"warning: load average {load} on {cpus} CPUs: other processes compete for the cores, so the "
+            f"numbers will be lower and noisier than on a quiet machine"
+        )
     return threads
 
 
@@ -110,10 +115,8 @@ def git_revision() -> str | None:
 
     root = Path(__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (rev + ("+dirty" if dirty else "")) if rev else None
@@ -137,9 +140,11 @@ def machine_summary() -> dict[str, Any]:
 
 
 def machine_line(m: dict) -> str:
-    return (f"{m['cpu_count']} CPUs, {m['torch_threads']} torch thread(s), load average "
-            f"{fmt(m.get('load_average_at_start'), 2)} at start / {fmt(m.get('load_average_at_end'), 2)} at end; "
-            f"git {m.get('git') or '-'}")
+    return (
+        f"{m['cpu_count']} CPUs, {m['torch_threads']} torch thread(s), load average "
+        f"{fmt(m.get('load_average_at_start'), 2)} at start / {fmt(m.get('load_average_at_end'), 2)} at end; "
+        f"git {m.get('git') or '-'}"
+    )
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -215,8 +220,7 @@ class Progress:
     """Throttled progress lines on stderr: one every ``every`` seconds at first, then spaced to
     about 5% of the elapsed time (a 30-minute run prints ~60 lines), plus the final one."""
 
-    def __init__(self, label: str, total: int | None = None, *, every: float = 5.0, unit: str = "requests",
-                 enabled: bool = True):
+    def __init__(self, label: str, total: int | None = None, *, every: float = 5.0, unit: str = "requests", enabled: bool = True):
         self.label, self.total, self.every, self.unit = label, total, every, unit
         self.enabled = enabled
         self.t0 = time.perf_counter()

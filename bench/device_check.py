@@ -43,13 +43,13 @@ def info(text: str) -> None:
 
 
 # -- FlashInfer against the torch backend --------------------------------------------------------
-def compare_backends(page_size: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int,
-                     cases: tuple[str, ...] = ("decode", "extend", "mixed", "cascade")) -> None:
+def compare_backends(
+    page_size: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int, cases: tuple[str, ...] = ("decode", "extend", "mixed", "cascade")
+) -> None:
     from radixserve.attention.flashinfer_backend import FlashInferAttention
 
     rng = random.Random(seed)
-    pool = KVPool(num_layers=1, num_pages=65536 // page_size, page_size=page_size, num_kv_heads=kv_heads,
-                  head_dim=HEAD_DIM, dtype=dtype, device="cuda")
+    pool = KVPool(num_layers=1, num_pages=65536 // page_size, page_size=page_size, num_kv_heads=kv_heads, head_dim=HEAD_DIM, dtype=dtype, device="cuda")
     pool.k[0].normal_()
     pool.v[0].normal_()
     scale = HEAD_DIM**-0.5
@@ -108,10 +108,8 @@ def warm_up(dtypes: list[torch.dtype], budget: float) -> list[torch.dtype]:
     for dtype in dtypes:
         for kind in WARM:
             name = f"{kind}/{str(dtype)[6:]}"
-            cmd = [sys.executable, "-m", "bench.device_check", "--warm", kind, "--dtype", str(dtype)[6:],
-                   "--head-dim", str(HEAD_DIM)]
-            procs[name] = (dtype, time.monotonic(),
-                           subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            cmd = [sys.executable, "-m", "bench.device_check", "--warm", kind, "--dtype", str(dtype)[6:], "--head-dim", str(HEAD_DIM)]
+            procs[name] = (dtype, time.monotonic(), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     ready = set(dtypes)
     for name, (dtype, began, proc) in procs.items():
         try:
@@ -135,8 +133,16 @@ def tiny_model(tmp: str, dtype: str, **shape) -> str:
 
     # initializer_range 0.1: logits spread wide enough that "the chosen token is the argmax up to
     # bf16 noise" rejects a wrong one.
-    base = dict(hidden_size=256, head_dim=HEAD_DIM, num_attention_heads=8, num_key_value_heads=2,
-                intermediate_size=512, num_hidden_layers=2, max_position_embeddings=4096, initializer_range=0.1)
+    base = dict(
+        hidden_size=256,
+        head_dim=HEAD_DIM,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+    )
     base.update(shape)
     return str(make_tiny_model_dir(tmp + "/m", "qwen3", dtype=dtype, **base))
 
@@ -160,8 +166,7 @@ def greedy_vs_transformers(device: str, dtype_name: str) -> None:
         prompts += [shared + [random.Random(50 + i).randrange(7, 512) for _ in range(9 + i)] for i in range(6)]
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         runs = {}
-        for name, opts in (("auto", {}), ("torch", dict(attention="torch", cascade_min_shared_tokens=None)),
-                           ("cascade", dict(cascade_min_shared_tokens=64))):
+        for name, opts in (("auto", {}), ("torch", dict(attention="torch", cascade_min_shared_tokens=None)), ("cascade", dict(cascade_min_shared_tokens=64))):
             engine = Engine(model_dir, device=device, dtype=dtype_name, page_size=16, kv_cache_tokens=65536, **opts)
             engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # the shared prefix is not cached yet
             runs[name] = [o.token_ids for o in engine.generate(prompts, params)]
@@ -172,20 +177,21 @@ def greedy_vs_transformers(device: str, dtype_name: str) -> None:
             worst, exact, spread = 0.0, 0, []
             for prompt, gen in zip(prompts, outs):
                 with torch.no_grad():
-                    logits = hf(torch.tensor([prompt + gen[:-1]], device=device)).logits[0, len(prompt) - 1:].float()
+                    logits = hf(torch.tensor([prompt + gen[:-1]], device=device)).logits[0, len(prompt) - 1 :].float()
                 chosen = logits.gather(1, torch.tensor(gen, device=device)[:, None])[:, 0]
                 gap = (logits.max(dim=1).values - chosen).max().item()
                 worst = max(worst, gap)
                 spread.append(logits.std(dim=1).mean().item())
-                ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=len(gen), do_sample=False,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+                ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=len(gen), do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
                 exact += next((i for i, (a, b) in enumerate(zip(gen, ref)) if a != b), len(gen))
             total = sum(len(g) for g in outs)
-            report(f"greedy vs transformers ({dtype_name}, {name})", worst <= tol,
-                   f"largest argmax gap {worst:.3f} (tol {tol}; logit std {sum(spread) / len(spread):.2f}); "
-                   f"{exact}/{total} tokens before the first difference from generate")
-        same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                   for x, y in zip(runs["auto"], runs["torch"]))
+            report(
+                f"greedy vs transformers ({dtype_name}, {name})",
+                worst <= tol,
+                f"largest argmax gap {worst:.3f} (tol {tol}; logit std {sum(spread) / len(spread):.2f}); "
+                f"{exact}/{total} tokens before the first difference from generate",
+            )
+        same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(runs["auto"], runs["torch"]))
         info(f"engine auto vs torch attention: {same}/{sum(map(len, runs['auto']))} tokens before the first difference")
 
 
@@ -194,11 +200,26 @@ def decode_throughput(device: str, dtype_name: str, batches: tuple[int, ...], de
 
     with tempfile.TemporaryDirectory() as tmp:
         # About 0.3 B parameters: large enough that a step is not only launch overhead.
-        model_dir = tiny_model(tmp, dtype_name, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-                               intermediate_size=4096, num_hidden_layers=12, vocab_size=32000, initializer_range=0.02)
-        engine = Engine(model_dir, device=device, dtype=dtype_name, page_size=16,
-                        kv_cache_tokens=(1 << 19) if device == "cuda" else (1 << 13),
-                        max_running=max(batches), cascade_min_shared_tokens=None)
+        model_dir = tiny_model(
+            tmp,
+            dtype_name,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            intermediate_size=4096,
+            num_hidden_layers=12,
+            vocab_size=32000,
+            initializer_range=0.02,
+        )
+        engine = Engine(
+            model_dir,
+            device=device,
+            dtype=dtype_name,
+            page_size=16,
+            kv_cache_tokens=(1 << 19) if device == "cuda" else (1 << 13),
+            max_running=max(batches),
+            cascade_min_shared_tokens=None,
+        )
         engine.generate([[7] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for batch in batches:
             if time.monotonic() > deadline:
@@ -212,9 +233,11 @@ def decode_throughput(device: str, dtype_name: str, batches: tuple[int, ...], de
             outs = engine.generate(prompts, params)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in outs)
-            info(f"decode batch {batch:4d} ({dtype_name}): {tokens / elapsed:9.0f} tok/s aggregate, "
-                 f"{tokens / elapsed / batch:7.1f} tok/s per stream, {elapsed / 64 * 1e3:6.2f} ms per step "
-                 f"(128-token prompts, 64 new tokens, prefill included)")
+            info(
+                f"decode batch {batch:4d} ({dtype_name}): {tokens / elapsed:9.0f} tok/s aggregate, "
+                f"{tokens / elapsed / batch:7.1f} tok/s per stream, {elapsed / 64 * 1e3:6.2f} ms per step "
+                f"(128-token prompts, 64 new tokens, prefill included)"
+            )
         engine.shutdown()
 
 
@@ -244,8 +267,7 @@ def sampled_generation(device: str, dtype_name: str) -> None:
     from radixserve import Engine, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(tiny_model(tmp, dtype_name), device=device, dtype=dtype_name, page_size=16,
-                        kv_cache_tokens=16384)
+        engine = Engine(tiny_model(tmp, dtype_name), device=device, dtype=dtype_name, page_size=16, kv_cache_tokens=16384)
         prompts = [[random.Random(i).randrange(7, 512) for _ in range(20 + i)] for i in range(6)]
         seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=100, seed=1234, ignore_eos=True)
         others = [SamplingParams(max_tokens=24, temperature=0.8, min_p=0.02, ignore_eos=True)] * 5
@@ -254,9 +276,11 @@ def sampled_generation(device: str, dtype_name: str) -> None:
         reseeded = engine.generate([prompts[0]], msgspec.structs.replace(seeded, seed=99))[0].token_ids
         in_range = all(0 <= t < 512 for o in mixed for t in o.token_ids)
         ok = in_range and mixed[0].token_ids == alone and reseeded != alone and len(set(alone)) > 3
-        report(f"sampled generation ({dtype_name})", ok,
-               f"seeded alone == in a batch: {mixed[0].token_ids == alone}; another seed differs: {reseeded != alone}; "
-               f"ids in range: {in_range}")
+        report(
+            f"sampled generation ({dtype_name})",
+            ok,
+            f"seeded alone == in a batch: {mixed[0].token_ids == alone}; another seed differs: {reseeded != alone}; ids in range: {in_range}",
+        )
         engine.shutdown()
 
 
@@ -275,12 +299,10 @@ def serve_check(device: str, dtype_name: str) -> None:
         model_dir = tiny_model(tmp, dtype_name)
         prompts = [[random.Random(70 + i).randrange(7, 512) for _ in range(n)] for i, n in enumerate((5, 40, 300))]
         engine = Engine(model_dir, device=device, dtype=dtype_name, page_size=16, kv_cache_tokens=16384)
-        want = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
-                                                                              ignore_eos=True))]
+        want = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
         engine.shutdown()
         began = time.monotonic()
-        server = spawn_server(model_dir, "--device", device, "--dtype", dtype_name, "--kv-cache-tokens", "16384",
-                              workers=1, http=True, ready_timeout=300)
+        server = spawn_server(model_dir, "--device", device, "--dtype", dtype_name, "--kv-cache-tokens", "16384", workers=1, http=True, ready_timeout=300)
         try:
             info(f"serve on {device}: ready in {time.monotonic() - began:.0f} s at {server.address}, {server.http_url}")
             client = Client(server.address, timeout=120)
@@ -288,19 +310,19 @@ def serve_check(device: str, dtype_name: str) -> None:
             many = client.batch([p[:20] for p in prompts] * 8, max_tokens=8, temperature=0.0, ignore_eos=True)
             client.close()
             models = json.load(urllib.request.urlopen(server.http_url + "/models", timeout=60))
-            body = json.dumps({"model": models["data"][0]["id"], "prompt": prompts[1], "max_tokens": 8,
-                               "temperature": 0, "ignore_eos": True}).encode()
-            req = urllib.request.Request(server.http_url + "/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+            body = json.dumps({"model": models["data"][0]["id"], "prompt": prompts[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+            req = urllib.request.Request(server.http_url + "/completions", data=body, headers={"Content-Type": "application/json"})
             http = json.load(urllib.request.urlopen(req, timeout=120))
             metrics_url = server.http_url.rsplit("/v1", 1)[0] + "/metrics"
             metrics = urllib.request.urlopen(metrics_url, timeout=60).read().decode()
-            ok = (got == want and all(len(c.token_ids) == 8 for c in many)
-                  and http["usage"]["completion_tokens"] == 8 and "radixserve" in metrics)
-            report(f"serve on {device} ({dtype_name}): SDK, HTTP, metrics", ok,
-                   f"SDK greedy tokens equal the in-process engine's: {got == want}; a batch of {len(many)} finished: "
-                   f"{all(len(c.token_ids) == 8 for c in many)}; /v1/completions tokens: "
-                   f"{http['usage']['completion_tokens']}; /metrics has radixserve series: {'radixserve' in metrics}")
+            ok = got == want and all(len(c.token_ids) == 8 for c in many) and http["usage"]["completion_tokens"] == 8 and "radixserve" in metrics
+            report(
+                f"serve on {device} ({dtype_name}): SDK, HTTP, metrics",
+                ok,
+                f"SDK greedy tokens equal the in-process engine's: {got == want}; a batch of {len(many)} finished: "
+                f"{all(len(c.token_ids) == 8 for c in many)}; /v1/completions tokens: "
+                f"{http['usage']['completion_tokens']}; /metrics has radixserve series: {'radixserve' in metrics}",
+            )
         except Exception as exc:  # a check, not a crash: report it and go on
             report(f"serve on {device} ({dtype_name}): SDK, HTTP, metrics", False, repr(exc))
         finally:
@@ -326,16 +348,18 @@ def main() -> None:
     global HEAD_DIM
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run without FlashInfer")
-    ap.add_argument("--budget", type=float, default=float(os.environ.get("DEVICE_CHECK_BUDGET", 480)),
-                    help="seconds for the whole run (default 480)")
-    ap.add_argument("--dtypes", default="bfloat16",
-                    help="comma list of bfloat16, float16: each builds its own FlashInfer modules (minutes)")
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("DEVICE_CHECK_BUDGET", 480)), help="seconds for the whole run (default 480)")
+    ap.add_argument("--dtypes", default="bfloat16", help="comma list of bfloat16, float16: each builds its own FlashInfer modules (minutes)")
     ap.add_argument("--no-throughput", action="store_true", help="skip the decode throughput table")
     ap.add_argument("--quick", action="store_true", help="compare the backends at page size 16, GQA and MHA only")
-    ap.add_argument("--serve", action="store_true",
-                    help="only the serve check: radixserve serve on the device, its SDK, HTTP gateway and metrics")
-    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, choices=(64, 128, 256),
-                    help="head_dim of every check (FlashInfer builds its modules per head_dim; default 128)")
+    ap.add_argument("--serve", action="store_true", help="only the serve check: radixserve serve on the device, its SDK, HTTP gateway and metrics")
+    ap.add_argument(
+        "--head-dim",
+        type=int,
+        default=HEAD_DIM,
+        choices=(64, 128, 256),
+        help="head_dim of every check (FlashInfer builds its modules per head_dim; default 128)",
+    )
     ap.add_argument("--warm", choices=sorted(WARM), help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -23,8 +23,19 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from bench.common import (
-    Progress, add_common_args, machine_line, emit, fmt, ideal_hit_tokens, log, machine_summary, random_ids, ratio,
-    rng, setup, table,
+    Progress,
+    add_common_args,
+    emit,
+    fmt,
+    ideal_hit_tokens,
+    log,
+    machine_line,
+    machine_summary,
+    random_ids,
+    ratio,
+    rng,
+    setup,
+    table,
 )
 from radixserve.ops.stats import percentile
 
@@ -51,8 +62,7 @@ class FleetConfig:
 
     @property
     def longest_sequence(self) -> int:
-        return (self.system_tokens + self.private_tokens
-                + (self.turns - 1) * (self.output_tokens + self.observation_tokens) + self.output_tokens)
+        return self.system_tokens + self.private_tokens + (self.turns - 1) * (self.output_tokens + self.observation_tokens) + self.output_tokens
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,7 @@ class GSPConfig:
     def default_kv(self) -> int:
         """Room for a quarter of the groups' prefixes plus a full batch of questions: not every
         group fits at once, so admission order decides what stays cached."""
-        return max(1, self.groups // 4) * self.prefix_tokens + self.max_running * (
-            self.question_tokens + self.output_tokens) + self.prefix_tokens
+        return max(1, self.groups // 4) * self.prefix_tokens + self.max_running * (self.question_tokens + self.output_tokens) + self.prefix_tokens
 
 
 QUICK_FLEET = FleetConfig(agents=8, system_tokens=256, private_tokens=32, turns=2, output_tokens=8)
@@ -84,8 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--private-tokens", type=int, default=d.private_tokens, help="private state tokens per agent")
     p.add_argument("--turns", type=int, default=d.turns, help="turns per agent")
     p.add_argument("--output-tokens", type=int, default=d.output_tokens, help="output tokens per turn")
-    p.add_argument("--kv-tokens", type=int, default=None,
-                   help="KV pool of both fleet runs, tokens (default: 1.25x the fleet's working set)")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool of both fleet runs, tokens (default: 1.25x the fleet's working set)")
     p.add_argument("--max-running", type=int, default=64, help="engine max_running of the fleet runs")
     p.add_argument("--gsp-groups", type=int, default=g.groups, help="GSP: groups (distinct prefixes)")
     p.add_argument("--gsp-prompts", type=int, default=g.prompts, help="GSP: prompts per group")
@@ -93,16 +101,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gsp-question", type=int, default=g.question_tokens, help="GSP: unique question tokens")
     p.add_argument("--gsp-output", type=int, default=g.output_tokens, help="GSP: output tokens per prompt")
     p.add_argument("--gsp-max-running", type=int, default=g.max_running, help="GSP: engine max_running (both policies)")
-    p.add_argument("--gsp-kv-tokens", type=int, default=None,
-                   help="GSP: KV pool tokens, both policies (default: groups/4 prefixes + a batch of questions "
-                        "+ one prefix)")
-    p.add_argument("--gsp-policies", type=policy_list, default=list(GSP_POLICIES), metavar="P,P,...",
-                   help=f"GSP: admission policies to run, from {','.join(GSP_POLICIES)}")
-    p.add_argument("--skip", choices=["fleet", "fleet-off", "gsp"], action="append", default=[],
-                   help="skip a workload (repeatable); fleet-off skips only the fleet's cache-off run")
-    p.add_argument("--quick", action="store_true",
-                   help=f"scaled-down run (< 30 s): fleet {QUICK_FLEET.agents} agents x {QUICK_FLEET.turns} turns, "
-                        f"{QUICK_FLEET.system_tokens}-token system prompt; GSP {QUICK_GSP.groups}x{QUICK_GSP.prompts}")
+    p.add_argument(
+        "--gsp-kv-tokens", type=int, default=None, help="GSP: KV pool tokens, both policies (default: groups/4 prefixes + a batch of questions + one prefix)"
+    )
+    p.add_argument(
+        "--gsp-policies", type=policy_list, default=list(GSP_POLICIES), metavar="P,P,...", help=f"GSP: admission policies to run, from {','.join(GSP_POLICIES)}"
+    )
+    p.add_argument(
+        "--skip",
+        choices=["fleet", "fleet-off", "gsp"],
+        action="append",
+        default=[],
+        help="skip a workload (repeatable); fleet-off skips only the fleet's cache-off run",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"scaled-down run (< 30 s): fleet {QUICK_FLEET.agents} agents x {QUICK_FLEET.turns} turns, "
+        f"{QUICK_FLEET.system_tokens}-token system prompt; GSP {QUICK_GSP.groups}x{QUICK_GSP.prompts}",
+    )
     add_common_args(p)
 
 
@@ -117,11 +134,18 @@ def policy_list(text: str) -> list[str]:
 def configs(args: argparse.Namespace) -> tuple[FleetConfig, GSPConfig]:
     if args.quick:
         return QUICK_FLEET, replace(QUICK_GSP, kv_tokens=args.gsp_kv_tokens)
-    fleet = FleetConfig(agents=args.agents, system_tokens=args.system_tokens, private_tokens=args.private_tokens,
-                        turns=args.turns, output_tokens=args.output_tokens)
-    gsp = GSPConfig(groups=args.gsp_groups, prompts=args.gsp_prompts, prefix_tokens=args.gsp_prefix,
-                    question_tokens=args.gsp_question, output_tokens=args.gsp_output,
-                    max_running=args.gsp_max_running, kv_tokens=args.gsp_kv_tokens)
+    fleet = FleetConfig(
+        agents=args.agents, system_tokens=args.system_tokens, private_tokens=args.private_tokens, turns=args.turns, output_tokens=args.output_tokens
+    )
+    gsp = GSPConfig(
+        groups=args.gsp_groups,
+        prompts=args.gsp_prompts,
+        prefix_tokens=args.gsp_prefix,
+        question_tokens=args.gsp_question,
+        output_tokens=args.gsp_output,
+        max_running=args.gsp_max_running,
+        kv_tokens=args.gsp_kv_tokens,
+    )
     return fleet, gsp
 
 
@@ -177,8 +201,7 @@ def run_fleet(engine, cfg: FleetConfig, label: str) -> dict:
     vocab = engine.vocab_size
     system = random_ids(rng(SEED, 0), cfg.system_tokens, vocab)
     private = [random_ids(rng(SEED, 1, a), cfg.private_tokens, vocab) for a in range(cfg.agents)]
-    observation = [[random_ids(rng(SEED, 2, a, t), cfg.observation_tokens, vocab) for t in range(cfg.turns)]
-                   for a in range(cfg.agents)]
+    observation = [[random_ids(rng(SEED, 2, a, t), cfg.observation_tokens, vocab) for t in range(cfg.turns)] for a in range(cfg.agents)]
     params = SamplingParams(max_tokens=cfg.output_tokens, temperature=0.0, ignore_eos=True)
     history: list[list[int]] = [[] for _ in range(cfg.agents)]
     owner: dict[str, tuple[int, int]] = {}
@@ -219,15 +242,16 @@ def run_fleet(engine, cfg: FleetConfig, label: str) -> dict:
 def fleet_benchmark(model_dir: str, args, cfg: FleetConfig) -> dict:
     kv = args.kv_tokens or -(-int(cfg.working_set_tokens * 1.25) // 256) * 256
     kv = max(kv, cfg.longest_sequence + 1)
-    log(f"fleet: {cfg.agents} agents x {cfg.turns} turns, system {cfg.system_tokens}, private {cfg.private_tokens}, "
-        f"output {cfg.output_tokens} tokens; KV pool {kv:,} tokens (working set {cfg.working_set_tokens:,})")
+    log(
+        f"fleet: {cfg.agents} agents x {cfg.turns} turns, system {cfg.system_tokens}, private {cfg.private_tokens}, "
+        f"output {cfg.output_tokens} tokens; KV pool {kv:,} tokens (working set {cfg.working_set_tokens:,})"
+    )
     runs = {}
     for label, cache in (("cache_on", True), ("cache_off", False)):
         if not cache and "fleet-off" in args.skip:
             continue
         log(f"  fleet, prefix cache {'on' if cache else 'off'}:")
-        engine = make_engine(model_dir, args, kv_cache_tokens=kv, max_running=args.max_running,
-                             enable_prefix_cache=cache)
+        engine = make_engine(model_dir, args, kv_cache_tokens=kv, max_running=args.max_running, enable_prefix_cache=cache)
         runs[label] = run_fleet(engine, cfg, f"fleet cache {'on' if cache else 'off'}")
         r = runs[label]
         log(f"    {r['wall_s']:.1f} s, {r['req_per_s']:.2f} req/s, hit rate {100 * r['hit_rate']:.1f}%")
@@ -286,14 +310,15 @@ GSP_LABELS = {"lpm": "lpm + dedup", "lpm_no_aging": "lpm + dedup, no aging", "fc
 
 def gsp_benchmark(model_dir: str, args, cfg: GSPConfig) -> dict:
     kv = cfg.kv_tokens or cfg.default_kv()
-    log(f"gsp: {cfg.groups} groups x {cfg.prompts} prompts, prefix {cfg.prefix_tokens} + question "
-        f"{cfg.question_tokens} tokens, output {cfg.output_tokens}; KV pool {kv:,} tokens, max_running {cfg.max_running}")
+    log(
+        f"gsp: {cfg.groups} groups x {cfg.prompts} prompts, prefix {cfg.prefix_tokens} + question "
+        f"{cfg.question_tokens} tokens, output {cfg.output_tokens}; KV pool {kv:,} tokens, max_running {cfg.max_running}"
+    )
     runs = {}
     for label in args.gsp_policies:
         policy = GSP_POLICIES[label]
         log(f"  gsp, {GSP_LABELS[label]}:")
-        engine = make_engine(model_dir, args, kv_cache_tokens=kv, max_running=cfg.max_running,
-                             enable_prefix_cache=True, **policy)
+        engine = make_engine(model_dir, args, kv_cache_tokens=kv, max_running=cfg.max_running, enable_prefix_cache=True, **policy)
         runs[label] = run_gsp(engine, cfg, f"gsp {label}")
         r = runs[label]
         log(f"    {r['wall_s']:.1f} s, {r['req_per_s']:.2f} req/s, hit rate {100 * r['hit_rate']:.1f}%")
@@ -328,20 +353,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_HEADERS = ["run", "wall (s)", "req/s", "tok/s (prompt+out)", "TTFT p50 (ms)", "TTFT p99 (ms)",
-               "hit rate (%)", "ideal (%)", "% of ideal", "prefilled (tok)", "preempt", "evicted (tok)"]
+RUN_HEADERS = [
+    "run",
+    "wall (s)",
+    "req/s",
+    "tok/s (prompt+out)",
+    "TTFT p50 (ms)",
+    "TTFT p99 (ms)",
+    "hit rate (%)",
+    "ideal (%)",
+    "% of ideal",
+    "prefilled (tok)",
+    "preempt",
+    "evicted (tok)",
+]
 
 
 def _run_row(name: str, r: dict) -> list[str]:
-    return [name, fmt(r["wall_s"], 2), fmt(r["req_per_s"], 2), fmt(r["tok_per_s"], 0), fmt(r["ttft_p50_ms"], 0),
-            fmt(r["ttft_p99_ms"], 0), fmt(100 * r["hit_rate"], 1), fmt(100 * r["ideal_hit_rate"], 1),
-            fmt(r["pct_of_ideal"], 1), fmt(r["prefilled_tokens"]), fmt(r["preemptions"]), fmt(r["evicted_tokens"])]
+    return [
+        name,
+        fmt(r["wall_s"], 2),
+        fmt(r["req_per_s"], 2),
+        fmt(r["tok_per_s"], 0),
+        fmt(r["ttft_p50_ms"], 0),
+        fmt(r["ttft_p99_ms"], 0),
+        fmt(100 * r["hit_rate"], 1),
+        fmt(100 * r["ideal_hit_rate"], 1),
+        fmt(r["pct_of_ideal"], 1),
+        fmt(r["prefilled_tokens"]),
+        fmt(r["preemptions"]),
+        fmt(r["evicted_tokens"]),
+    ]
 
 
 def render(res: dict) -> str:
     m = res["machine"]
-    out = [f"model {res['model']} on {res['device']}; {machine_line(m)}"
-           + ("; --quick" if res["quick"] else "")]
+    out = [f"model {res['model']} on {res['device']}; {machine_line(m)}" + ("; --quick" if res["quick"] else "")]
     if "fleet" in res:
         f = res["fleet"]
         c = f["config"]
@@ -350,15 +397,16 @@ def render(res: dict) -> str:
             f"Agent fleet (closed loop): {c['agents']} agents x {c['turns']} turns; system {c['system_tokens']} "
             f"+ private {c['private_tokens']} tokens, +{c['output_tokens']} output +{c['observation_tokens']} "
             f"observation tokens per turn",
-            f"KV pool {f['kv_cache_tokens']:,} tokens for both runs (working set {f['working_set_tokens']:,} tokens), "
-            f"max_running {f['max_running']}",
+            f"KV pool {f['kv_cache_tokens']:,} tokens for both runs (working set {f['working_set_tokens']:,} tokens), max_running {f['max_running']}",
             table(RUN_HEADERS, [_run_row(name.replace("_", " "), r) for name, r in f["runs"].items()]),
         ]
         if f["speedup"] is not None:
             on, off = f["runs"]["cache_on"], f["runs"]["cache_off"]
-            out.append(f"speedup with the prefix cache: {fmt(f['speedup'], 2)}x requests/s, "
-                       f"{fmt(ratio(on['tok_per_s'], off['tok_per_s']), 2)}x tokens/s; TTFT p50 "
-                       f"{fmt(ratio(off['ttft_p50_ms'], on['ttft_p50_ms']), 1)}x lower")
+            out.append(
+                f"speedup with the prefix cache: {fmt(f['speedup'], 2)}x requests/s, "
+                f"{fmt(ratio(on['tok_per_s'], off['tok_per_s']), 2)}x tokens/s; TTFT p50 "
+                f"{fmt(ratio(off['ttft_p50_ms'], on['ttft_p50_ms']), 1)}x lower"
+            )
     if "gsp" in res:
         g = res["gsp"]
         c = g["config"]
@@ -371,14 +419,19 @@ def render(res: dict) -> str:
         ]
         for name, x in g["speedups"].items():
             label = name.removesuffix("_vs_fcfs")
-            out.append(f"{GSP_LABELS[label]} vs fcfs: {fmt(x, 2)}x requests/s, hit rate "
-                       f"{fmt(100 * g['runs'][label]['hit_rate'], 1)}% vs {fmt(100 * g['runs']['fcfs']['hit_rate'], 1)}%")
+            out.append(
+                f"{GSP_LABELS[label]} vs fcfs: {fmt(x, 2)}x requests/s, hit rate "
+                f"{fmt(100 * g['runs'][label]['hit_rate'], 1)}% vs {fmt(100 * g['runs']['fcfs']['hit_rate'], 1)}%"
+            )
         if "lpm" in g["runs"]:
-            out.append("('lpm' uses the engine defaults: a request overtaken by max_overtakes = 256 later arrivals "
-                       "goes next;\n'no aging' sets max_overtakes = 1e9.)")
-    out += ["",
-            "hit rate = sum(cached prompt tokens) / sum(prompt tokens); ideal = the same trace through an infinite "
-            "cache\n(longest prefix of anything known before arrival, capped at prompt length - 1); prefilled = "
-            "prompt tokens computed.",
-            f"total runtime {res['runtime_s']:.1f} s"]
+            out.append(
+                "('lpm' uses the engine defaults: a request overtaken by max_overtakes = 256 later arrivals goes next;\n'no aging' sets max_overtakes = 1e9.)"
+            )
+    out += [
+        "",
+        "hit rate = sum(cached prompt tokens) / sum(prompt tokens); ideal = the same trace through an infinite "
+        "cache\n(longest prefix of anything known before arrival, capped at prompt length - 1); prefilled = "
+        "prompt tokens computed.",
+        f"total runtime {res['runtime_s']:.1f} s",
+    ]
     return "\n".join(out)

@@ -40,8 +40,14 @@ def add_arguments(p) -> None:
     p.add_argument("--gsp-prefix", type=int, default=1024)
     p.add_argument("--gsp-question", type=int, default=128)
     p.add_argument("--gsp-output", type=int, default=8)
-    p.add_argument("--vllm-wall", type=float, nargs=2, default=None, metavar=("FLEET_S", "GSP_S"),
-                   help=f"vLLM's measured wall times: also print floor / vLLM and the {WALL_TARGET}x target")
+    p.add_argument(
+        "--vllm-wall",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("FLEET_S", "GSP_S"),
+        help=f"vLLM's measured wall times: also print floor / vLLM and the {WALL_TARGET}x target",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -127,8 +133,7 @@ def run(args) -> int:
     for i, (name, c) in enumerate(workload_counts(args).items()):
         linear = shape.linear_flops(c["tokens"]) + shape.lm_head_flops(c["sampled_rows"])
         attention = shape.attention_flops(c["visible_keys"])
-        row = {"workload": name, **c, "linear_gflop": linear / 1e9, "attention_gflop": attention / 1e9,
-               "floor_s": (linear + attention) / rate}
+        row = {"workload": name, **c, "linear_gflop": linear / 1e9, "attention_gflop": attention / 1e9, "floor_s": (linear + attention) / rate}
         if args.vllm_wall:
             vllm = args.vllm_wall[i]
             row.update(vllm_wall_s=vllm, floor_over_vllm=row["floor_s"] / vllm, target_s=WALL_TARGET * vllm)
@@ -136,10 +141,11 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"dtype": args.dtype, "threads": args.threads, "gemm_gflop_per_s": rate / 1e9, "rows": rows}))
         return 0
-    print(f"GEMM rate of the model's linear maps at {args.rows} rows, {args.dtype}, {args.threads} threads: "
-          f"{rate / 1e9:.0f} GFLOP/s")
-    print(f"{'workload':9} {'tokens':>8} {'linear GFLOP':>13} {'attention GFLOP':>16} {'floor (s)':>10}"
-          + (f" {'vLLM wall (s)':>14} {'floor / vLLM':>13} {f'{WALL_TARGET}x target (s)':>17}" if args.vllm_wall else ""))
+    print(f"GEMM rate of the model's linear maps at {args.rows} rows, {args.dtype}, {args.threads} threads: {rate / 1e9:.0f} GFLOP/s")
+    print(
+        f"{'workload':9} {'tokens':>8} {'linear GFLOP':>13} {'attention GFLOP':>16} {'floor (s)':>10}"
+        + (f" {'vLLM wall (s)':>14} {'floor / vLLM':>13} {f'{WALL_TARGET}x target (s)':>17}" if args.vllm_wall else "")
+    )
     for r in rows:
         line = f"{r['workload']:9} {r['tokens']:>8,} {r['linear_gflop']:>13.0f} {r['attention_gflop']:>16.0f} {r['floor_s']:>10.2f}"
         if args.vllm_wall:

@@ -62,9 +62,12 @@ CASES = {
     # a decode step of one (GSP's decode-only steps: a group's 8 members, one new token each)
     "cascade8x1/1024+136": [(1, 1160)] * 8,
 }
-SHARED = {"gsp8x128/1152+fresh1024": (8, 1024), "cascade64x17/2048+200": (64, 2048),
-          "cascade8x128/1024+128": (8, 1024),
-          "cascade8x1/1024+136": (8, 1024)}  # (sequences, tokens) of a prefix the first ones share
+SHARED = {
+    "gsp8x128/1152+fresh1024": (8, 1024),
+    "cascade64x17/2048+200": (64, 2048),
+    "cascade8x128/1024+128": (8, 1024),
+    "cascade8x1/1024+136": (8, 1024),
+}  # (sequences, tokens) of a prefix the first ones share
 CASCADE = {n for n in CASES if n.startswith("cascade")}  # their shared prefix planned as one cascade group
 MODES = ("kernel", "flash", "gemm", "torch")
 EXTRA_MODES = ("gemm-fp32",)
@@ -90,11 +93,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cold-mib", type=int, default=0,
-                        help="read a buffer of this many MiB before each timed call (0: warm calls)")
+    parser.add_argument("--cold-mib", type=int, default=0, help="read a buffer of this many MiB before each timed call (0: warm calls)")
     parser.add_argument("--shuffle-pages", action="store_true", help="hand out the pages in a random order")
-    parser.add_argument("--against", metavar="DIR", default=None,
-                        help="another checkout's csrc/ directory: time its kernels next to these, alternating")
+    parser.add_argument("--against", metavar="DIR", default=None, help="another checkout's csrc/ directory: time its kernels next to these, alternating")
     parser.add_argument("--json", action="store_true")
 
 
@@ -108,8 +109,7 @@ def build_against(csrc: str | Path):
     checkout whose attention.cpp still binds with pybind11 loads as a module of its own name."""
     from torch.utils import cpp_extension
 
-    from radixserve.kernels import attention
-    from radixserve.kernels import build
+    from radixserve.kernels import attention, build
 
     csrc = Path(csrc)
     missing = [s for s in AGAINST_SOURCES if not (csrc / s).is_file()]
@@ -119,14 +119,18 @@ def build_against(csrc: str | Path):
     directory = build.build_dir().parent / f"against-{tag}"
     directory.mkdir(parents=True, exist_ok=True)
     staged = build._stage_sources(directory, csrc)  # (headers too; unchanged copies keep ninja's build)
-    print(f"  loading {csrc}'s attention kernels from {directory} (the first time: a minute or two to build)",
-          flush=True, file=sys.stderr)
+    print(f"  loading {csrc}'s attention kernels from {directory} (the first time: a minute or two to build)", flush=True, file=sys.stderr)
     name = f"radixserve_attention_{tag}"
     pybind = "PYBIND11_MODULE" in (csrc / "attention.cpp").read_text()
-    loaded = cpp_extension.load(name=name, sources=[str(staged / s) for s in AGAINST_SOURCES],
-                                build_directory=str(directory),
-                                extra_cflags=build.CFLAGS + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"]),
-                                extra_ldflags=["-fopenmp"], verbose=False, is_python_module=pybind)
+    loaded = cpp_extension.load(
+        name=name,
+        sources=[str(staged / s) for s in AGAINST_SOURCES],
+        build_directory=str(directory),
+        extra_cflags=build.CFLAGS + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"]),
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+        is_python_module=pybind,
+    )
     return loaded if pybind else attention.ops(name)
 
 
@@ -138,8 +142,7 @@ def _case(shape, dtype, page, shared=(0, 0), shuffle=False, cascade=False):
 
     heads, kv_heads, dim = 8, 4, 64
     need = sum(-(-kv // page) for _, kv in shape) + 1
-    pool = KVPool(num_layers=1, num_pages=need, page_size=page, num_kv_heads=kv_heads, head_dim=dim,
-                  dtype=dtype, device="cpu")
+    pool = KVPool(num_layers=1, num_pages=need, page_size=page, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device="cpu")
     g = torch.Generator().manual_seed(0)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
@@ -147,7 +150,7 @@ def _case(shape, dtype, page, shared=(0, 0), shuffle=False, cascade=False):
     tables, first = [], 0
     for _, kv in shape:
         n = -(-kv // page)
-        tables.append(order[first:first + n])
+        tables.append(order[first : first + n])
         first += n
     members, tokens = shared
     for table in tables[1:members]:  # the prefix's pages are the first sequence's
@@ -178,8 +181,7 @@ def run(args) -> int:
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [n for n in names if n not in CASES] + [m for m in modes if m not in MODES + EXTRA_MODES]
     if unknown:
-        raise SystemExit(f"unknown case or mode {', '.join(unknown)}: cases are {', '.join(CASES)}; "
-                         f"modes {', '.join(MODES + EXTRA_MODES)}")
+        raise SystemExit(f"unknown case or mode {', '.join(unknown)}: cases are {', '.join(CASES)}; modes {', '.join(MODES + EXTRA_MODES)}")
     other = None
     if args.against:
         if ext is None:
@@ -188,8 +190,7 @@ def run(args) -> int:
     cold = torch.ones(args.cold_mib << 18) if args.cold_mib > 0 else None  # fp32: 2**18 per MiB
     results = {}
     for name in names:
-        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)),
-                                           args.shuffle_pages, name in CASCADE)
+        pool, meta, q, k, v, flops = _case(CASES[name], dtype, args.page_size, SHARED.get(name, (0, 0)), args.shuffle_pages, name in CASCADE)
         backends = {}
         for mode in modes:
             if mode == "torch":
@@ -218,27 +219,44 @@ def run(args) -> int:
                 b.forward(q, k, v, 0)
                 if rep:  # the first round is a warm-up
                     times[mode].append(time.perf_counter() - start)
-        results[name] = {m: {"ms": statistics.median(ts) * 1e3, "gflops": flops / statistics.median(ts) / 1e9}
-                         for m, ts in times.items()}
+        results[name] = {m: {"ms": statistics.median(ts) * 1e3, "gflops": flops / statistics.median(ts) / 1e9} for m, ts in times.items()}
         for mode in modes:  # this checkout / --against: the median of each repeat's ratio
             if f"{mode}@against" in times:
                 ratios = [a / b for a, b in zip(times[mode], times[f"{mode}@against"], strict=True)]
                 results[name][mode]["vs_against"] = statistics.median(ratios)
         print(f"  {name} done", flush=True, file=sys.stderr)
     if args.json:
-        print(json.dumps({"dtype": args.dtype, "threads": args.threads, "page_size": args.page_size,
-                          "cold_mib": args.cold_mib, "shuffle_pages": args.shuffle_pages, "against": args.against,
-                          "cases": results}))
+        print(
+            json.dumps(
+                {
+                    "dtype": args.dtype,
+                    "threads": args.threads,
+                    "page_size": args.page_size,
+                    "cold_mib": args.cold_mib,
+                    "shuffle_pages": args.shuffle_pages,
+                    "against": args.against,
+                    "cases": results,
+                }
+            )
+        )
         return 0
-    print(f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}"
-          f"{', pages shuffled' if args.shuffle_pages else ''}"
-          f"{f', {args.cold_mib} MiB read before each call' if args.cold_mib else ''}, median of {args.repeats}"
-          f"{f'; @against: {args.against}, x: this / against (median of each repeat ratio)' if other else ''}")
+    print(
+        f"one layer, {args.dtype}, {args.threads} thread(s), page size {args.page_size}"
+        f"{', pages shuffled' if args.shuffle_pages else ''}"
+        f"{f', {args.cold_mib} MiB read before each call' if args.cold_mib else ''}, median of {args.repeats}"
+        f"{f'; @against: {args.against}, x: this / against (median of each repeat ratio)' if other else ''}"
+    )
     columns = [c for m in modes for c in ((m, f"{m}@against") if other is not None and m != "torch" else (m,))]
     width = max([16] + [len(c) + 7 for c in columns])
-    print(f"{'case':<24}" + "".join(f"{c + ' (ms)':>{width}}{'GFLOP/s':>9}" for c in columns)
-          + "".join(f"{m + ' x':>12}" for m in modes if other is not None and m != "torch"))
+    print(
+        f"{'case':<24}"
+        + "".join(f"{c + ' (ms)':>{width}}{'GFLOP/s':>9}" for c in columns)
+        + "".join(f"{m + ' x':>12}" for m in modes if other is not None and m != "torch")
+    )
     for name, r in results.items():
-        print(f"{name:<24}" + "".join(f"{r[c]['ms']:>{width}.2f}{r[c]['gflops']:>9.1f}" for c in columns)
-              + "".join(f"{r[m]['vs_against']:>12.3f}" for m in modes if other is not None and m != "torch"))
+        print(
+            f"{name:<24}"
+            + "".join(f"{r[c]['ms']:>{width}.2f}{r[c]['gflops']:>9.1f}" for c in columns)
+            + "".join(f"{r[m]['vs_against']:>12.3f}" for m in modes if other is not None and m != "torch")
+        )
     return 0

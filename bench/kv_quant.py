@@ -18,10 +18,18 @@ from bench.common import add_common_args, emit, fmt, log, machine_line, machine_
 HELP = "int8 KV cache: tokens per GiB vs float32/bfloat16, greedy agreement with the unquantized cache"
 
 TEXT_PROMPTS = [
-    "The rules of chess say that a pawn", "Write a short story about a robot who", "def fibonacci(n):",
-    "The capital of France is", "Janggi is a Korean board game in which", "In 1969, the first humans",
-    "A recipe for bread: first,", "The three laws of thermodynamics are", "Dear team, the meeting on Monday",
-    "Photosynthesis converts light into", "Once upon a time, in a kingdom by the sea,", "SELECT name FROM users WHERE",
+    "The rules of chess say that a pawn",
+    "Write a short story about a robot who",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Janggi is a Korean board game in which",
+    "In 1969, the first humans",
+    "A recipe for bread: first,",
+    "The three laws of thermodynamics are",
+    "Dear team, the meeting on Monday",
+    "Photosynthesis converts light into",
+    "Once upon a time, in a kingdom by the sea,",
+    "SELECT name FROM users WHERE",
 ]
 
 
@@ -49,9 +57,12 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             n += 1
         return n / max(1, len(p))
 
-    return {"token_agreement": same / total, "sequence_agreement": sum(p == q for p, q in zip(a, b)) / len(a),
-            "first_token_agreement": sum(p[:1] == q[:1] for p, q in zip(a, b)) / len(a),
-            "mean_prefix_agreement": sum(prefix(p, q) for p, q in zip(a, b)) / len(a)}
+    return {
+        "token_agreement": same / total,
+        "sequence_agreement": sum(p == q for p, q in zip(a, b)) / len(a),
+        "first_token_agreement": sum(p[:1] == q[:1] for p, q in zip(a, b)) / len(a),
+        "mean_prefix_agreement": sum(prefix(p, q) for p, q in zip(a, b)) / len(a),
+    }
 
 
 def run(args) -> int:
@@ -68,13 +79,11 @@ def run(args) -> int:
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     dim = engines[None].pool.k[0].shape[-1]
     capacity = {}
-    for name, dtype, kv in (("float32", torch.float32, None), ("bfloat16", torch.bfloat16, None),
-                            ("int8", torch.float32, "int8")):
+    for name, dtype, kv in (("float32", torch.float32, None), ("bfloat16", torch.bfloat16, None), ("int8", torch.float32, "int8")):
         per = KVPool.bytes_per_token(layers, heads, dim, dtype, kv)
         capacity[name] = {"bytes_per_token": per, "tokens_per_gib": 2**30 // per}
     model_dtype = str(engines[None].loaded.dtype).removeprefix("torch.")
-    allocated = {("int8" if kv else model_dtype): {"tokens": e.pool.capacity_tokens, "bytes": _pool_bytes(e.pool)}
-                 for kv, e in engines.items()}
+    allocated = {("int8" if kv else model_dtype): {"tokens": e.pool.capacity_tokens, "bytes": _pool_bytes(e.pool)} for kv, e in engines.items()}
 
     r = rng(0)
     if args.text:
@@ -89,11 +98,20 @@ def run(args) -> int:
         outs[kv] = [o.token_ids for o in e.generate(prompts, sp)]
         wall[kv or model_dtype] = time.perf_counter() - t
         e.shutdown()
-    result = {"model": model, "model_dtype": model_dtype, "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim},
-              "capacity": capacity, "allocated": allocated, "kv_gb": args.kv_gb,
-              "agreement": _agreement(outs[None], outs["int8"]), "prompts": args.prompts,
-              "prompt": "text" if args.text else f"{args.prompt_tokens} random ids", "max_tokens": args.max_tokens,
-              "wall_s": wall, "machine": machine_summary()}
+    result = {
+        "model": model,
+        "model_dtype": model_dtype,
+        "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim},
+        "capacity": capacity,
+        "allocated": allocated,
+        "kv_gb": args.kv_gb,
+        "agreement": _agreement(outs[None], outs["int8"]),
+        "prompts": args.prompts,
+        "prompt": "text" if args.text else f"{args.prompt_tokens} random ids",
+        "max_tokens": args.max_tokens,
+        "wall_s": wall,
+        "machine": machine_summary(),
+    }
     emit(args, result, _render)
     return 0
 
@@ -101,20 +119,33 @@ def run(args) -> int:
 def _render(res: dict) -> str:
     s = res["shape"]
     cap = res["capacity"]
-    lines = [f"int8 KV cache; model {res['model']} ({res['model_dtype']}; {s['layers']} layers x {s['kv_heads']} KV heads "
-             f"x head_dim {s['head_dim']}); {machine_line(res['machine'])}",
-             f"KV bytes/token = 2 x {s['layers']} layers x {s['kv_heads']} KV heads x {s['head_dim']} x bytes per element "
-             f"(int8: 2 x {s['layers']} x {s['kv_heads']} x ({s['head_dim']} x 1 + 4 bytes of scale))",
-             table(["KV dtype", "bytes/token", "tokens/GiB", "vs float32", "vs bfloat16"],
-                   [[n, v["bytes_per_token"], v["tokens_per_gib"],
-                     fmt(v["tokens_per_gib"] / cap["float32"]["tokens_per_gib"], 2) + " x",
-                     fmt(v["tokens_per_gib"] / cap["bfloat16"]["tokens_per_gib"], 2) + " x"] for n, v in cap.items()]),
-             f"allocated for --kv-gb {res['kv_gb']}: " + "; ".join(
-                 f"{n}: {v['tokens']:,} tokens in {v['bytes'] / 2**20:,.1f} MiB" for n, v in res["allocated"].items())]
+    lines = [
+        f"int8 KV cache; model {res['model']} ({res['model_dtype']}; {s['layers']} layers x {s['kv_heads']} KV heads "
+        f"x head_dim {s['head_dim']}); {machine_line(res['machine'])}",
+        f"KV bytes/token = 2 x {s['layers']} layers x {s['kv_heads']} KV heads x {s['head_dim']} x bytes per element "
+        f"(int8: 2 x {s['layers']} x {s['kv_heads']} x ({s['head_dim']} x 1 + 4 bytes of scale))",
+        table(
+            ["KV dtype", "bytes/token", "tokens/GiB", "vs float32", "vs bfloat16"],
+            [
+                [
+                    n,
+                    v["bytes_per_token"],
+                    v["tokens_per_gib"],
+                    fmt(v["tokens_per_gib"] / cap["float32"]["tokens_per_gib"], 2) + " x",
+                    fmt(v["tokens_per_gib"] / cap["bfloat16"]["tokens_per_gib"], 2) + " x",
+                ]
+                for n, v in cap.items()
+            ],
+        ),
+        f"allocated for --kv-gb {res['kv_gb']}: "
+        + "; ".join(f"{n}: {v['tokens']:,} tokens in {v['bytes'] / 2**20:,.1f} MiB" for n, v in res["allocated"].items()),
+    ]
     a = res["agreement"]
-    lines.append(f"greedy agreement, int8 vs {res['model_dtype']} KV, {res['prompts']} prompts ({res['prompt']}) x "
-                 f"{res['max_tokens']} tokens: tokens {100 * a['token_agreement']:.1f} %, first tokens "
-                 f"{100 * a['first_token_agreement']:.1f} %, whole sequences {100 * a['sequence_agreement']:.1f} %, "
-                 f"mean prefix before the first difference {100 * a['mean_prefix_agreement']:.1f} %")
+    lines.append(
+        f"greedy agreement, int8 vs {res['model_dtype']} KV, {res['prompts']} prompts ({res['prompt']}) x "
+        f"{res['max_tokens']} tokens: tokens {100 * a['token_agreement']:.1f} %, first tokens "
+        f"{100 * a['first_token_agreement']:.1f} %, whole sequences {100 * a['sequence_agreement']:.1f} %, "
+        f"mean prefix before the first difference {100 * a['mean_prefix_agreement']:.1f} %"
+    )
     lines.append("wall time: " + ", ".join(f"{n} {v:.2f} s" for n, v in res["wall_s"].items()))
     return "\n".join(lines)

@@ -113,9 +113,15 @@ def run(args) -> int:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    config = LlamaConfig(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         head_dim=args.head_dim, intermediate_size=args.intermediate, rms_norm_eps=1e-5,
-                         architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate,
+        rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"],
+    )
     sizes = [int(t) for t in args.tokens.split(",") if t.strip()]
     rope = RotaryEmbedding(config, args.head_dim, max(sizes) + 1)
     rope.build("cpu")
@@ -136,9 +142,12 @@ def run(args) -> int:
     for m in sizes:
         slots = torch.arange(m)
         pool_k = torch.zeros(m, args.kv_heads, args.head_dim, dtype=dtype)
-        batch = ForwardBatch(input_ids=torch.zeros(m, dtype=torch.long), positions=torch.arange(m),
-                             attention=_StubAttention(pool_k, pool_k.clone(), slots),  # type: ignore[arg-type]
-                             logits_rows=slots)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(m, dtype=torch.long),
+            positions=torch.arange(m),
+            attention=_StubAttention(pool_k, pool_k.clone(), slots),  # type: ignore[arg-type]
+            logits_rows=slots,
+        )
         x0 = torch.randn(m, args.hidden).to(dtype)
         pending0 = torch.randn(m, args.hidden).to(dtype) * 0.1
 
@@ -174,16 +183,21 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"dtype": args.dtype, "threads": args.threads, "ms": results, "max_abs_diff_vs_old": diffs}))
         return 0
-    print(f"one decoder layer without attention, {args.dtype}, {args.threads} thread(s), hidden {args.hidden}, "
-          f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, intermediate {args.intermediate}, "
-          f"median of {args.repeats}")
+    print(
+        f"one decoder layer without attention, {args.dtype}, {args.threads} thread(s), hidden {args.hidden}, "
+        f"{args.heads}/{args.kv_heads} heads x {args.head_dim}, intermediate {args.intermediate}, "
+        f"median of {args.repeats}"
+    )
     unpacked = "fused-unpacked" in modes
-    print(f"{'M':>6}" + "".join(f"{mode + ' (ms)':>21}" for mode in modes) + f"{'old/fused':>11}"
-          + (f"{'unpacked/fused':>16}" if unpacked else ""))
+    print(f"{'M':>6}" + "".join(f"{mode + ' (ms)':>21}" for mode in modes) + f"{'old/fused':>11}" + (f"{'unpacked/fused':>16}" if unpacked else ""))
     for m, r in results.items():
         best = r.get("fused", r["fused-torch"])
-        print(f"{m:>6}" + "".join(f"{r[mode]:>21.3f}" for mode in modes) + f"{r['old'] / best:>10.2f}x"
-              + (f"{r['fused-unpacked'] / best:>15.2f}x" if unpacked else ""))
+        print(
+            f"{m:>6}"
+            + "".join(f"{r[mode]:>21.3f}" for mode in modes)
+            + f"{r['old'] / best:>10.2f}x"
+            + (f"{r['fused-unpacked'] / best:>15.2f}x" if unpacked else "")
+        )
     worst = {mode: max(d[mode] for d in diffs.values()) for mode in modes if mode != "old"}
     print("largest |output - old| over the batches: " + ", ".join(f"{mode} {v:.2e}" for mode, v in worst.items()))
     return 0

@@ -72,17 +72,42 @@ def requests_at_once(spec: dict) -> int:
 def llama_server_command(spec: dict, port: int) -> list[str]:
     """llama-server's flags: -np slots = max running, -c = that many of the longest sequence, -t threads."""
     slots = spec["max_running"]
-    return [str(Path(spec["llama_server"]).expanduser()), "-m", spec["gguf"], "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(slots), "-c", str(slots * spec["max_model_len"]), "-t", str(spec["threads"])]
+    return [
+        str(Path(spec["llama_server"]).expanduser()),
+        "-m",
+        spec["gguf"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * spec["max_model_len"]),
+        "-t",
+        str(spec["threads"]),
+    ]
 
 
 def radixserve_flags(spec: dict) -> list[str]:
     """``radixserve serve`` flags with the sizes ``bench peers`` gives the in-process engine; every
     request of the workload is let through to the engine (its scheduler sees them all, as in-process)."""
-    return ["--dtype", spec["dtype"], "--max-running", str(spec["max_running"]),
-            "--max-batched-tokens", str(spec["max_batched_tokens"]), "--kv-cache-tokens", str(spec["kv_tokens"]),
-            "--worker-threads", str(spec["threads"]), "--max-inflight", str(requests_at_once(spec)),
-            "--max-queue", "100000"]
+    return [
+        "--dtype",
+        spec["dtype"],
+        "--max-running",
+        str(spec["max_running"]),
+        "--max-batched-tokens",
+        str(spec["max_batched_tokens"]),
+        "--kv-cache-tokens",
+        str(spec["kv_tokens"]),
+        "--worker-threads",
+        str(spec["threads"]),
+        "--max-inflight",
+        str(requests_at_once(spec)),
+        "--max-queue",
+        "100000",
+    ]
 
 
 def process_usage(pid: int) -> tuple[int, float]:
@@ -232,19 +257,16 @@ class LlamaServer(HttpEngine):
         fd, self.log = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         env = {k: v for k, v in os.environ.items() if k not in defaulted_env()}  # its own OpenMP defaults, not ours
         with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.pid = self.proc.pid
         problem = wait_healthy(self.host, self.port, self.proc, START_TIMEOUT)
         if problem:
             self.close(keep_log=True)
             tail = Path(self.log).read_text(errors="replace").splitlines()[-LOG_TAIL:]
-            raise ServerStartError(f"llama-server did not start: it {problem}; the end of its log ({self.log}):\n"
-                                   + "\n".join("  " + line for line in tail))
+            raise ServerStartError(f"llama-server did not start: it {problem}; the end of its log ({self.log}):\n" + "\n".join("  " + line for line in tail))
 
     def body(self, ids: list[int], n: int) -> dict:
-        return {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "ignore_eos": True, "cache_prompt": True,
-                "stream": False, "return_tokens": True}
+        return {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "ignore_eos": True, "cache_prompt": True, "stream": False, "return_tokens": True}
 
     def read(self, event: dict, record: dict) -> list[int]:
         t = event["timings"]
@@ -277,16 +299,22 @@ class RadixGateway(HttpEngine):
         self.command = ["radixserve", "serve", "--model", spec["gguf"], "--workers", "1", "--http-port", "0", *flags]
         print(f"radixserve: {shlex.join(self.command)}", file=sys.stderr, flush=True)
         try:
-            self.server = spawn_server(spec["gguf"], *flags, http=True, env={"OMP_NUM_THREADS": str(spec["threads"])},
-                                       ready_timeout=START_TIMEOUT)
+            self.server = spawn_server(spec["gguf"], *flags, http=True, env={"OMP_NUM_THREADS": str(spec["threads"])}, ready_timeout=START_TIMEOUT)
         except RuntimeError as exc:
             raise ServerStartError(f"radixserve serve did not start (its log is above): {exc}") from None
         url = self.server.http_url.split("//", 1)[1].split("/", 1)[0]
         self.host, self.port, self.pid = url.rsplit(":", 1)[0], int(url.rsplit(":", 1)[1]), self.server.pid
 
     def body(self, ids: list[int], n: int) -> dict:
-        return {"prompt": ids, "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, "return_token_ids": True}
+        return {
+            "prompt": ids,
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
 
     def read(self, event: dict, record: dict) -> list[int]:
         if event.get("usage"):

@@ -33,8 +33,9 @@ BENCH_SEED = 1234
 
 
 #: The bench model's shape, over :func:`~radixserve.model.builtin.builtin_config`'s defaults.
-BENCH_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                   intermediate_size=1408, max_position_embeddings=8192)
+BENCH_SHAPE = dict(
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1408, max_position_embeddings=8192
+)
 
 
 def bench_config(vocab_size: int = BENCH_VOCAB_SIZE, **overrides):
@@ -54,4 +55,3 @@ def bench_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     build_builtin_model_dir(path, BENCH_VOCAB_SIZE, config=bench_config(), seed=BENCH_SEED)
     logger.info("bench model ready in %.1fs", time.perf_counter() - t0)
     return path
-

@@ -61,17 +61,21 @@ class UsageError(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peer", default="vllm", choices=sorted(PEERS),
-                   help="the engine next to radixserve: vLLM in-process (in --vllm-python), or llama.cpp's llama-server "
-                        "(--llama-server) with radixserve behind its HTTP gateway, both on the same GGUF")
-    p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="python of an environment where vllm imports (default: this one)")
+    p.add_argument(
+        "--peer",
+        default="vllm",
+        choices=sorted(PEERS),
+        help="the engine next to radixserve: vLLM in-process (in --vllm-python), or llama.cpp's llama-server "
+        "(--llama-server) with radixserve behind its HTTP gateway, both on the same GGUF",
+    )
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="python of an environment where vllm imports (default: this one)")
     p.add_argument("--llama-server", default=None, metavar="PATH", help="--peer llamacpp: the llama-server binary")
     p.add_argument("--engines", default=None, help="comma list from radixserve and the peer (default: both)")
     p.add_argument("--workloads", default="fleet,gsp", help="comma list from fleet,gsp")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="model directory (default: the bench model); --peer llamacpp: a .gguf file (default: SmolLM2's)")
+    p.add_argument(
+        "--model", default=None, metavar="PATH", help="model directory (default: the bench model); --peer llamacpp: a .gguf file (default: SmolLM2's)"
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of each engine")
     p.add_argument("--agents", type=int, default=64)
     p.add_argument("--system-tokens", type=int, default=2048)
@@ -86,18 +90,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=64, help="fleet: most running requests (both engines)")
     p.add_argument("--gsp-max-running", type=int, default=16, help="gsp: most running requests (both engines)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one step (both engines)")
-    p.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch"],
-                   help="radixserve's attention backend (auto: the csrc/ kernels when they build)")
+    p.add_argument(
+        "--attention", default="auto", choices=["auto", "cpu", "torch"], help="radixserve's attention backend (auto: the csrc/ kernels when they build)"
+    )
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each engine run may take")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run each workload this many times, the engines in turn (the first one alternating); "
-                        "print each round and the medians")
-    p.add_argument("--breakdown", action="store_true",
-                   help="also split radixserve's time by step kind: attention and linear-map rates (see above)")
-    p.add_argument("--floor", action="store_true",
-                   help="after each round, measure the workload's compute floor (`python -m bench floor`: its FLOPs "
-                        "at the GEMM rate measured then, --max-batched-tokens rows) and print it next to the walls")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each workload this many times, the engines in turn (the first one alternating); print each round and the medians",
+    )
+    p.add_argument("--breakdown", action="store_true", help="also split radixserve's time by step kind: attention and linear-map rates (see above)")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="after each round, measure the workload's compute floor (`python -m bench floor`: its FLOPs "
+        "at the GEMM rate measured then, --max-batched-tokens rows) and print it next to the walls",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -131,8 +141,7 @@ def drive(adapter, spec: dict) -> dict:
     if w == "fleet":
         system = _ids(_rng(SEED, 0), spec["system_tokens"], vocab)
         private = [_ids(_rng(SEED, 1, a), spec["private_tokens"], vocab) for a in range(spec["agents"])]
-        obs = [[_ids(_rng(SEED, 2, a, t), OBSERVATION_TOKENS, vocab) for t in range(spec["turns"])]
-               for a in range(spec["agents"])]
+        obs = [[_ids(_rng(SEED, 2, a, t), OBSERVATION_TOKENS, vocab) for t in range(spec["turns"])] for a in range(spec["agents"])]
         history: list[list[int]] = [[] for _ in range(spec["agents"])]
         total = spec["agents"] * spec["turns"]
         pending = [(f"a{a}-t0", system + private[a], spec["output_tokens"]) for a in range(spec["agents"])]
@@ -177,14 +186,21 @@ def drive(adapter, spec: dict) -> dict:
 class RadixAdapter:
     def __init__(self, spec: dict):
         from radixserve import Engine, SamplingParams  # before torch: it sets the OpenMP wait policy
+        # isort: split
 
         import torch
 
         torch.set_num_threads(spec["threads"])
         self.params = SamplingParams
-        self.engine = Engine(spec["model"], dtype=spec["dtype"], max_running=spec["max_running"],
-                             max_batched_tokens=spec["max_batched_tokens"], kv_cache_tokens=spec["kv_tokens"], seed=0,
-                             attention=spec.get("attention", "auto"))
+        self.engine = Engine(
+            spec["model"],
+            dtype=spec["dtype"],
+            max_running=spec["max_running"],
+            max_batched_tokens=spec["max_batched_tokens"],
+            kv_cache_tokens=spec["kv_tokens"],
+            seed=0,
+            attention=spec.get("attention", "auto"),
+        )
         from radixserve.kernels.gemm import gemm_backend
 
         # the attention backend and the GEMM backend the load chose (RADIXSERVE_CPU_GEMM)
@@ -205,8 +221,9 @@ class RadixAdapter:
 
         def timed_forward(items, groups=()):
             n = [item.num_tokens for item in items]
-            self._current.update(tokens=sum(n), seqs=len(n), decode=all(k == 1 for k in n),
-                                 keys=sum(k * item.start + k * (k + 1) // 2 for k, item in zip(n, items)))
+            self._current.update(
+                tokens=sum(n), seqs=len(n), decode=all(k == 1 for k in n), keys=sum(k * item.start + k * (k + 1) // 2 for k, item in zip(n, items))
+            )
             out = forward(items, groups)
             self._current["sampled"] = int(out.logits.shape[0])
             return out
@@ -259,8 +276,7 @@ class RadixAdapter:
                 self._count_calls(self.steps[-1])
         for chunk in chunks:
             out = chunk.output
-            final = None if out is None else {
-                "tokens": list(out.token_ids), "prompt": out.prompt_tokens, "cached": out.cached_tokens}
+            final = None if out is None else {"tokens": list(out.token_ids), "prompt": out.prompt_tokens, "cached": out.cached_tokens}
             if final is not None:
                 self.live.pop(chunk.request_id, None)
             yield chunk.request_id, bool(chunk.token_ids) or out is not None, final
@@ -327,10 +343,19 @@ class VllmAdapter:
         from vllm import EngineArgs, LLMEngine, SamplingParams
 
         self.params = SamplingParams
-        self.engine = LLMEngine.from_engine_args(EngineArgs(
-            model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=True, skip_tokenizer_init=True,
-            max_num_seqs=spec["max_running"], max_num_batched_tokens=spec["max_batched_tokens"], seed=0,
-            max_model_len=spec["max_model_len"], enforce_eager=spec["vllm_eager"]))
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(
+                model=spec["model"],
+                dtype=spec["dtype"],
+                enable_prefix_caching=True,
+                skip_tokenizer_init=True,
+                max_num_seqs=spec["max_running"],
+                max_num_batched_tokens=spec["max_batched_tokens"],
+                seed=0,
+                max_model_len=spec["max_model_len"],
+                enforce_eager=spec["vllm_eager"],
+            )
+        )
         self.backend = "vllm"
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
@@ -342,8 +367,7 @@ class VllmAdapter:
     def step(self):
         for out in self.engine.step():
             tokens = list(out.outputs[0].token_ids) if out.outputs else []
-            final = None if not out.finished else {
-                "tokens": tokens, "prompt": len(out.prompt_token_ids), "cached": int(out.num_cached_tokens or 0)}
+            final = None if not out.finished else {"tokens": tokens, "prompt": len(out.prompt_token_ids), "cached": int(out.num_cached_tokens or 0)}
             yield out.request_id, bool(tokens), final
 
 
@@ -358,8 +382,7 @@ def child(engine: str, spec: dict) -> None:
         from radixserve.runtime import default_malloc
 
         default_malloc()
-    print(RESULT + json.dumps(measure(lambda: (VllmAdapter if engine == "vllm" else RadixAdapter)(spec), engine, spec)),
-          flush=True)
+    print(RESULT + json.dumps(measure(lambda: (VllmAdapter if engine == "vllm" else RadixAdapter)(spec), engine, spec)), flush=True)
 
 
 def measure(start, engine: str, spec: dict) -> dict:
@@ -369,8 +392,7 @@ def measure(start, engine: str, spec: dict) -> dict:
     adapter = start()
     load_s = time.perf_counter() - t
     try:
-        warm = {**spec, "workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 64, "question_tokens": 8,
-                "output_tokens": 4}
+        warm = {**spec, "workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 64, "question_tokens": 8, "output_tokens": 4}
         drive(adapter, {**warm, "vocab": spec["vocab"], "system_tokens": 0})  # untimed warm-up; other ids than the workload's
         if spec.get("breakdown") and engine == "radixserve":
             adapter.record_steps()
@@ -394,22 +416,46 @@ def _vocab(model: str) -> tuple[int, int]:
 
 def specs(args, model: str) -> dict[str, dict]:
     vocab, max_pos = _vocab(model)
-    common = dict(model=model, vocab=vocab, dtype=args.dtype, threads=args.threads, breakdown=args.breakdown,
-                  max_batched_tokens=args.max_batched_tokens, vllm_eager=args.vllm_eager, attention=args.attention)
+    common = dict(
+        model=model,
+        vocab=vocab,
+        dtype=args.dtype,
+        threads=args.threads,
+        breakdown=args.breakdown,
+        max_batched_tokens=args.max_batched_tokens,
+        vllm_eager=args.vllm_eager,
+        attention=args.attention,
+    )
     if args.peer == "llamacpp":  # both engines behind HTTP servers on the GGUF
         common.update(gguf=model, llama_server=args.llama_server)
     fleet_longest = args.system_tokens + args.private_tokens + args.turns * (args.output_tokens + OBSERVATION_TOKENS)
     fleet_tokens = args.system_tokens + args.agents * (fleet_longest - args.system_tokens)
     gsp_tokens = args.gsp_groups * (args.gsp_prefix + args.gsp_prompts * (args.gsp_question + args.gsp_output))
     out = {
-        "fleet": dict(common, workload="fleet", agents=args.agents, system_tokens=args.system_tokens,
-                      private_tokens=args.private_tokens, turns=args.turns, output_tokens=args.output_tokens,
-                      max_running=args.max_running, tokens=fleet_tokens,
-                      max_model_len=min(max_pos, max(2048, fleet_longest + 64))),
-        "gsp": dict(common, workload="gsp", groups=args.gsp_groups, prompts=args.gsp_prompts,
-                    prefix_tokens=args.gsp_prefix, question_tokens=args.gsp_question, output_tokens=args.gsp_output,
-                    max_running=args.gsp_max_running, tokens=gsp_tokens,
-                    max_model_len=min(max_pos, max(2048, args.gsp_prefix + args.gsp_question + args.gsp_output + 64))),
+        "fleet": dict(
+            common,
+            workload="fleet",
+            agents=args.agents,
+            system_tokens=args.system_tokens,
+            private_tokens=args.private_tokens,
+            turns=args.turns,
+            output_tokens=args.output_tokens,
+            max_running=args.max_running,
+            tokens=fleet_tokens,
+            max_model_len=min(max_pos, max(2048, fleet_longest + 64)),
+        ),
+        "gsp": dict(
+            common,
+            workload="gsp",
+            groups=args.gsp_groups,
+            prompts=args.gsp_prompts,
+            prefix_tokens=args.gsp_prefix,
+            question_tokens=args.gsp_question,
+            output_tokens=args.gsp_output,
+            max_running=args.gsp_max_running,
+            tokens=gsp_tokens,
+            max_model_len=min(max_pos, max(2048, args.gsp_prefix + args.gsp_question + args.gsp_output + 64)),
+        ),
     }
     cfg = model_config(model)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -434,19 +480,31 @@ def run_child(python: str, engine: str, spec: dict, timeout: float) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{engine} {spec['workload']} failed (exit {proc.returncode}); see its stderr above")
-    return json.loads(lines[-1][len(RESULT):])
+    return json.loads(lines[-1][len(RESULT) :])
 
 
-FLOOR_FLAGS = ("agents", "system_tokens", "private_tokens", "turns", "output_tokens", "gsp_groups", "gsp_prompts",
-               "gsp_prefix", "gsp_question", "gsp_output")
+FLOOR_FLAGS = ("agents", "system_tokens", "private_tokens", "turns", "output_tokens", "gsp_groups", "gsp_prompts", "gsp_prefix", "gsp_question", "gsp_output")
 
 
 def measure_floor(args: argparse.Namespace, model: str, workload: str, timeout: float = 600) -> dict:
     """``python -m bench floor`` for this workload's shapes, dtype and thread count, in a child
     process of its own (nothing of it stays behind to disturb the engines' runs): the GEMM rate
     measured now and the seconds the workload's arithmetic takes at that rate."""
-    cmd = [sys.executable, "-m", "bench", "floor", "--json", "--model", model, "--dtype", args.dtype,
-           "--threads", str(args.threads), "--rows", str(args.max_batched_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "floor",
+        "--json",
+        "--model",
+        model,
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--rows",
+        str(args.max_batched_tokens),
+    ]
     for flag in FLOOR_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -474,10 +532,19 @@ def summary(res: dict) -> dict:
     reqs = res["requests"].values()
     ttft = [r["ttft_s"] * 1e3 for r in reqs]
     out_tokens = sum(len(r["tokens"]) for r in reqs)
-    return {"backend": res["backend"], "wall_s": res["wall_s"], "out_tok_per_s": out_tokens / res["wall_s"],
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99), "prompt_tokens": sum(r["prompt"] for r in reqs),
-            "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs), "requests": len(res["requests"]),
-            "page_faults": res.get("page_faults"), "system_s": res.get("system_s"), "command": res.get("command")}
+    return {
+        "backend": res["backend"],
+        "wall_s": res["wall_s"],
+        "out_tok_per_s": out_tokens / res["wall_s"],
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "prompt_tokens": sum(r["prompt"] for r in reqs),
+        "computed_prompt_tokens": sum(r["prompt"] - r["cached"] for r in reqs),
+        "requests": len(res["requests"]),
+        "page_faults": res.get("page_faults"),
+        "system_s": res.get("system_s"),
+        "command": res.get("command"),
+    }
 
 
 def breakdown(steps: list[dict], model: str) -> dict:
@@ -505,14 +572,21 @@ def breakdown(steps: list[dict], model: str) -> dict:
                 entry = calls.setdefault(name, [0.0, 0.0])
                 entry[0] += seconds
                 entry[1] += flop
-        out[kind] = {"steps": len(chosen), "s": total, "median_step_ms": percentile([s["s"] * 1e3 for s in chosen], 50),
-                     "tokens": tokens, "attention_s": attention_s,
-                     "attention_gflop_per_s": attention_flop / attention_s / 1e9 if attention_s > 0 else None,
-                     "attention_calls": {name: {"s": sec, "gflop": flop / 1e9,
-                                                "gflop_per_s": flop / sec / 1e9 if flop and sec > 0 else None}
-                                         for name, (sec, flop) in sorted(calls.items(), key=lambda kv: -kv[1][0])},
-                     "rest_s": rest, "linear_gflop": linear_flop / 1e9,
-                     "linear_gflop_per_s": linear_flop / rest / 1e9 if rest > 0 else None}
+        out[kind] = {
+            "steps": len(chosen),
+            "s": total,
+            "median_step_ms": percentile([s["s"] * 1e3 for s in chosen], 50),
+            "tokens": tokens,
+            "attention_s": attention_s,
+            "attention_gflop_per_s": attention_flop / attention_s / 1e9 if attention_s > 0 else None,
+            "attention_calls": {
+                name: {"s": sec, "gflop": flop / 1e9, "gflop_per_s": flop / sec / 1e9 if flop and sec > 0 else None}
+                for name, (sec, flop) in sorted(calls.items(), key=lambda kv: -kv[1][0])
+            },
+            "rest_s": rest,
+            "linear_gflop": linear_flop / 1e9,
+            "linear_gflop_per_s": linear_flop / rest / 1e9 if rest > 0 else None,
+        }
     return out
 
 
@@ -527,9 +601,12 @@ def compare(runs: dict[str, dict], model: str) -> dict:
         a, b = runs["radixserve"], runs[peer]
         same = sum(a["requests"][rid]["tokens"] == b["requests"].get(rid, {}).get("tokens") for rid in a["requests"])
         sa, sb = entry["engines"]["radixserve"], entry["engines"][peer]
-        entry["ratios"] = {"wall": sa["wall_s"] / sb["wall_s"], "ttft_p50": sa["ttft_p50_ms"] / sb["ttft_p50_ms"],
-                           "ttft_p99": sa["ttft_p99_ms"] / sb["ttft_p99_ms"],
-                           "computed_prompt_tokens": sa["computed_prompt_tokens"] / max(1, sb["computed_prompt_tokens"])}
+        entry["ratios"] = {
+            "wall": sa["wall_s"] / sb["wall_s"],
+            "ttft_p50": sa["ttft_p50_ms"] / sb["ttft_p50_ms"],
+            "ttft_p99": sa["ttft_p99_ms"] / sb["ttft_p99_ms"],
+            "computed_prompt_tokens": sa["computed_prompt_tokens"] / max(1, sb["computed_prompt_tokens"]),
+        }
         entry["equal_requests"] = f"{same}/{len(a['requests'])}"
     return entry
 
@@ -541,8 +618,7 @@ def median_of(rounds: list[dict]) -> dict:
 
     engines = {}
     for e, first in rounds[0]["engines"].items():
-        engines[e] = {k: (median(r["engines"][e][k] for r in rounds) if isinstance(v, (int, float)) else v)
-                      for k, v in first.items()}
+        engines[e] = {k: (median(r["engines"][e][k] for r in rounds) if isinstance(v, (int, float)) else v) for k, v in first.items()}
     out: dict = {"engines": engines}
     if "floor" in rounds[0]:
         out["floor"] = {k: median(r["floor"][k] for r in rounds) for k in rounds[0]["floor"]}
@@ -575,8 +651,9 @@ def _setup(args: argparse.Namespace) -> tuple[str, list[str], dict]:
     vllm_python = args.vllm_python or sys.executable
     probe = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     if probe.returncode != 0:
-        raise UsageError(f"vllm does not import in {vllm_python}; give --vllm-python /path/to/venv/bin/python "
-                         "(bench/README.md says how to make one) or --engines radixserve")
+        raise UsageError(
+            f"vllm does not import in {vllm_python}; give --vllm-python /path/to/venv/bin/python (bench/README.md says how to make one) or --engines radixserve"
+        )
     return model, engines, {"vllm_version": probe.stdout.strip()}
 
 
@@ -627,8 +704,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     all_specs = specs(args, model)
-    result = {"command": "peers", "peer": args.peer, "model": model, "dtype": args.dtype, "threads": args.threads,
-              **about, "workloads": {}}
+    result = {"command": "peers", "peer": args.peer, "model": model, "dtype": args.dtype, "threads": args.threads, **about, "workloads": {}}
     for w in workloads:
         spec = all_specs[w]
         rounds = []
@@ -674,57 +750,68 @@ def _secs(s: float | None) -> str:
 def render(res: dict) -> str:
     peer = res.get("peer", "vllm")
     name = PEERS[peer]
-    lines = [f"model {res['model']}, {res['dtype']}, {res['threads']} threads per engine"
-             + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")
-             + (f", llama-server {res['llama_server']} ({res['llama_server_version']})" if "llama_server" in res else "")]
-    head = (f"{'engine':<12}{'backend':<22}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}"
-            f"{'computed prompt tok':>21}{'page faults':>13}{'sys (s)':>9}")
+    lines = [
+        f"model {res['model']}, {res['dtype']}, {res['threads']} threads per engine"
+        + (f", vLLM {res['vllm_version']}" if "vllm_version" in res else "")
+        + (f", llama-server {res['llama_server']} ({res['llama_server_version']})" if "llama_server" in res else "")
+    ]
+    head = (
+        f"{'engine':<12}{'backend':<22}{'wall (s)':>10}{'out tok/s':>11}{'TTFT p50 (ms)':>15}{'TTFT p99 (ms)':>15}"
+        f"{'computed prompt tok':>21}{'page faults':>13}{'sys (s)':>9}"
+    )
     for w, entry in res["workloads"].items():
         c = entry["config"]
-        desc = (f"fleet: {c['agents']} agents x {c['turns']} turns, {c['system_tokens']} shared + {c['private_tokens']} private"
-                f", {c['output_tokens']} out/turn, max_running {c['max_running']}" if w == "fleet" else
-                f"gsp: {c['groups']} groups x {c['prompts']} prompts, {c['prefix_tokens']} shared + {c['question_tokens']}"
-                f" question, {c['output_tokens']} out, max_running {c['max_running']}")
+        desc = (
+            f"fleet: {c['agents']} agents x {c['turns']} turns, {c['system_tokens']} shared + {c['private_tokens']} private"
+            f", {c['output_tokens']} out/turn, max_running {c['max_running']}"
+            if w == "fleet"
+            else f"gsp: {c['groups']} groups x {c['prompts']} prompts, {c['prefix_tokens']} shared + {c['question_tokens']}"
+            f" question, {c['output_tokens']} out, max_running {c['max_running']}"
+        )
         lines += ["", desc]
         lines += [f"  {e}: {s['command']}" for e, s in entry["engines"].items() if s.get("command")]
         for k, r in enumerate(entry.get("rounds", [])):
             walls = ", ".join(f"{e} {s['wall_s']:.2f} s" for e, s in r["engines"].items())
-            ratio = (f"; wall {r['ratios']['wall']:.2f}x, TTFT p50 {r['ratios']['ttft_p50']:.2f}x"
-                     f", equal tokens {r['equal_requests']}" if "ratios" in r else "")
+            ratio = f"; wall {r['ratios']['wall']:.2f}x, TTFT p50 {r['ratios']['ttft_p50']:.2f}x, equal tokens {r['equal_requests']}" if "ratios" in r else ""
             lines.append(f"round {k + 1}: {walls}{ratio}{_floor_words(r, peer)}")
         if "rounds" in entry:
             lines.append(f"medians over {len(entry['rounds'])} rounds (ratios: the median of each round's ratio):")
         lines.append(head)
         for e, s in entry["engines"].items():
-            lines.append(f"{e:<12}{s['backend']:<22}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
-                         f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,.0f}{_count(s.get('page_faults')):>13}"
-                         f"{_secs(s.get('system_s')):>9}")
+            lines.append(
+                f"{e:<12}{s['backend']:<22}{s['wall_s']:>10.2f}{s['out_tok_per_s']:>11.1f}{s['ttft_p50_ms']:>15.0f}"
+                f"{s['ttft_p99_ms']:>15.0f}{s['computed_prompt_tokens']:>21,.0f}{_count(s.get('page_faults')):>13}"
+                f"{_secs(s.get('system_s')):>9}"
+            )
         if "ratios" in entry:
             r = entry["ratios"]
-            lines.append(f"radixserve / {name}: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
-                         f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests")
+            lines.append(
+                f"radixserve / {name}: wall {r['wall']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, p99 {r['ttft_p99']:.2f}x, "
+                f"computed prompt tokens {r['computed_prompt_tokens']:.2f}x; equal tokens {entry['equal_requests']} requests"
+            )
         if "floor" in entry:
             f = entry["floor"]
             median = "medians: " if "rounds" in entry else ""
-            line = (f"compute floor (bench floor, {median}{f['gemm_gflop_per_s']:.0f} GFLOP/s GEMM rate): {f['floor_s']:.2f} s; "
-                    + ", ".join(f"{e} / floor {f[e + '_over_floor']:.2f}x" for e in entry["engines"]))
+            line = f"compute floor (bench floor, {median}{f['gemm_gflop_per_s']:.0f} GFLOP/s GEMM rate): {f['floor_s']:.2f} s; " + ", ".join(
+                f"{e} / floor {f[e + '_over_floor']:.2f}x" for e in entry["engines"]
+            )
             if f"floor_over_{peer}" in f:
                 over = f[f"floor_over_{peer}"]
-                line += f"; floor / {name} {over:.2f}x" + (
-                    f" (the {WALL_TARGET}x target is {WALL_TARGET / over:.2f}x the floor)" if peer == "vllm" else "")
+                line += f"; floor / {name} {over:.2f}x" + (f" (the {WALL_TARGET}x target is {WALL_TARGET / over:.2f}x the floor)" if peer == "vllm" else "")
             lines.append(line)
         for kind, b in entry.get("breakdown", {}).items():
-            what = ("steps with prompt tokens" if kind == "prompt" else "decode-only steps") + \
-                (" (round 1)" if "rounds" in entry else "")
-            attn = (f"attention {b['attention_s']:.2f} s at {b['attention_gflop_per_s']:.0f} GFLOP/s, "
-                    if b["attention_gflop_per_s"] is not None else "")
+            what = ("steps with prompt tokens" if kind == "prompt" else "decode-only steps") + (" (round 1)" if "rounds" in entry else "")
+            attn = f"attention {b['attention_s']:.2f} s at {b['attention_gflop_per_s']:.0f} GFLOP/s, " if b["attention_gflop_per_s"] is not None else ""
             rate = "-" if b["linear_gflop_per_s"] is None else f"{b['linear_gflop_per_s']:.0f}"
-            lines.append(f"radixserve {what}: {b['steps']} steps, {b['s']:.2f} s (median {b['median_step_ms']:.1f} ms), "
-                         f"{b['tokens']:,} tokens; {attn}the rest {b['rest_s']:.2f} s: {b['linear_gflop']:.0f} GFLOP of "
-                         f"linear maps at {rate} GFLOP/s")
+            lines.append(
+                f"radixserve {what}: {b['steps']} steps, {b['s']:.2f} s (median {b['median_step_ms']:.1f} ms), "
+                f"{b['tokens']:,} tokens; {attn}the rest {b['rest_s']:.2f} s: {b['linear_gflop']:.0f} GFLOP of "
+                f"linear maps at {rate} GFLOP/s"
+            )
             if b.get("attention_calls"):
-                parts = [f"{name} {c['s']:.2f} s" + (f" ({c['gflop_per_s']:.0f} GFLOP/s)" if c["gflop_per_s"] else "")
-                         for name, c in b["attention_calls"].items()]
+                parts = [
+                    f"{name} {c['s']:.2f} s" + (f" ({c['gflop_per_s']:.0f} GFLOP/s)" if c["gflop_per_s"] else "") for name, c in b["attention_calls"].items()
+                ]
                 lines.append("  attention by kernel call: " + ", ".join(parts))
     return "\n".join(lines)
 

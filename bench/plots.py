@@ -68,8 +68,7 @@ def plot_timeline(path: str, out: Path, title: str = "") -> Path:
         ax1.plot([p[0] for p in pts], [p[2] for p in pts], "^:", ms=3, label="max")
         ax1.legend(loc="upper left", fontsize=8)
     ax1.set_ylabel("TTFT (s)")
-    ax1.set_title("TTFT of requests whose first token came in that second" + (f" -- {title}" if title else ""),
-                  fontsize=10)
+    ax1.set_title("TTFT of requests whose first token came in that second" + (f" -- {title}" if title else ""), fontsize=10)
     ax1.grid(alpha=0.3)
     ax2.step(t, [r.get("queue_depth_max") or 0 for r in rows], where="post", label="queue depth (max)")
     ax2.step(t, [r.get("inflight_max") or 0 for r in rows], where="post", ls="--", label="in flight, client (max)")
@@ -91,14 +90,20 @@ def plot_simulate(path: str, out: Path, title: str = "") -> Path:
     ideal = res.get("ideal")
     top = max([100 * r["hit_rate"] for r in rows] + [100 * (ideal or 0), 1.0])
     for j, cap in enumerate(caps):
-        vals = [next((100 * r["hit_rate"] for r in rows if r["policy"] == p and r["capacity"] == cap), 0.0)
-                for p in policies]
+        vals = [next((100 * r["hit_rate"] for r in rows if r["policy"] == p and r["capacity"] == cap), 0.0) for p in policies]
         xs = [i + (j - (len(caps) - 1) / 2) * width for i in range(len(policies))]
         ax.bar(xs, vals, width, label=f"capacity {cap:,}")
         for x, v in zip(xs, vals):  # inside the bar top (clear of the ideal line), above short bars
             inside = v > 0.1 * top
-            ax.text(x, v - 0.01 * top if inside else v + 0.01 * top, f"{v:.1f}", ha="center",
-                    va="top" if inside else "bottom", fontsize=8, color="white" if inside else "black")
+            ax.text(
+                x,
+                v - 0.01 * top if inside else v + 0.01 * top,
+                f"{v:.1f}",
+                ha="center",
+                va="top" if inside else "bottom",
+                fontsize=8,
+                color="white" if inside else "black",
+            )
     if ideal is not None:
         ax.axhline(100 * ideal, color="k", ls="--", lw=1, label=f"ideal (infinite cache) {100 * ideal:.2f}%")
     ax.set_ylim(0, top * 1.2)
@@ -120,8 +125,7 @@ def plot_throughput(path: str, out: Path, title: str = "") -> Path:
     ax.plot(c, [r["aggregate_tok_s"] for r in rows], "o-", label="aggregate (tok/s)")
     ax.plot(c, [r["per_stream_tok_s"] for r in rows], "s--", label="per stream (tok/s)")
     for x, r in zip(c, rows):
-        ax.annotate(f"{r['aggregate_tok_s']:.0f}", (x, r["aggregate_tok_s"]), textcoords="offset points",
-                    xytext=(0, 6), ha="center", fontsize=8)
+        ax.annotate(f"{r['aggregate_tok_s']:.0f}", (x, r["aggregate_tok_s"]), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     if any(r.get("serial_tok_s") for r in rows):
         ax.plot(c, [r.get("serial_tok_s") for r in rows], "x:", label="serial transformers (tok/s)")
     ax.set_xscale("log", base=2)
@@ -130,8 +134,9 @@ def plot_throughput(path: str, out: Path, title: str = "") -> Path:
     ax.set_xlabel("concurrency (requests at once)")
     ax.set_ylabel("generated tokens/s")
     cfg = res.get("config", {})
-    ax.set_title(f"decode throughput, {cfg.get('prompt_len', '?')}-token prompts, {cfg.get('gen_len', '?')} new tokens"
-                 + (f" -- {title}" if title else ""), fontsize=10)
+    ax.set_title(
+        f"decode throughput, {cfg.get('prompt_len', '?')}-token prompts, {cfg.get('gen_len', '?')} new tokens" + (f" -- {title}" if title else ""), fontsize=10
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(plt, fig, out / "throughput.png")

@@ -59,8 +59,7 @@ SCENARIOS = ("kill", "overload", "idle-sockets", "hostile")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--scenario", default=",".join(SCENARIOS),
-                   help=f"comma-separated scenarios to run, of {', '.join(SCENARIOS)}")
+    p.add_argument("--scenario", default=",".join(SCENARIOS), help=f"comma-separated scenarios to run, of {', '.join(SCENARIOS)}")
     p.add_argument("--model", default=None, metavar="PATH", help="model directory (default: the bench model)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV pool per worker")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -70,8 +69,7 @@ def add_arguments(p) -> None:
     k.add_argument("--kill-gap-s", type=float, default=4.0, help="seconds of load after a victim is back, before the next kill")
     k.add_argument("--call-timeout", type=float, default=120.0, help="seconds after which a call counts as hung")
     k.add_argument("--router-calls", type=int, default=16, help="calls pending when the router is SIGKILLed (half streams)")
-    k.add_argument("--router-timeout", type=float, default=10.0,
-                   help="the SDK's router_timeout for those calls: silence after which it raises RouterLostError")
+    k.add_argument("--router-timeout", type=float, default=10.0, help="the SDK's router_timeout for those calls: silence after which it raises RouterLostError")
     o = p.add_argument_group("overload")
     o.add_argument("--max-inflight", type=int, default=10, help="serve --max-inflight (one worker)")
     o.add_argument("--max-queue", type=int, default=20, help="serve --max-queue")
@@ -90,8 +88,12 @@ def add_arguments(p) -> None:
 # -- shared helpers ----------------------------------------------------------------------------
 def dist(seconds: list[float]) -> dict:
     """n, p50, p99 and max of durations given in seconds, in ms."""
-    return {"n": len(seconds), "p50_ms": percentile(seconds, 50) * 1e3, "p99_ms": percentile(seconds, 99) * 1e3,
-            "max_ms": max(seconds) * 1e3 if seconds else float("nan")}
+    return {
+        "n": len(seconds),
+        "p50_ms": percentile(seconds, 50) * 1e3,
+        "p99_ms": percentile(seconds, 99) * 1e3,
+        "max_ms": max(seconds) * 1e3 if seconds else float("nan"),
+    }
 
 
 def dist_text(d: dict) -> str:
@@ -102,14 +104,25 @@ def criterion(name: str, passed: bool, measured: str, limit: str) -> dict:
     return {"criterion": name, "pass": bool(passed), "measured": measured, "limit": limit}
 
 
-def start_server(args, model: str, *extra: str, workers: int, http: bool = False, restart: bool = True,
-                 preexec_fn: Callable[[], None] | None = None):
+def start_server(args, model: str, *extra: str, workers: int, http: bool = False, restart: bool = True, preexec_fn: Callable[[], None] | None = None):
     from radixserve.testing import spawn_server
 
-    return spawn_server(model, "--host", "127.0.0.1", "--worker-threads", "1", "--kv-cache-tokens",
-                        str(args.kv_cache_tokens), *([] if restart else ["--no-restart"]), *extra, workers=workers,
-                        http=http, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, ready_timeout=300,
-                        preexec_fn=preexec_fn)
+    return spawn_server(
+        model,
+        "--host",
+        "127.0.0.1",
+        "--worker-threads",
+        "1",
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        *([] if restart else ["--no-restart"]),
+        *extra,
+        workers=workers,
+        http=http,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        ready_timeout=300,
+        preexec_fn=preexec_fn,
+    )
 
 
 def worker_pids(stats: dict) -> dict[str, int]:
@@ -187,13 +200,13 @@ def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(7, vocab) for _ in range(n)]  # ids below 7: the special tokens
 
 
-async def http_request(port: int, method: str, path: str, body: dict | None = None,
-                       timeout: float = 120.0) -> tuple[int, dict]:
+async def http_request(port: int, method: str, path: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
     """One HTTP/1.1 request on a connection of its own (``Connection: close``); (status, JSON body).
     Raw asyncio streams: 300 of them at once cost the client little."""
     data = json.dumps(body).encode() if body is not None else b""
-    head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode()
 
     async def go() -> tuple[int, dict]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -222,7 +235,7 @@ def _dechunk(payload: bytes) -> bytes:
         size = int(size_line.split(b";")[0] or b"0", 16)
         if size == 0:
             break
-        out, rest = out + rest[:size], rest[size + 2:]
+        out, rest = out + rest[:size], rest[size + 2 :]
     return out
 
 
@@ -232,8 +245,7 @@ def vocab_size(model: str) -> int:
 
 
 # -- kill --------------------------------------------------------------------------------------
-async def _load_agent(i: int, address: str, vocab: int, stop: asyncio.Event, tally: Counter, problems: list,
-                      call_timeout: float) -> None:
+async def _load_agent(i: int, address: str, vocab: int, stop: asyncio.Event, tally: Counter, problems: list, call_timeout: float) -> None:
     """Closed loop of short greedy generates and streams; each call's end goes into ``tally``."""
     from radixserve.client import AsyncClient, Completion
     from radixserve.errors import RadixServeError, RequestTimeoutError, WorkerLostError
@@ -278,8 +290,7 @@ async def _kill_workers(args, server, vocab: int) -> dict:
     from radixserve.client import AsyncClient
 
     stop, tally, problems = asyncio.Event(), Counter[str](), list[str]()
-    agents = [asyncio.ensure_future(_load_agent(i, server.address, vocab, stop, tally, problems, args.call_timeout))
-              for i in range(args.kill_agents)]
+    agents = [asyncio.ensure_future(_load_agent(i, server.address, vocab, stop, tally, problems, args.call_timeout)) for i in range(args.kill_agents)]
     kills: list[dict] = []
     t_load = time.monotonic()
     async with AsyncClient(server.address, timeout=30) as ctl:
@@ -292,8 +303,10 @@ async def _kill_workers(args, server, vocab: int) -> dict:
             os.kill(pid, signal.SIGKILL)
             back = await wait_back(ctl, name, pid, timeout=120.0)
             kills.append({"worker": name, "pid": pid, "back_s": back, "calls_before": before})
-            log(f"kill: {k + 1}/{args.kills}: SIGKILL {name} (pid {pid}); back in "
-                f"{fmt(back, 2) if back is not None else 'NEVER'} s; calls so far: {dict(tally)}")
+            log(
+                f"kill: {k + 1}/{args.kills}: SIGKILL {name} (pid {pid}); back in "
+                f"{fmt(back, 2) if back is not None else 'NEVER'} s; calls so far: {dict(tally)}"
+            )
             if back is None:
                 break
             await asyncio.sleep(args.kill_gap_s)
@@ -305,8 +318,13 @@ async def _kill_workers(args, server, vocab: int) -> dict:
             problems.append("an agent's call did not end after the load stopped")
             t.cancel()
         counters = (await ctl.stats())["router"]["counters"]
-    return {"kills": kills, "calls": dict(tally), "problems": problems[:20], "load_s": t_stop - t_load,
-            "router_counters": {k: counters.get(k) for k in ("requests", "completed", "retries", "worker_deaths")}}
+    return {
+        "kills": kills,
+        "calls": dict(tally),
+        "problems": problems[:20],
+        "load_s": t_stop - t_load,
+        "router_counters": {k: counters.get(k) for k in ("requests", "completed", "retries", "worker_deaths")},
+    }
 
 
 async def _kill_router(args, server, vocab: int) -> dict:
@@ -356,9 +374,15 @@ async def _kill_router(args, server, vocab: int) -> dict:
         await asyncio.sleep(0.1)
     left = [p for p in pids.values() if alive(p)]
     workers_exit_s = time.monotonic() - killed_at[0] if not left else None
-    return {"calls": args.router_calls, "hung": len(pending), "ends": dict(Counter(k for k, _ in ends)),
-            "router_lost_after": dist([s for k, s in ends if k == "coded router_lost"]),
-            "sdk_router_timeout_s": router_timeout, "workers_left": len(left), "workers_exit_s": workers_exit_s}
+    return {
+        "calls": args.router_calls,
+        "hung": len(pending),
+        "ends": dict(Counter(k for k, _ in ends)),
+        "router_lost_after": dist([s for k, s in ends if k == "coded router_lost"]),
+        "sdk_router_timeout_s": router_timeout,
+        "workers_left": len(left),
+        "workers_exit_s": workers_exit_s,
+    }
 
 
 def scenario_kill(args, model: str) -> dict:
@@ -379,16 +403,26 @@ def scenario_kill(args, model: str) -> dict:
     back = [k["back_s"] for k in workers["kills"] if k["back_s"] is not None]
     workers["back_s"] = {"median": percentile(back, 50), "max": max(back) if back else None}
     coded = router["ends"].get("coded router_lost", 0)
-    return {"workers": workers, "router": router, "criteria": [
-        criterion(f"{args.kills} worker SIGKILLs under load: 0 hung, 0 lost",
-                  hung == 0 and lost == 0 and len(back) == args.kills,
-                  f"{len(back)} kills, {calls.get('ok', 0):,} ok, "
-                  f"{sum(v for k, v in calls.items() if k.startswith('worker_lost')):,} worker_lost, "
-                  f"{hung} hung, {lost} lost", "0 hung, 0 lost"),
-        criterion("router SIGKILL: every pending call raises RouterLostError",
-                  coded == args.router_calls and router["hung"] == 0,
-                  f"{coded}/{args.router_calls} router_lost, p99 {fmt(router['router_lost_after']['p99_ms'] / 1e3, 1)} s "
-                  f"after the kill", f"all {args.router_calls}, none hung")]}
+    return {
+        "workers": workers,
+        "router": router,
+        "criteria": [
+            criterion(
+                f"{args.kills} worker SIGKILLs under load: 0 hung, 0 lost",
+                hung == 0 and lost == 0 and len(back) == args.kills,
+                f"{len(back)} kills, {calls.get('ok', 0):,} ok, "
+                f"{sum(v for k, v in calls.items() if k.startswith('worker_lost')):,} worker_lost, "
+                f"{hung} hung, {lost} lost",
+                "0 hung, 0 lost",
+            ),
+            criterion(
+                "router SIGKILL: every pending call raises RouterLostError",
+                coded == args.router_calls and router["hung"] == 0,
+                f"{coded}/{args.router_calls} router_lost, p99 {fmt(router['router_lost_after']['p99_ms'] / 1e3, 1)} s after the kill",
+                f"all {args.router_calls}, none hung",
+            ),
+        ],
+    }
 
 
 # -- overload ----------------------------------------------------------------------------------
@@ -415,8 +449,7 @@ async def _zmq_burst(address: str, n: int, vocab: int, seed: int) -> dict:
                 other[exc.code] += 1
 
         await asyncio.gather(*(one(p) for p in prompts))
-    return {"sent": n, "refused": dist(refused), "admitted": len(admitted), "admitted_e2e": dist(admitted),
-            "other": dict(other), "refused_s": refused}
+    return {"sent": n, "refused": dist(refused), "admitted": len(admitted), "admitted_e2e": dist(admitted), "other": dict(other), "refused_s": refused}
 
 
 def _raw_zmq_burst(address: str, n: int, vocab: int, seed: int) -> dict:
@@ -429,8 +462,7 @@ def _raw_zmq_burst(address: str, n: int, vocab: int, seed: int) -> dict:
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
-    frames = [P.encode(P.Generate(id=f"raw-{i}", token_ids=random_prompt(rng, vocab, 16), params=params))
-              for i in range(n)]
+    frames = [P.encode(P.Generate(id=f"raw-{i}", token_ids=random_prompt(rng, vocab, 16), params=params)) for i in range(n)]
     ctx = zmq.Context()
     refused: list[float] = []
     admitted, other = 0, Counter[str]()
@@ -460,14 +492,19 @@ def _raw_zmq_burst(address: str, n: int, vocab: int, seed: int) -> dict:
         other["no answer"] += len(sent)
     finally:
         ctx.destroy(linger=0)
-    return {"sent": n, "refused": dist(refused), "admitted": admitted, "admitted_e2e": dist([]),
-            "other": {k: v for k, v in other.items() if v}, "refused_s": refused}
+    return {
+        "sent": n,
+        "refused": dist(refused),
+        "admitted": admitted,
+        "admitted_e2e": dist([]),
+        "other": {k: v for k, v in other.items() if v},
+        "refused_s": refused,
+    }
 
 
 async def _http_burst(port: int, n: int, vocab: int, seed: int) -> dict:
     rng = random.Random(seed)
-    bodies = [{"prompt": random_prompt(rng, vocab, 16), "max_tokens": 256, "temperature": 0.0, "ignore_eos": True}
-              for _ in range(n)]
+    bodies = [{"prompt": random_prompt(rng, vocab, 16), "max_tokens": 256, "temperature": 0.0, "ignore_eos": True} for _ in range(n)]
     refused: list[float] = []
     admitted: list[float] = []
     other: Counter[str] = Counter()
@@ -488,19 +525,19 @@ async def _http_burst(port: int, n: int, vocab: int, seed: int) -> dict:
             other[f"HTTP {status}"] += 1
 
     await asyncio.gather(*(one(b) for b in bodies))
-    return {"sent": n, "refused": dist(refused), "admitted": len(admitted), "admitted_e2e": dist(admitted),
-            "other": dict(other), "refused_s": refused}
+    return {"sent": n, "refused": dist(refused), "admitted": len(admitted), "admitted_e2e": dist(admitted), "other": dict(other), "refused_s": refused}
 
 
 def scenario_overload(args, model: str) -> dict:
     vocab = vocab_size(model)
     capacity = args.max_inflight + args.max_queue
     n = int(round(args.overload_factor * capacity))
-    server = start_server(args, model, "--max-inflight", str(args.max_inflight), "--max-queue", str(args.max_queue),
-                          workers=1, http=True, restart=False)
+    server = start_server(args, model, "--max-inflight", str(args.max_inflight), "--max-queue", str(args.max_queue), workers=1, http=True, restart=False)
     port = int(server.http_url.split(":")[2].split("/")[0])
-    log(f"overload: serve up at {server.address} / {server.http_url}; capacity {capacity} "
-        f"({args.max_inflight} in flight + {args.max_queue} queued), bursts of {n}")
+    log(
+        f"overload: serve up at {server.address} / {server.http_url}; capacity {capacity} "
+        f"({args.max_inflight} in flight + {args.max_queue} queued), bursts of {n}"
+    )
     rounds: dict[str, list[dict]] = {"zmq": [], "zmq-sdk": [], "http": []}
     try:
         for r in range(args.overload_rounds):
@@ -512,8 +549,10 @@ def scenario_overload(args, model: str) -> dict:
                 else:
                     res = asyncio.run(_http_burst(port, n, vocab, 100 + r))
                 rounds[transport].append(res)
-                log(f"overload: round {r + 1} {transport}: {len(res['refused_s'])} refused, {dist_text(res['refused'])}; "
-                    f"{res['admitted']} admitted; other {res['other']}")
+                log(
+                    f"overload: round {r + 1} {transport}: {len(res['refused_s'])} refused, {dist_text(res['refused'])}; "
+                    f"{res['admitted']} admitted; other {res['other']}"
+                )
     finally:
         server.stop(60)
     out: dict[str, Any] = {"capacity": capacity, "burst": n, "rounds": args.overload_rounds, "transports": {}}
@@ -521,11 +560,16 @@ def scenario_overload(args, model: str) -> dict:
     for transport, runs in rounds.items():
         refused = [s for res in runs for s in res.pop("refused_s")]
         d = dist(refused)
-        out["transports"][transport] = {"refused": d, "admitted": sum(res["admitted"] for res in runs),
-                                        "sent": n * len(runs), "runs": runs}
+        out["transports"][transport] = {"refused": d, "admitted": sum(res["admitted"] for res in runs), "sent": n * len(runs), "runs": runs}
         label = {"zmq": "ZMQ overloaded (frames)", "zmq-sdk": "ZMQ overloaded (SDK calls)", "http": "HTTP 503"}[transport]
-        crits.append(criterion(f"{label} at {args.overload_factor:g}x capacity: refusals' p99 < {args.refusal_p99_ms:g} ms",
-                               d["p99_ms"] < args.refusal_p99_ms, dist_text(d), f"p99 < {args.refusal_p99_ms:g} ms"))
+        crits.append(
+            criterion(
+                f"{label} at {args.overload_factor:g}x capacity: refusals' p99 < {args.refusal_p99_ms:g} ms",
+                d["p99_ms"] < args.refusal_p99_ms,
+                dist_text(d),
+                f"p99 < {args.refusal_p99_ms:g} ms",
+            )
+        )
     out["criteria"] = crits
     return out
 
@@ -584,13 +628,14 @@ async def _idle_sockets(args, server) -> dict:
                 socks.append(s)
             await asyncio.sleep(3.0)  # the handshakes
             stats = await ctl.stats()
-            out["with_sockets"] = {"clients": stats["router"]["gauges"]["clients"],
-                                   "max_clients": stats["router"]["gauges"]["max_clients"],
-                                   "refused_clients": stats["router"]["counters"].get("refused_clients")}
+            out["with_sockets"] = {
+                "clients": stats["router"]["gauges"]["clients"],
+                "max_clients": stats["router"]["gauges"]["max_clients"],
+                "refused_clients": stats["router"]["counters"].get("refused_clients"),
+            }
             log(f"idle-sockets: {args.idle_sockets} sockets connected: {out['with_sockets']}; SIGKILL w0")
             out["kill"] = await _kill_and_time(server, ctl, "w0")
-            log(f"idle-sockets: w0's restart started after {fmt(out['kill']['spawn_s'], 2)} s, "
-                f"serving after {fmt(out['kill']['back_s'], 2)} s")
+            log(f"idle-sockets: w0's restart started after {fmt(out['kill']['spawn_s'], 2)} s, serving after {fmt(out['kill']['back_s'], 2)} s")
             try:
                 done = await ctl.generate([5, 6, 7], max_tokens=2, temperature=0.0)
                 out["old_client_served"] = len(done.token_ids) == 2
@@ -636,12 +681,14 @@ def scenario_idle_sockets(args, model: str) -> dict:
     after = res["new_clients_after"]
     started = kill["spawn_s"] is not None and kill["spawn_s"] <= bound
     res["criteria"] = [
-        criterion(f"{args.idle_sockets} idle sockets (nofile {args.nofile}), SIGKILL w0: restart within its backoff, "
-                  f"w0 serves, new clients served",
-                  started and kill["back_s"] is not None and res["old_client_served"] and after["served"] == after["tried"],
-                  f"restart started {fmt(kill['spawn_s'], 2)} s after the kill (backoff {res['backoff_s']:g} s), serving "
-                  f"after {fmt(kill['back_s'], 2)} s; {after['served']}/{after['tried']} new clients served",
-                  f"restart <= {bound:g} s, serving, all new clients served")]
+        criterion(
+            f"{args.idle_sockets} idle sockets (nofile {args.nofile}), SIGKILL w0: restart within its backoff, w0 serves, new clients served",
+            started and kill["back_s"] is not None and res["old_client_served"] and after["served"] == after["tried"],
+            f"restart started {fmt(kill['spawn_s'], 2)} s after the kill (backoff {res['backoff_s']:g} s), serving "
+            f"after {fmt(kill['back_s'], 2)} s; {after['served']}/{after['tried']} new clients served",
+            f"restart <= {bound:g} s, serving, all new clients served",
+        )
+    ]
     return res
 
 
@@ -651,8 +698,7 @@ def nested_schema(target_chars: int) -> dict:
     below), padded with a description to ``target_chars`` of JSON: seconds to compile."""
     s: dict = {"type": "string"}
     for _ in range(6):
-        s = {"anyOf": [{"type": "object", "properties": {"a": s, "b": s}, "required": ["a", "b"]},
-                       {"type": "array", "items": s}]}
+        s = {"anyOf": [{"type": "object", "properties": {"a": s, "b": s}, "required": ["a", "b"]}, {"type": "array", "items": s}]}
     s["description"] = ""
     s["description"] = "x" * max(0, target_chars - len(json.dumps(s)))
     return s
@@ -662,9 +708,18 @@ def words(rng: random.Random, n: int, chars: int) -> list[str]:
     return ["".join(rng.choices(string.ascii_lowercase + " ", k=chars)) for _ in range(n)]
 
 
-HOSTILE = ("choose 2 MB of choices", "choose 2 MB prompt", "choose 128 x 2 KiB", "choose 128 x 2 KiB",
-           "json 64 KB nested (SDK)", "guided_json 64 KB nested (HTTP)", "guided_json 64 KB nested (HTTP)",
-           "4096-choice grammar (SDK)", "guided_choice 4096 (HTTP)", "4096-choice grammar (SDK)")
+HOSTILE = (
+    "choose 2 MB of choices",
+    "choose 2 MB prompt",
+    "choose 128 x 2 KiB",
+    "choose 128 x 2 KiB",
+    "json 64 KB nested (SDK)",
+    "guided_json 64 KB nested (HTTP)",
+    "guided_json 64 KB nested (HTTP)",
+    "4096-choice grammar (SDK)",
+    "guided_choice 4096 (HTTP)",
+    "4096-choice grammar (SDK)",
+)
 
 
 class Payloads:
@@ -684,10 +739,10 @@ class Payloads:
 
     @staticmethod
     def fresh(items: list[str], salt: str) -> list[str]:
-        return [salt + items[0][len(salt):], *items[1:]]
+        return [salt + items[0][len(salt) :], *items[1:]]
 
     def schema_with(self, salt: str) -> dict:
-        return {**self.schema, "description": salt + self.schema["description"][len(salt):]}
+        return {**self.schema, "description": salt + self.schema["description"][len(salt) :]}
 
 
 async def _hostile_message(kind: str, salt: str, c, port: int, data: Payloads) -> str:
@@ -703,16 +758,12 @@ async def _hostile_message(kind: str, salt: str, c, port: int, data: Payloads) -
         elif kind == "choose 128 x 2 KiB":
             await c.choose("Which one?", data.fresh(data.choices_128, salt), namespace="evil")
         elif kind == "json 64 KB nested (SDK)":
-            await c.generate("{", max_tokens=8, namespace="evil",
-                             structured=StructuredOutput(json_schema=data.schema_with(salt)))
+            await c.generate("{", max_tokens=8, namespace="evil", structured=StructuredOutput(json_schema=data.schema_with(salt)))
         elif kind == "4096-choice grammar (SDK)":
-            await c.generate("Pick:", max_tokens=8, namespace="evil",
-                             structured=StructuredOutput(choice=data.fresh(data.grammar_4096, salt)))
+            await c.generate("Pick:", max_tokens=8, namespace="evil", structured=StructuredOutput(choice=data.fresh(data.grammar_4096, salt)))
         else:
-            field = ({"guided_json": data.schema_with(salt)} if kind.startswith("guided_json")
-                     else {"guided_choice": data.fresh(data.grammar_4096, salt)})
-            status, body = await http_request(port, "POST", "/v1/completions",
-                                              {"prompt": "Pick:", "max_tokens": 8, **field}, timeout=120)
+            field = {"guided_json": data.schema_with(salt)} if kind.startswith("guided_json") else {"guided_choice": data.fresh(data.grammar_4096, salt)}
+            status, body = await http_request(port, "POST", "/v1/completions", {"prompt": "Pick:", "max_tokens": 8, **field}, timeout=120)
             if status != 200:
                 err = body.get("error") or {}
                 return f"HTTP {status} {err.get('code') or err.get('type')}"
@@ -773,8 +824,7 @@ async def _tenant(i: int, address: str, vocab: int, stop: asyncio.Event, lat: li
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                await c.generate(random_prompt(rng, vocab, 32), max_tokens=16, temperature=0.0, ignore_eos=True,
-                                 namespace=f"tenant-{i}")
+                await c.generate(random_prompt(rng, vocab, 32), max_tokens=16, temperature=0.0, ignore_eos=True, namespace=f"tenant-{i}")
                 lat.append(time.monotonic() - t0)
             except Exception as exc:  # noqa: BLE001
                 errors[type(exc).__name__] += 1
@@ -791,8 +841,10 @@ async def _phase(args, server, vocab: int, name: str, go=None) -> dict:
     await asyncio.gather(*tenants)
     cpu1, wall = cpu_seconds(server.pid), time.monotonic() - t0
     latency, cpu = dist(lat), {k: cpu1[k] - cpu0[k] for k in cpu0}
-    log(f"hostile: {name}: others' latency {dist_text(latency)}; errors {dict(errors)}; CPU seconds in "
-        f"{wall:.0f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+    log(
+        f"hostile: {name}: others' latency {dist_text(latency)}; errors {dict(errors)}; CPU seconds in "
+        f"{wall:.0f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+    )
     return {"latency": latency, "errors": dict(errors), "wall_s": wall, "cpu_s": cpu}
 
 
@@ -808,8 +860,12 @@ def _warm_grammars(address: str, workers: int, rounds: int = 6) -> list[str]:
             for r in range(rounds):
                 if len(served) >= workers:
                     break
-                outs = await asyncio.gather(*(c.generate(f"{i * 7 + r} warm-up:", max_tokens=4, structured=StructuredOutput(
-                    choice=[f"yes {r} {i}", f"no {r} {i}"])) for i in range(2 * workers)))
+                outs = await asyncio.gather(
+                    *(
+                        c.generate(f"{i * 7 + r} warm-up:", max_tokens=4, structured=StructuredOutput(choice=[f"yes {r} {i}", f"no {r} {i}"]))
+                        for i in range(2 * workers)
+                    )
+                )
                 served.update(str(o.worker) for o in outs)
         return sorted(served)
 
@@ -837,17 +893,19 @@ def _hostile(args, server, vocab: int) -> dict:
     phases["after"] = asyncio.run(_phase(args, server, vocab, "after"))
     with Client(server.address, timeout=30) as c:
         stats = c.stats()
-    hostile = {kind: {"sent": len(v), "ends": dict(Counter(e for e, _ in v)), "latency": dist([s for _, s in v])}
-               for kind, v in ends.items()}
-    return {"phases": phases, "hostile": hostile, "worker_deaths": stats["router"]["counters"].get("worker_deaths"),
-            "workers_alive": sum(1 for w in stats["workers"].values() if w["alive"])}
+    hostile = {kind: {"sent": len(v), "ends": dict(Counter(e for e, _ in v)), "latency": dist([s for _, s in v])} for kind, v in ends.items()}
+    return {
+        "phases": phases,
+        "hostile": hostile,
+        "worker_deaths": stats["router"]["counters"].get("worker_deaths"),
+        "workers_alive": sum(1 for w in stats["workers"].values() if w["alive"]),
+    }
 
 
 def scenario_hostile(args, model: str) -> dict:
     vocab = vocab_size(model)
     server = start_server(args, model, workers=2, http=True)
-    log(f"hostile: serve up at {server.address} / {server.http_url}; {args.tenants} tenants, "
-        f"3 phases of {args.phase_s:g} s")
+    log(f"hostile: serve up at {server.address} / {server.http_url}; {args.tenants} tenants, 3 phases of {args.phase_s:g} s")
     try:
         res = _hostile(args, server, vocab)
     finally:
@@ -855,70 +913,117 @@ def scenario_hostile(args, model: str) -> dict:
     base, attack = res["phases"]["baseline"]["latency"], res["phases"]["attack"]["latency"]
     ratio = attack["p99_ms"] / base["p99_ms"] if base["p99_ms"] else float("nan")
     res["p99_ratio"] = ratio
-    res["criteria"] = [criterion(
-        f"volleys of 10 hostile messages from one tenant: others' p99 within {args.hostile_ratio:g}x baseline",
-        ratio <= args.hostile_ratio,
-        f"p99 {fmt(attack['p99_ms'])} ms under attack vs {fmt(base['p99_ms'])} ms baseline = {fmt(ratio, 2)}x",
-        f"<= {args.hostile_ratio:g}x")]
+    res["criteria"] = [
+        criterion(
+            f"volleys of 10 hostile messages from one tenant: others' p99 within {args.hostile_ratio:g}x baseline",
+            ratio <= args.hostile_ratio,
+            f"p99 {fmt(attack['p99_ms'])} ms under attack vs {fmt(base['p99_ms'])} ms baseline = {fmt(ratio, 2)}x",
+            f"<= {args.hostile_ratio:g}x",
+        )
+    ]
     return res
 
 
 # -- the command -------------------------------------------------------------------------------
-RUNNERS: dict[str, Callable[[Any, str], dict]] = {"kill": scenario_kill, "overload": scenario_overload,
-                                                  "idle-sockets": scenario_idle_sockets, "hostile": scenario_hostile}
+RUNNERS: dict[str, Callable[[Any, str], dict]] = {
+    "kill": scenario_kill,
+    "overload": scenario_overload,
+    "idle-sockets": scenario_idle_sockets,
+    "hostile": scenario_hostile,
+}
 
 
 def render(result: dict) -> str:
     m = result["machine"]
-    lines = [f"reliability: git {m['git']}; {m['cpu_count']} CPUs; load average {m['load_average_at_start']} at start / "
-             f"{m['load_average_at_end']} at end; scenarios {', '.join(result['scenarios'])}"]
+    lines = [
+        f"reliability: git {m['git']}; {m['cpu_count']} CPUs; load average {m['load_average_at_start']} at start / "
+        f"{m['load_average_at_end']} at end; scenarios {', '.join(result['scenarios'])}"
+    ]
     s = result["scenarios"]
     if "kill" in s:
         w, r = s["kill"]["workers"], s["kill"]["router"]
-        lines += ["", f"kill: {len(w['kills'])} worker SIGKILLs over {fmt(w['load_s'])} s of load; victims back in "
-                      f"median {fmt(w['back_s']['median'], 2)} s, max {fmt(w['back_s']['max'], 2)} s",
-                  "  calls: " + ", ".join(f"{k} {v:,}" for k, v in sorted(w["calls"].items())),
-                  "  router counters: " + ", ".join(f"{k} {v}" for k, v in w["router_counters"].items()),
-                  f"  router SIGKILL under {r['calls']} calls: " + ", ".join(f"{k} {v}" for k, v in r["ends"].items())
-                  + f", hung {r['hung']}; router_lost after the kill: p50 {fmt(r['router_lost_after']['p50_ms'] / 1e3, 2)} s, "
-                    f"max {fmt(r['router_lost_after']['max_ms'] / 1e3, 2)} s "
-                    f"(SDK router_timeout {r['sdk_router_timeout_s']:g} s); workers exited "
-                    + (f"{fmt(r['workers_exit_s'], 1)} s after it" if r["workers_exit_s"] is not None
-                       else f"NOT ({r['workers_left']} left after 30 s)")]
+        lines += [
+            "",
+            f"kill: {len(w['kills'])} worker SIGKILLs over {fmt(w['load_s'])} s of load; victims back in "
+            f"median {fmt(w['back_s']['median'], 2)} s, max {fmt(w['back_s']['max'], 2)} s",
+            "  calls: " + ", ".join(f"{k} {v:,}" for k, v in sorted(w["calls"].items())),
+            "  router counters: " + ", ".join(f"{k} {v}" for k, v in w["router_counters"].items()),
+            f"  router SIGKILL under {r['calls']} calls: "
+            + ", ".join(f"{k} {v}" for k, v in r["ends"].items())
+            + f", hung {r['hung']}; router_lost after the kill: p50 {fmt(r['router_lost_after']['p50_ms'] / 1e3, 2)} s, "
+            f"max {fmt(r['router_lost_after']['max_ms'] / 1e3, 2)} s "
+            f"(SDK router_timeout {r['sdk_router_timeout_s']:g} s); workers exited "
+            + (f"{fmt(r['workers_exit_s'], 1)} s after it" if r["workers_exit_s"] is not None else f"NOT ({r['workers_left']} left after 30 s)"),
+        ]
         lines += [f"  problem: {p}" for p in w["problems"][:5]]
     if "overload" in s:
         o = s["overload"]
-        rows = [[t, v["sent"], v["refused"]["n"], v["admitted"], v["refused"]["p50_ms"], v["refused"]["p99_ms"],
-                 v["refused"]["max_ms"]] for t, v in o["transports"].items()]
-        lines += ["", f"overload: capacity {o['capacity']} (in flight + queued), {o['rounds']} bursts of {o['burst']} per "
-                      f"transport", table(["transport", "sent", "refused", "admitted", "refusal p50 (ms)",
-                                           "refusal p99 (ms)", "refusal max (ms)"], rows)]
+        rows = [
+            [t, v["sent"], v["refused"]["n"], v["admitted"], v["refused"]["p50_ms"], v["refused"]["p99_ms"], v["refused"]["max_ms"]]
+            for t, v in o["transports"].items()
+        ]
+        lines += [
+            "",
+            f"overload: capacity {o['capacity']} (in flight + queued), {o['rounds']} bursts of {o['burst']} per transport",
+            table(["transport", "sent", "refused", "admitted", "refusal p50 (ms)", "refusal p99 (ms)", "refusal max (ms)"], rows),
+        ]
     if "idle-sockets" in s:
         i = s["idle-sockets"]
         k, c = i["kill"], i["control_kill"]
-        lines += ["", f"idle-sockets: with the sockets open: {i['with_sockets']}",
-                  table(["SIGKILL w0", "backoff (s)", "restart started (s)", "serving again (s)"],
-                        [["with the idle sockets", i["backoff_s"], k["spawn_s"], k["back_s"]],
-                         ["control, sockets closed", i["control_backoff_s"], c["spawn_s"], c["back_s"]]]),
-                  f"  the client connected before the flood served after the restart: {i['old_client_served']}; "
-                  f"a new client while the sockets are open: {i['new_client_during']}; "
-                  f"after they close: {i['new_clients_after']['served']}/{i['new_clients_after']['tried']} served"]
+        lines += [
+            "",
+            f"idle-sockets: with the sockets open: {i['with_sockets']}",
+            table(
+                ["SIGKILL w0", "backoff (s)", "restart started (s)", "serving again (s)"],
+                [
+                    ["with the idle sockets", i["backoff_s"], k["spawn_s"], k["back_s"]],
+                    ["control, sockets closed", i["control_backoff_s"], c["spawn_s"], c["back_s"]],
+                ],
+            ),
+            f"  the client connected before the flood served after the restart: {i['old_client_served']}; "
+            f"a new client while the sockets are open: {i['new_client_during']}; "
+            f"after they close: {i['new_clients_after']['served']}/{i['new_clients_after']['tried']} served",
+        ]
     if "hostile" in s:
         h = s["hostile"]
-        rows = [[p, v["latency"]["n"], v["latency"]["p50_ms"], v["latency"]["p99_ms"], v["latency"]["max_ms"],
-                 v["cpu_s"]["workers"], v["cpu_s"]["grammar"], v["cpu_s"]["router"],
-                 ", ".join(f"{k} {n}" for k, n in v["errors"].items()) or "-"] for p, v in h["phases"].items()]
-        lines += ["", f"hostile: the other tenants' requests (32-token prompt, 16 tokens); CPU seconds used in each "
-                      f"{fmt(h['phases']['baseline']['wall_s'], 0)} s phase (2 cores)",
-                  table(["phase", "requests", "p50 (ms)", "p99 (ms)", "max (ms)", "workers' CPU (s)",
-                         "grammar compiles' CPU (s)", "serve's CPU (s)", "errors"], rows),
-                  table(["hostile message", "sent", "p50 (ms)", "max (ms)", "ends"],
-                        [[k, v["sent"], v["latency"]["p50_ms"], v["latency"]["max_ms"],
-                          ", ".join(f"{e} {n}" for e, n in v["ends"].items())] for k, v in h["hostile"].items()]),
-                  f"  worker deaths {h['worker_deaths']}; workers alive at the end {h['workers_alive']}"]
-    lines += ["", table(["criterion", "verdict", "measured", "limit"],
-                        [[c["criterion"], "PASS" if c["pass"] else "FAIL", c["measured"], c["limit"]]
-                         for c in result["criteria"]], align="llll")]
+        rows = [
+            [
+                p,
+                v["latency"]["n"],
+                v["latency"]["p50_ms"],
+                v["latency"]["p99_ms"],
+                v["latency"]["max_ms"],
+                v["cpu_s"]["workers"],
+                v["cpu_s"]["grammar"],
+                v["cpu_s"]["router"],
+                ", ".join(f"{k} {n}" for k, n in v["errors"].items()) or "-",
+            ]
+            for p, v in h["phases"].items()
+        ]
+        lines += [
+            "",
+            f"hostile: the other tenants' requests (32-token prompt, 16 tokens); CPU seconds used in each "
+            f"{fmt(h['phases']['baseline']['wall_s'], 0)} s phase (2 cores)",
+            table(
+                ["phase", "requests", "p50 (ms)", "p99 (ms)", "max (ms)", "workers' CPU (s)", "grammar compiles' CPU (s)", "serve's CPU (s)", "errors"], rows
+            ),
+            table(
+                ["hostile message", "sent", "p50 (ms)", "max (ms)", "ends"],
+                [
+                    [k, v["sent"], v["latency"]["p50_ms"], v["latency"]["max_ms"], ", ".join(f"{e} {n}" for e, n in v["ends"].items())]
+                    for k, v in h["hostile"].items()
+                ],
+            ),
+            f"  worker deaths {h['worker_deaths']}; workers alive at the end {h['workers_alive']}",
+        ]
+    lines += [
+        "",
+        table(
+            ["criterion", "verdict", "measured", "limit"],
+            [[c["criterion"], "PASS" if c["pass"] else "FAIL", c["measured"], c["limit"]] for c in result["criteria"]],
+            align="llll",
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -940,8 +1045,13 @@ def run(args) -> int:
         for c in results[name]["criteria"]:
             log(f"reliability: {name}: {'PASS' if c['pass'] else 'FAIL'}: {c['criterion']}: {c['measured']}")
     criteria = [c for r in results.values() for c in r["criteria"]]
-    result = {"command": "reliability", "machine": {**machine_summary(), "load_average_at_start": load_at_start,
-                                                       "git": git_at_start},
-              "model": model, "scenarios": results, "criteria": criteria, "ok": all(c["pass"] for c in criteria)}
+    result = {
+        "command": "reliability",
+        "machine": {**machine_summary(), "load_average_at_start": load_at_start, "git": git_at_start},
+        "model": model,
+        "scenarios": results,
+        "criteria": criteria,
+        "ok": all(c["pass"] for c in criteria),
+    }
     emit(args, result, render)
     return 0 if result["ok"] else 1

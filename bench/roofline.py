@@ -41,20 +41,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (bandwidth and engine)")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the decodes")
-    parser.add_argument("--batch", type=int, default=1,
-                        help="requests decoding together (distinct prompts, so no shared prefix); default 1")
-    parser.add_argument("--shared-prefix", type=int, default=0, metavar="P",
-                        help="a cached prefix of P tokens shared by every request (a cascade group)")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together (distinct prompts, so no shared prefix); default 1")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="P", help="a cached prefix of P tokens shared by every request (a cascade group)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
-    parser.add_argument("--fragment", action="store_true",
-                        help="before the requests, hold a random half of the KV pool's pages and free the other half "
-                             "in a random order, as a long-running server's pool looks after requests came and went")
+    parser.add_argument(
+        "--fragment",
+        action="store_true",
+        help="before the requests, hold a random half of the KV pool's pages and free the other half "
+        "in a random order, as a long-running server's pool looks after requests came and went",
+    )
     parser.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth buffer (MiB)")
     parser.add_argument("--gemv", action="store_true", help="also print the per-shape linear kernel table")
     parser.add_argument("--gemv-rows", default="1,8,16,32,64", help="row counts M of the --gemv table")
     parser.add_argument("--gemv-mib", type=int, default=256, help="MiB of weight copies each --gemv shape rotates over")
-    parser.add_argument("--prefill", type=int, default=0, metavar="N",
-                        help="also time the prefill of N fresh tokens (one request, nothing cached; median of 3), in tok/s")
+    parser.add_argument(
+        "--prefill", type=int, default=0, metavar="N", help="also time the prefill of N fresh tokens (one request, nothing cached; median of 3), in tok/s"
+    )
     parser.add_argument("--json", action="store_true")
 
 
@@ -117,8 +119,15 @@ def gemv_table(config, dtype, rows: list[int], mib: int, repeats: int = 7) -> li
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    shapes = [("q/o_proj", q, h), ("k/v_proj", kv, h), ("qkv_proj (fused)", q + 2 * kv, h),
-              ("gate/up_proj", i, h), ("gate_up_proj (fused)", 2 * i, h), ("down_proj", h, i), ("lm_head", v, h)]
+    shapes = [
+        ("q/o_proj", q, h),
+        ("k/v_proj", kv, h),
+        ("qkv_proj (fused)", q + 2 * kv, h),
+        ("gate/up_proj", i, h),
+        ("gate_up_proj (fused)", 2 * i, h),
+        ("down_proj", h, i),
+        ("lm_head", v, h),
+    ]
     out = []
     g = torch.Generator().manual_seed(0)
     for name, n, k in shapes:
@@ -166,8 +175,13 @@ def quant_gemv_table(model, rows: list[int], mib: int, repeats: int = 7) -> list
 
     layer = model.model.layers[0]
     head = model.quant_head if model.tie_word_embeddings else model.lm_head
-    named = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj), ("lm_head", head)]
+    named = [
+        ("qkv_proj", layer.self_attn.qkv_proj),
+        ("o_proj", layer.self_attn.o_proj),
+        ("gate_up_proj", layer.mlp.gate_up_proj),
+        ("down_proj", layer.mlp.down_proj),
+        ("lm_head", head),
+    ]
     ops, out = quant.ops(), []
     g = torch.Generator().manual_seed(0)
     for name, m in named:
@@ -179,28 +193,26 @@ def quant_gemv_table(model, rows: list[int], mib: int, repeats: int = 7) -> list
         packed = [torch.ops.mkldnn._reorder_linear_weight(dense.clone()) for _ in range(max(2, (mib << 20) // (dense.numel() * 4)))]
         for rows_m in rows:
             x = torch.randn(rows_m, m.in_features, generator=g)
-            row = {"shape": name, "types": "+".join(p.type_name for p in m.parts), "N": m.out_features,
-                   "K": m.in_features, "M": rows_m}
+            row = {"shape": name, "types": "+".join(p.type_name for p in m.parts), "N": m.out_features, "K": m.in_features, "M": rows_m}
             for key, impl in (("auto", 0), ("rows", 2), ("tiles", 3)):
                 ms = _rotating_ms(lambda a, w, impl=impl: ops.qlinear(a, *w, None, impl), x, args, max(repeats, copies))
                 row[f"{key}_ms"], row[f"{key}_gb_s"] = ms, m.nbytes / ms / 1e6
-            ms = _rotating_ms(lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), x, packed,
-                              max(repeats, len(packed)))
+            ms = _rotating_ms(lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), x, packed, max(repeats, len(packed)))
             row["onednn_fp32_ms"], row["onednn_fp32_gb_s"] = ms, dense.numel() * 4 / ms / 1e6
             out.append(row)
     return out
 
 
 def print_quant_gemv(table: list[dict], threads: int) -> None:
-    print(f"\nquantized linear layers, {threads} thread(s): median ms (GB/s of weights read); rows/tiles = "
-          "csrc/quant.cpp's register path / decoded tiles, auto = what it picks; oneDNN fp32 = the same weights "
-          "dequantized and prepacked")
-    print(f"{'shape':13} {'types':14} {'N x K':>11} {'M':>4}  {'auto':>17} {'rows':>17} {'tiles':>17} {'oneDNN fp32':>17} "
-          f"{'oneDNN/auto':>11}")
+    print(
+        f"\nquantized linear layers, {threads} thread(s): median ms (GB/s of weights read); rows/tiles = "
+        "csrc/quant.cpp's register path / decoded tiles, auto = what it picks; oneDNN fp32 = the same weights "
+        "dequantized and prepacked"
+    )
+    print(f"{'shape':13} {'types':14} {'N x K':>11} {'M':>4}  {'auto':>17} {'rows':>17} {'tiles':>17} {'oneDNN fp32':>17} {'oneDNN/auto':>11}")
     for r in table:
         cells = " ".join(f"{r[k + '_ms']:7.3f} ({r[k + '_gb_s']:5.1f})" for k in ("auto", "rows", "tiles", "onednn_fp32"))
-        print(f"{r['shape']:13} {r['types']:14} {r['N']:>5}x{r['K']:<5} {r['M']:>4}  {cells} "
-              f"{r['onednn_fp32_ms'] / r['auto_ms']:10.2f}x")
+        print(f"{r['shape']:13} {r['types']:14} {r['N']:>5}x{r['K']:<5} {r['M']:>4}  {cells} {r['onednn_fp32_ms'] / r['auto_ms']:10.2f}x")
 
 
 def prefill_rate(engine, tokens: int, span: int) -> float:
@@ -218,27 +230,36 @@ def prefill_rate(engine, tokens: int, span: int) -> float:
 
 
 def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
-    print(f"\nlinear layers, {dtype} weights, {threads} thread(s): median ms (GB/s of weights read); "
-          f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL), "
-          f"oneDNN = prepacked {dtype}" + (", AMX = csrc/linear.cpp's AMX GEMM on packed tiles (what bf16 runs here)"
-                                           if any("amx_ms" in r for r in table) else ""))
+    print(
+        f"\nlinear layers, {dtype} weights, {threads} thread(s): median ms (GB/s of weights read); "
+        f"kernel = torch.ops.radixserve_linear.linear, torch = F.linear ({dtype}), fp32 = F.linear (MKL), "
+        f"oneDNN = prepacked {dtype}"
+        + (", AMX = csrc/linear.cpp's AMX GEMM on packed tiles (what bf16 runs here)" if any("amx_ms" in r for r in table) else "")
+    )
     amx = any("amx_ms" in r for r in table)
-    print(f"{'shape':22} {'N x K':>11} {'M':>3}  {'kernel':>17} {'torch':>17} {'fp32':>17} {'oneDNN':>17} "
-          + (f"{'AMX':>17} " if amx else "") + f"{'torch/kernel':>12} {'oneDNN/kernel':>13}"
-          + (f" {'AMX/kernel':>10}" if amx else "") + "  used")
+    print(
+        f"{'shape':22} {'N x K':>11} {'M':>3}  {'kernel':>17} {'torch':>17} {'fp32':>17} {'oneDNN':>17} "
+        + (f"{'AMX':>17} " if amx else "")
+        + f"{'torch/kernel':>12} {'oneDNN/kernel':>13}"
+        + (f" {'AMX/kernel':>10}" if amx else "")
+        + "  used"
+    )
 
     def cell(r, key):
         return f"{r[key + '_ms']:7.3f} ({r[key + '_gb_s']:5.1f})" if key + "_ms" in r else f"{'-':>17}"
 
     def ratio(r, key, width):
-        return f"{r[key + '_ms'] / r['kernel_ms']:{width - 1}.2f}x" if "kernel_ms" in r and key + "_ms" in r \
-            else f"{'-':>{width}}"
+        return f"{r[key + '_ms'] / r['kernel_ms']:{width - 1}.2f}x" if "kernel_ms" in r and key + "_ms" in r else f"{'-':>{width}}"
 
     for r in table:
-        print(f"{r['shape']:22} {r['N']:>5}x{r['K']:<5} {r['M']:>3}  {cell(r, 'kernel')} {cell(r, 'torch')} "
-              f"{cell(r, 'torch_fp32')} {cell(r, 'onednn')} " + (f"{cell(r, 'amx')} " if amx else "")
-              + f"{ratio(r, 'torch', 12)} {ratio(r, 'onednn', 13)}" + (f" {ratio(r, 'amx', 10)}" if amx else "")
-              + f"  {'yes' if r['dispatched'] else 'no'}")
+        print(
+            f"{r['shape']:22} {r['N']:>5}x{r['K']:<5} {r['M']:>3}  {cell(r, 'kernel')} {cell(r, 'torch')} "
+            f"{cell(r, 'torch_fp32')} {cell(r, 'onednn')} "
+            + (f"{cell(r, 'amx')} " if amx else "")
+            + f"{ratio(r, 'torch', 12)} {ratio(r, 'onednn', 13)}"
+            + (f" {ratio(r, 'amx', 10)}" if amx else "")
+            + f"  {'yes' if r['dispatched'] else 'no'}"
+        )
 
 
 def run(args) -> int:
@@ -288,8 +309,7 @@ def run(args) -> int:
         engine.generate([shared], SamplingParams(max_tokens=1, temperature=0.0))
     for i in range(args.batch):  # distinct prompts (after the shared prefix, if any)
         ids = shared + [7 + (i * 7919 + j) % span for j in range(args.context)]
-        engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2,
-                                                                   temperature=0.0, ignore_eos=True)))
+        engine.add_request(engine.make_request(ids, SamplingParams(max_tokens=len(modes) * args.steps + 2, temperature=0.0, ignore_eos=True)))
     engine.step()  # drains the inbox and starts the prefills
     while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
         engine.step()
@@ -317,13 +337,24 @@ def run(args) -> int:
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches
     step = steps[modes[0]]
-    result = {"dtype": args.dtype, "threads": args.threads, "bandwidth_gb_s": bw / 1e9, "weight_mb": weight_bytes / 1e6,
-              "floor_ms": floor * 1e3, "decode_step_ms": step * 1e3, "ratio": step / floor,
-              "backend": type(engine.runner.attention).__name__,
-              # what radixserve's linear layers run for one row on this CPU
-              "linear": modes[0], "fallback": fallback, "batch": args.batch, "shared_prefix": args.shared_prefix,
-              "fragment": args.fragment,
-              "cascade_steps": int(engine.stats()["cascade_steps"] - cascade_before), "steps": step_no}
+    result = {
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "bandwidth_gb_s": bw / 1e9,
+        "weight_mb": weight_bytes / 1e6,
+        "floor_ms": floor * 1e3,
+        "decode_step_ms": step * 1e3,
+        "ratio": step / floor,
+        "backend": type(engine.runner.attention).__name__,
+        # what radixserve's linear layers run for one row on this CPU
+        "linear": modes[0],
+        "fallback": fallback,
+        "batch": args.batch,
+        "shared_prefix": args.shared_prefix,
+        "fragment": args.fragment,
+        "cascade_steps": int(engine.stats()["cascade_steps"] - cascade_before),
+        "steps": step_no,
+    }
     if kernel is not None:
         result["decode_step_fallback_ms"] = steps[fallback] * 1e3
         result["ratio_fallback"] = steps[fallback] / floor
@@ -342,23 +373,27 @@ def run(args) -> int:
             result["gemv"] = table
         print(json.dumps(result))
         return 0
-    print(f"{args.dtype}, {args.threads} thread(s), {result['backend']}: read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, "
-          f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-{args.batch} decode step "
-          f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor")
+    print(
+        f"{args.dtype}, {args.threads} thread(s), {result['backend']}: read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, "
+        f"weights {result['weight_mb']:.1f} MB -> floor {result['floor_ms']:.2f} ms; batch-{args.batch} decode step "
+        f"{result['decode_step_ms']:.2f} ms (median of {len(times[modes[0]]) - 1}, {result['linear']}) = {result['ratio']:.2f}x the floor"
+    )
     if args.fragment:
         print("  KV pool fragmented first: half its pages held, the other half freed in a random order")
     if args.shared_prefix:
-        print(f"  {args.shared_prefix} shared prefix tokens (+ {args.context} own): {result['cascade_steps']} of "
-              f"{step_no} decode steps ran in cascade groups")
+        print(f"  {args.shared_prefix} shared prefix tokens (+ {args.context} own): {result['cascade_steps']} of {step_no} decode steps ran in cascade groups")
     if "layers" in steps:
-        print(f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "
-              f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)")
+        print(
+            f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "
+            f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)"
+        )
     if kernel is not None:
-        print(f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
-              f"{result['ratio_fallback']:.2f}x the floor ({first} step {steps[fallback] / step:.2f}x faster)")
+        print(
+            f"  same run, alternate steps on {fallback}: {result['decode_step_fallback_ms']:.2f} ms = "
+            f"{result['ratio_fallback']:.2f}x the floor ({first} step {steps[fallback] / step:.2f}x faster)"
+        )
     if args.prefill:
-        print(f"  prefill of {args.prefill} fresh tokens (one request, nothing cached): {result['prefill_tok_s']:.0f} tok/s "
-              f"(median of 3)")
+        print(f"  prefill of {args.prefill} fresh tokens (one request, nothing cached): {result['prefill_tok_s']:.0f} tok/s (median of 3)")
     if table is not None:
         if quantized:
             print_quant_gemv(table, args.threads)

@@ -49,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     for case in cases:
         for batch in batches:
             params = SamplingParams(max_tokens=16, **CASES[case])
-            reqs = [Request(rid=f"r{i}", prompt_ids=[1], params=params, generator=sampler.generator_for(params.seed))
-                    for i in range(batch)]
+            reqs = [Request(rid=f"r{i}", prompt_ids=[1], params=params, generator=sampler.generator_for(params.seed)) for i in range(batch)]
             # logits with a realistic spread: a few strong candidates over a long tail
             logits = torch.randn(batch, args.vocab, generator=g) * 2.0
             times = []

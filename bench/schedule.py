@@ -53,14 +53,12 @@ def run(args) -> int:
             order = scheduler.admission_order()
             times.append(time.perf_counter() - start)
         hits = sum(engine.cache.peek(r) for r in order[:64])
-        results[policy] = {"median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,
-                           "first_64_cached_tokens": hits}
+        results[policy] = {"median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3, "first_64_cached_tokens": hits}
     out = {"waiting": args.waiting, "prompt_tokens": args.prefix + args.question, **results}
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"queue: {args.waiting} waiting requests of {args.prefix + args.question} tokens, "
-          f"{args.groups} groups, half cached")
+    print(f"queue: {args.waiting} waiting requests of {args.prefix + args.question} tokens, {args.groups} groups, half cached")
     print(f"{'policy':<6} {'order median':>14} {'order max':>11} {'cached tokens in first 64':>27}")
     for policy, r in results.items():
         print(f"{policy:<6} {r['median_ms']:>11.1f} ms {r['max_ms']:>8.1f} ms {r['first_64_cached_tokens']:>20} tokens")

@@ -44,24 +44,21 @@ def add_arguments(p) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (http)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"), help="http: bearer key")
     g.add_argument("--served-model", default=None, help="http: model name (default: the first of GET /models)")
-    g.add_argument("--start", action="store_true",
-                   help="start `radixserve serve` (with --http-port for --target http) for this run")
+    g.add_argument("--start", action="store_true", help="start `radixserve serve` (with --http-port for --target http) for this run")
     g.add_argument("--model", default=None, help="--start: model directory (default: the bench model)")
     g.add_argument("--workers", type=int, default=2, help="--start: worker processes")
     g.add_argument("--policy", default="cache_aware", help="--start: routing policy")
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="--start: KV pool per worker")
     g.add_argument("--max-running", type=int, default=None, help="--start: requests running per worker engine")
     g.add_argument("--worker-threads", type=int, default=1, help="--start: torch threads per worker")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="token ids are drawn below this (default: the model's config, else 32000)")
+    g.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn below this (default: the model's config, else 32000)")
     ld = p.add_argument_group("load (default: Poisson --rate)")
     ld.add_argument("--rate", type=float, default=2.0, help="open loop: Poisson arrivals, requests/s (inf: all at once)")
     ld.add_argument("--agents", type=int, default=None, help="closed loop: N clients back to back")
     ld.add_argument("--trace", default=None, help="Mooncake .jsonl: replay its timestamps and prefixes")
     ld.add_argument("--time-scale", type=float, default=1.0, help="--trace: multiply inter-arrival times by this")
     ld.add_argument("--max-requests", type=int, default=None, help="stop after this many requests (trace: first N)")
-    ld.add_argument("--block-tokens", type=int, default=512,
-                    help="--trace: tokens per hash block (less than 512 shrinks every prompt in proportion)")
+    ld.add_argument("--block-tokens", type=int, default=512, help="--trace: tokens per hash block (less than 512 shrinks every prompt in proportion)")
     ld.add_argument("--max-output", type=int, default=None, help="cap output tokens per request")
     ld.add_argument("--seed", type=int, default=0)
     w = p.add_argument_group("workload (generated shared prefix)")
@@ -72,8 +69,9 @@ def add_arguments(p) -> None:
     w.add_argument("--output-tokens", type=int, default=8)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    o.add_argument("--timeline", default=None, metavar="FILE.jsonl",
-                   help="write one JSON line per second: TTFT of requests whose first token came then, queue depth")
+    o.add_argument(
+        "--timeline", default=None, metavar="FILE.jsonl", help="write one JSON line per second: TTFT of requests whose first token came then, queue depth"
+    )
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     o.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
@@ -106,7 +104,7 @@ def gsp_items(args, vocab: int) -> list[Item]:
     items = [Item(prefixes[g] + ids(args.question_tokens), out) for g in range(args.groups) for _ in range(args.per_group)]
     rng.shuffle(items)
     if args.max_requests:
-        items = items[:args.max_requests]
+        items = items[: args.max_requests]
     if args.agents is None:  # Poisson arrivals
         t = 0.0
         for it in items:
@@ -207,8 +205,14 @@ class HttpTarget:
 
     async def request(self, it: Item, r: Result) -> None:
         stream = await self.client.completions.create(
-            model=self.model, prompt=it.prompt, max_tokens=it.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=self.model,
+            prompt=it.prompt,
+            max_tokens=it.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
@@ -234,8 +238,9 @@ def start_server(args) -> ServerProcess:
         extra += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.max_running:
         extra += ["--max-running", str(args.max_running)]
-    return spawn_server(args.model_dir, *extra, workers=args.workers, http=args.target == "http",
-                        env={"OMP_NUM_THREADS": str(args.worker_threads)}, ready_timeout=180)
+    return spawn_server(
+        args.model_dir, *extra, workers=args.workers, http=args.target == "http", env={"OMP_NUM_THREADS": str(args.worker_threads)}, ready_timeout=180
+    )
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -260,8 +265,7 @@ class Bar:
             self.tqdm.update(1)
         elif self.enabled and (time.perf_counter() - self.last > 3 or self.n == self.total):
             self.last = time.perf_counter()
-            log(f"  {self.n}/{self.total} requests done ({failed} failed), {inflight} in flight, "
-                f"{self.last - self.t0:.1f} s")
+            log(f"  {self.n}/{self.total} requests done ({failed} failed), {inflight} in flight, {self.last - self.t0:.1f} s")
 
     def close(self) -> None:
         if self.tqdm is not None:
@@ -332,8 +336,7 @@ async def drive(args, target, items: list[Item]) -> dict:
 
 def _dist(values: list[float]) -> dict:
     v = [x for x in values if x == x]
-    return {"mean": sum(v) / len(v) if v else float("nan"), "p50": percentile(v, 50), "p99": percentile(v, 99),
-            "n": len(v)}
+    return {"mean": sum(v) / len(v) if v else float("nan"), "p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)}
 
 
 def summarize(args, items, results, samples, state, wall, t0) -> dict:
@@ -348,13 +351,16 @@ def summarize(args, items, results, samples, state, wall, t0) -> dict:
     cached = sum(r.cached_tokens for r in reported)
     hit = cached / sum(r.prompt_tokens for r in reported) if reported and sum(r.prompt_tokens for r in reported) else None
     depths = [d for _, _, d in samples if d is not None]
-    queue = {"source": "router stats (router queue + engine waiting), polled every 0.25 s" if depths
-             else "client: requests in flight",
-             "max_inflight_client": state["max_inflight"]}
+    queue = {
+        "source": "router stats (router queue + engine waiting), polled every 0.25 s" if depths else "client: requests in flight",
+        "max_inflight_client": state["max_inflight"],
+    }
     if depths:
-        queue.update(max_queue_depth=max(d["queue_depth"] for d in depths),
-                     max_router_queue=max(d["router_queue"] for d in depths),
-                     max_engine_waiting=max(d["engine_waiting"] for d in depths))
+        queue.update(
+            max_queue_depth=max(d["queue_depth"] for d in depths),
+            max_router_queue=max(d["router_queue"] for d in depths),
+            max_engine_waiting=max(d["engine_waiting"] for d in depths),
+        )
     else:
         queue["max_queue_depth"] = state["max_inflight"]
     timeline = build_timeline(ok, samples, t0, wall)
@@ -364,23 +370,44 @@ def summarize(args, items, results, samples, state, wall, t0) -> dict:
                 f.write(json.dumps(row) + "\n")
     errors = sorted({r.error for r in results if not r.ok})[:5]
     return {
-        "command": "serve", "target": args.target,
+        "command": "serve",
+        "target": args.target,
         "endpoint": args.base_url if args.target == "http" else args.address,
-        "load": ({"kind": "closed", "agents": args.agents} if args.agents else
-                 {"kind": "trace", "trace": args.trace, "time_scale": args.time_scale} if args.trace else
-                 {"kind": "poisson", "rate_per_s": args.rate}),
-        "workload": ({"kind": "mooncake", "block_tokens": args.block_tokens} if args.trace else
-                     {"kind": "gsp", "groups": args.groups, "per_group": args.per_group,
-                      "prefix_tokens": args.prefix_tokens, "question_tokens": args.question_tokens,
-                      "output_tokens": args.output_tokens}),
-        "requests": len(items), "succeeded": len(ok), "failed": len(results) - len(ok), "errors": errors,
+        "load": (
+            {"kind": "closed", "agents": args.agents}
+            if args.agents
+            else {"kind": "trace", "trace": args.trace, "time_scale": args.time_scale}
+            if args.trace
+            else {"kind": "poisson", "rate_per_s": args.rate}
+        ),
+        "workload": (
+            {"kind": "mooncake", "block_tokens": args.block_tokens}
+            if args.trace
+            else {
+                "kind": "gsp",
+                "groups": args.groups,
+                "per_group": args.per_group,
+                "prefix_tokens": args.prefix_tokens,
+                "question_tokens": args.question_tokens,
+                "output_tokens": args.output_tokens,
+            }
+        ),
+        "requests": len(items),
+        "succeeded": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
         "duration_s": wall,
         "request_throughput_per_s": len(ok) / wall,
         "output_token_throughput_per_s": out / wall,
         "total_token_throughput_per_s": (prompt + out) / wall,
-        "prompt_tokens": prompt, "completion_tokens": out, "cached_tokens": cached if reported else None,
+        "prompt_tokens": prompt,
+        "completion_tokens": out,
+        "cached_tokens": cached if reported else None,
         "hit_rate": hit,
-        "ttft_s": _dist(ttft), "tpot_s": _dist(tpot), "itl_s": _dist(itl), "e2e_s": _dist(e2e),
+        "ttft_s": _dist(ttft),
+        "tpot_s": _dist(tpot),
+        "itl_s": _dist(itl),
+        "e2e_s": _dist(e2e),
         "queue": queue,
         "timeline": args.timeline,
         "machine": machine_summary(),
@@ -389,8 +416,9 @@ def summarize(args, items, results, samples, state, wall, t0) -> dict:
 
 def build_timeline(ok: list[Result], samples, t0: float, wall: float) -> list[dict]:
     secs = max(1, int(math.ceil(wall)))
-    rows = [{"t_s": s, "first_tokens": 0, "ttft_mean_s": None, "ttft_max_s": None, "queue_depth_max": None,
-             "inflight_max": 0, "completed": 0} for s in range(secs)]
+    rows = [
+        {"t_s": s, "first_tokens": 0, "ttft_mean_s": None, "ttft_max_s": None, "queue_depth_max": None, "inflight_max": 0, "completed": 0} for s in range(secs)
+    ]
     secs -= 1  # the last row's index
     ttfts: dict[int, list[float]] = {}
     for r in ok:
@@ -412,21 +440,31 @@ def build_timeline(ok: list[Result], samples, t0: float, wall: float) -> list[di
 
 def render(r: dict) -> str:
     ld = r["load"]
-    load = (f"closed loop, {ld['agents']} agents" if ld["kind"] == "closed" else
-            f"trace {ld['trace']} x{ld['time_scale']}" if ld["kind"] == "trace" else
-            f"Poisson {ld['rate_per_s']} req/s")
+    load = (
+        f"closed loop, {ld['agents']} agents"
+        if ld["kind"] == "closed"
+        else f"trace {ld['trace']} x{ld['time_scale']}"
+        if ld["kind"] == "trace"
+        else f"Poisson {ld['rate_per_s']} req/s"
+    )
     wl = r["workload"]
-    work = (f"GSP {wl['groups']} groups x {wl['per_group']}, prefix {wl['prefix_tokens']} + question "
-            f"{wl['question_tokens']} tokens, {wl['output_tokens']} out" if wl["kind"] == "gsp"
-            else f"Mooncake trace, {wl['block_tokens']} tokens per block")
+    work = (
+        f"GSP {wl['groups']} groups x {wl['per_group']}, prefix {wl['prefix_tokens']} + question {wl['question_tokens']} tokens, {wl['output_tokens']} out"
+        if wl["kind"] == "gsp"
+        else f"Mooncake trace, {wl['block_tokens']} tokens per block"
+    )
     m = r["machine"]
-    lines = [f"serve benchmark: {r['target']} {r['endpoint']}; {load}; {work}",
-             f"client machine: {m['cpu_count']} CPUs, load average {fmt(m.get('load_average_at_start'), 2)} at start / "
-             f"{fmt(m.get('load_average_at_end'), 2)} at end; git {m.get('git') or '-'}", ""]
+    lines = [
+        f"serve benchmark: {r['target']} {r['endpoint']}; {load}; {work}",
+        f"client machine: {m['cpu_count']} CPUs, load average {fmt(m.get('load_average_at_start'), 2)} at start / "
+        f"{fmt(m.get('load_average_at_end'), 2)} at end; git {m.get('git') or '-'}",
+        "",
+    ]
     hit = r["hit_rate"]
     q = r["queue"]
     rows = [
-        ("successful requests", f"{r['succeeded']:,}"), ("failed requests", f"{r['failed']:,}"),
+        ("successful requests", f"{r['succeeded']:,}"),
+        ("failed requests", f"{r['failed']:,}"),
         ("duration (s)", fmt(r["duration_s"], 2)),
         ("request throughput (req/s)", fmt(r["request_throughput_per_s"], 2)),
         ("output token throughput (tok/s)", fmt(r["output_token_throughput_per_s"], 1)),
@@ -436,9 +474,15 @@ def render(r: dict) -> str:
         ("max in flight (client)", f"{q['max_inflight_client']:,}"),
     ]
     out = "\n".join(lines) + "\n" + table(["", "value"], rows, "ll")
-    dist = [(name, r[key]["mean"] * 1e3, r[key]["p50"] * 1e3 if r[key]["p50"] == r[key]["p50"] else None,
-             r[key]["p99"] * 1e3 if r[key]["p99"] == r[key]["p99"] else None)
-            for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))]
+    dist = [
+        (
+            name,
+            r[key]["mean"] * 1e3,
+            r[key]["p50"] * 1e3 if r[key]["p50"] == r[key]["p50"] else None,
+            r[key]["p99"] * 1e3 if r[key]["p99"] == r[key]["p99"] else None,
+        )
+        for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
+    ]
     dist = [(n, a if a == a else None, b, c) for n, a, b, c in dist]
     out += "\n\n" + table(["latency", "mean (ms)", "p50 (ms)", "p99 (ms)"], dist)
     if r["errors"]:

@@ -54,9 +54,20 @@ def rss_mib(pid: int) -> float | None:
 
 def start(args, model: str) -> ServerProcess:
     """The soaked server: loopback, HTTP gateway on, no worker restarts; up once its workers are."""
-    return spawn_server(model, "--host", "127.0.0.1", "--worker-threads", "1", "--kv-cache-tokens",
-                        str(args.kv_cache_tokens), "--no-restart", workers=args.workers, http=True,
-                        env={"OMP_NUM_THREADS": "1"}, ready_timeout=300)
+    return spawn_server(
+        model,
+        "--host",
+        "127.0.0.1",
+        "--worker-threads",
+        "1",
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--no-restart",
+        workers=args.workers,
+        http=True,
+        env={"OMP_NUM_THREADS": "1"},
+        ready_timeout=300,
+    )
 
 
 def _fetch(req: urllib.request.Request) -> bytes:
@@ -72,14 +83,14 @@ async def agent(i: int, address: str, http: str | None, deadline: float, counts:
     prefixes = [[rng.randrange(2, vocab) for _ in range(256)] for _ in range(4)]
     async with AsyncClient(address, timeout=120) as c:
         while time.monotonic() < deadline:
-            kind = rng.choices(["gen", "stream", "leave", "timeout", "bad", "poll", "http"],
-                               [40, 20, 10, 5, 10, 10, 5])[0]
+            kind = rng.choices(["gen", "stream", "leave", "timeout", "bad", "poll", "http"], [40, 20, 10, 5, 10, 10, 5])[0]
             prompt = rng.choice(prefixes) + [rng.randrange(2, vocab) for _ in range(rng.randint(8, 64))]
             ns = f"tenant-{rng.randrange(3)}"
             try:
                 if kind == "gen":
-                    await c.generate(prompt, max_tokens=rng.randint(4, 24), temperature=rng.choice([0.0, 0.8]),
-                                     seed=rng.randrange(1000), namespace=ns, ignore_eos=True)
+                    await c.generate(
+                        prompt, max_tokens=rng.randint(4, 24), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000), namespace=ns, ignore_eos=True
+                    )
                 elif kind in ("stream", "leave"):
                     n = 0
                     async for _ in c.stream(prompt, max_tokens=24, namespace=ns, ignore_eos=True):
@@ -120,8 +131,7 @@ def run(args) -> int:
     t_start = time.monotonic()
     server = start(args, model)
     address, http = server.address, server.http_url
-    log(f"soak: server up in {time.monotonic() - t_start:.0f} s at {address} (HTTP {http}); "
-        f"{args.minutes:g} min with {args.agents} agents")
+    log(f"soak: server up in {time.monotonic() - t_start:.0f} s at {address} (HTTP {http}); {args.minutes:g} min with {args.agents} agents")
     with Client(address, timeout=30) as c:
         pids = {"router": server.pid, **{name: w["pid"] for name, w in c.stats()["workers"].items()}}
     counts: dict = {"failed": 0, "unexpected": 0}
@@ -139,8 +149,7 @@ def run(args) -> int:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
             done = sum(v for k, v in counts.items() if isinstance(v, int))
-            log(f"soak: {row['t_min']:.1f} min, {done} calls, RSS " +
-                ", ".join(f"{k} {fmt(v)} MiB" for k, v in row.items() if k != "t_min"))
+            log(f"soak: {row['t_min']:.1f} min, {done} calls, RSS " + ", ".join(f"{k} {fmt(v)} MiB" for k, v in row.items() if k != "t_min"))
             if stop_sampling.wait(args.sample_s):
                 break
         if out:
@@ -161,9 +170,17 @@ def run(args) -> int:
         th.join(10)
         server.stop(60)
     after = [s for s in samples if s["t_min"] >= args.warmup_minutes]
-    rows, result = [], {"machine": {**machine_summary(), "load_average_at_start": load_at_start}, "minutes": args.minutes, "agents": args.agents,
-                        "calls": {k: v for k, v in counts.items() if k != "errors"},
-                        "errors": counts.get("errors", [])[:10], "processes": {}}
+    rows, result = (
+        [],
+        {
+            "machine": {**machine_summary(), "load_average_at_start": load_at_start},
+            "minutes": args.minutes,
+            "agents": args.agents,
+            "calls": {k: v for k, v in counts.items() if k != "errors"},
+            "errors": counts.get("errors", [])[:10],
+            "processes": {},
+        },
+    )
     worst = 0.0
     for name in pids:
         warm = next((s[name] for s in after if s[name] is not None), None)
@@ -172,25 +189,35 @@ def run(args) -> int:
         points = [(s["t_min"], s[name]) for s in after if s[name] is not None]
         k = linear_fit([x for x, _ in points], [y for _, y in points]).slope  # MiB/min
         worst = max(worst, k)
-        result["processes"][name] = {"rss_start_mib": first, "rss_warm_mib": warm, "rss_end_mib": end,
-                                     "slope_mib_per_min": k}
-        rows.append([name, first, warm, end, (end - warm) if warm is not None and end is not None else None,
-                     round(k, 3)])
+        result["processes"][name] = {"rss_start_mib": first, "rss_warm_mib": warm, "rss_end_mib": end, "slope_mib_per_min": k}
+        rows.append([name, first, warm, end, (end - warm) if warm is not None and end is not None else None, round(k, 3)])
     counters = final_stats["router"]["counters"]
-    result["router_counters"] = {k: counters[k] for k in ("requests", "completed", "aborted", "bad_frames",
-                                                           "worker_deaths", "errors_bad_request")}
+    result["router_counters"] = {k: counters[k] for k in ("requests", "completed", "aborted", "bad_frames", "worker_deaths", "errors_bad_request")}
     ok = counts["failed"] == 0 and counts["unexpected"] == 0 and worst <= args.max_slope
     result["ok"] = ok
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
         m = result["machine"]
-        print(f"soak: {args.minutes:g} min, {args.agents} agents, {args.workers} workers; git {m['git']}; "
-              f"load average {m['load_average_at_start']} at start / {m['load_average_at_end']} at end")
+        print(
+            f"soak: {args.minutes:g} min, {args.agents} agents, {args.workers} workers; git {m['git']}; "
+            f"load average {m['load_average_at_start']} at start / {m['load_average_at_end']} at end"
+        )
         print("calls: " + ", ".join(f"{k} {v}" for k, v in result["calls"].items()))
         print("router counters: " + ", ".join(f"{k} {v}" for k, v in result["router_counters"].items()))
-        print(table(["process", "RSS start (MiB)", f"RSS at {args.warmup_minutes:g} min (MiB)", "RSS end (MiB)",
-                     "growth after warm-up (MiB)", "slope after warm-up (MiB/min)"], rows))
+        print(
+            table(
+                [
+                    "process",
+                    "RSS start (MiB)",
+                    f"RSS at {args.warmup_minutes:g} min (MiB)",
+                    "RSS end (MiB)",
+                    "growth after warm-up (MiB)",
+                    "slope after warm-up (MiB/min)",
+                ],
+                rows,
+            )
+        )
         for e in result["errors"]:
             print("error:", e)
         print("verdict:", "flat" if ok else "FAILED (growth or failed calls)")

@@ -28,10 +28,22 @@ HELP = "decode step time with vs without structured-output (xgrammar) masks"
 JSON_SCHEMA = {"type": "object", "properties": {"thought": {"type": "string"}}, "required": ["thought"]}
 MOVES = [f"{a}{r}{b}{s}" for a, b in zip("abcdefgh", "hgfedcba") for r, s in ((2, 4), (1, 3), (7, 5), (8, 6), (2, 3))]
 TOOLS = [
-    {"type": "function", "function": {"name": "make_move", "description": "Play a move.", "parameters": {
-        "type": "object", "properties": {"move": {"type": "string", "enum": MOVES}}, "required": ["move"]}}},
-    {"type": "function", "function": {"name": "say", "description": "Say something to the opponent.", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string", "maxLength": 40}}, "required": ["text"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "make_move",
+            "description": "Play a move.",
+            "parameters": {"type": "object", "properties": {"move": {"type": "string", "enum": MOVES}}, "required": ["move"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "say",
+            "description": "Say something to the opponent.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}}, "required": ["text"]},
+        },
+    },
 ]
 
 
@@ -53,14 +65,18 @@ def _spec(mode: str):
 
         tools = check_tools(TOOLS)
         return StructuredOutput(tool_calls=tool_calls_spec("hermes", tools, check_tool_choice("required", tools)))
-    return {"plain": None, "regex": StructuredOutput(regex="[a-z0-9 ]*"),
-            "json": StructuredOutput(json_schema=JSON_SCHEMA), "choice": StructuredOutput(choice=MOVES)}[mode]
+    return {
+        "plain": None,
+        "regex": StructuredOutput(regex="[a-z0-9 ]*"),
+        "json": StructuredOutput(json_schema=JSON_SCHEMA),
+        "choice": StructuredOutput(choice=MOVES),
+    }[mode]
 
 
 def _measure(engine, mode: str, batch: int, steps: int, prompt_tokens: int, seed: int) -> tuple[list[float], list[float]]:
     """Per-step wall time and sampler time (seconds) of ``steps`` decode steps at ``batch``."""
-    from radixserve import SamplingParams
     from bench.common import random_ids, rng
+    from radixserve import SamplingParams
 
     r = rng(seed, batch)
     spec = _spec(mode)
@@ -68,8 +84,7 @@ def _measure(engine, mode: str, batch: int, steps: int, prompt_tokens: int, seed
 
     def submit(n: int) -> None:
         for _ in range(n):
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=int(r.integers(1 << 30)),
-                                    ignore_eos=spec is None, structured=spec)
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=int(r.integers(1 << 30)), ignore_eos=spec is None, structured=spec)
             engine.add_request(engine.make_request(random_ids(r, prompt_tokens, engine.vocab_size), params))
 
     submit(batch)
@@ -150,8 +165,13 @@ def run(args) -> int:
         log("xgrammar is not installed: pip install 'radixserve[structured]'")
         return 2
     modes = ["plain", "regex", "json", "choice", "tools"]
-    engine = Engine(model, device=args.device, kv_cache_tokens=max(args.batch) * (args.prompt_tokens + 4 * args.steps + 16) * 2,
-                    max_running=max(args.batch), enable_prefix_cache=False)
+    engine = Engine(
+        model,
+        device=args.device,
+        kv_cache_tokens=max(args.batch) * (args.prompt_tokens + 4 * args.steps + 16) * 2,
+        max_running=max(args.batch),
+        enable_prefix_cache=False,
+    )
     for mode in modes[1:]:  # compile once, outside the timings (the cache keeps them)
         engine.grammars.compile(_spec(mode))
     for mode in modes if not args.skip_steps else []:  # warm-up (first-touch allocations, thread pools), not recorded
@@ -166,27 +186,49 @@ def run(args) -> int:
                 s, q = _measure(engine, mode, batch, args.steps, args.prompt_tokens, seed=rnd)
                 step_t[mode] += s
                 samp_t[mode] += q
-        rows[batch] = {m: {"step_ms": median(step_t[m]) * 1e3 if step_t[m] else None,
-                           "sampler_ms": median(samp_t[m]) * 1e3 if samp_t[m] else None} for m in modes}
+        rows[batch] = {
+            m: {"step_ms": median(step_t[m]) * 1e3 if step_t[m] else None, "sampler_ms": median(samp_t[m]) * 1e3 if samp_t[m] else None} for m in modes
+        }
         for m in modes[1:]:
             log(f"batch {batch}, {m}, mask step alone x {args.mask_reps}")
             rows[batch][m]["mask_ms"] = _mask_only(engine, m, batch, args.mask_reps) * 1e3
-    result = {"model": model, "vocab_size": engine.vocab_size, "device": args.device, "steps": args.steps,
-              "rounds": args.rounds, "machine": machine_summary(), "batches": rows}
+    result = {
+        "model": model,
+        "vocab_size": engine.vocab_size,
+        "device": args.device,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "machine": machine_summary(),
+        "batches": rows,
+    }
     engine.shutdown()
     emit(args, result, _render)
     return 0
 
 
 def _render(res: dict) -> str:
-    head = (f"decode step with structured-output masks; model {res['model']} (vocab {res['vocab_size']}) on "
-            f"{res['device']}; {machine_line(res['machine'])}; median of {res['steps']} x {res['rounds']} steps")
+    head = (
+        f"decode step with structured-output masks; model {res['model']} (vocab {res['vocab_size']}) on "
+        f"{res['device']}; {machine_line(res['machine'])}; median of {res['steps']} x {res['rounds']} steps"
+    )
     out = []
     for batch, modes in res["batches"].items():
         base = modes["plain"]["step_ms"]
         out.append(f"batch {batch}")
-        out.append(table(["mode", "step ms", "sampler ms", "step - plain ms", "mask step alone ms", "mask / plain step %"],
-                         [[m, v["step_ms"], v["sampler_ms"], None if base is None else v["step_ms"] - base,
-                           fmt(v.get("mask_ms"), 2), fmt(100 * v["mask_ms"] / base if "mask_ms" in v and base else None)]
-                          for m, v in modes.items()]))
+        out.append(
+            table(
+                ["mode", "step ms", "sampler ms", "step - plain ms", "mask step alone ms", "mask / plain step %"],
+                [
+                    [
+                        m,
+                        v["step_ms"],
+                        v["sampler_ms"],
+                        None if base is None else v["step_ms"] - base,
+                        fmt(v.get("mask_ms"), 2),
+                        fmt(100 * v["mask_ms"] / base if "mask_ms" in v and base else None),
+                    ]
+                    for m, v in modes.items()
+                ],
+            )
+        )
     return head + "\n" + "\n".join(out)

@@ -54,10 +54,10 @@ def run(args) -> int:
 
     model = setup(args)
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
-    engines = {1: Engine(model, device=args.device, kv_cache_tokens=args.batch * (args.prompt + args.new) * 2,
-                         enable_prefix_cache=False)}
-    engines[args.tp] = Engine(model, device=args.device, kv_cache_tokens=args.batch * (args.prompt + args.new) * 2,
-                              enable_prefix_cache=False, tensor_parallel=args.tp)
+    engines = {1: Engine(model, device=args.device, kv_cache_tokens=args.batch * (args.prompt + args.new) * 2, enable_prefix_cache=False)}
+    engines[args.tp] = Engine(
+        model, device=args.device, kv_cache_tokens=args.batch * (args.prompt + args.new) * 2, enable_prefix_cache=False, tensor_parallel=args.tp
+    )
     times = {tp: ([], []) for tp in engines}
     try:
         for r in range(args.rounds + 1):
@@ -72,8 +72,15 @@ def run(args) -> int:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    result = {f"tp{tp}": {"prefill_step_ms": 1000 * statistics.median(p), "decode_step_ms": 1000 * statistics.median(d),
-                          "prefill_steps": len(p), "decode_steps": len(d)} for tp, (p, d) in times.items()}
+    result = {
+        f"tp{tp}": {
+            "prefill_step_ms": 1000 * statistics.median(p),
+            "decode_step_ms": 1000 * statistics.median(d),
+            "prefill_steps": len(p),
+            "decode_steps": len(d),
+        }
+        for tp, (p, d) in times.items()
+    }
     one, many = result["tp1"], result[f"tp{args.tp}"]
     result["decode_speedup"] = one["decode_step_ms"] / many["decode_step_ms"]
     result["prefill_speedup"] = one["prefill_step_ms"] / many["prefill_step_ms"]
@@ -81,13 +88,10 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"batch {args.batch} x {args.prompt} prompt tokens, {args.new} new; {args.rounds} rounds; "
-          + machine_line(result["machine"]))
+    print(f"batch {args.batch} x {args.prompt} prompt tokens, {args.new} new; {args.rounds} rounds; " + machine_line(result["machine"]))
     print(f"{'run':<6} {'prefill step (ms)':>18} {'decode step (ms)':>17} {'steps (prefill/decode)':>23}")
     for tp in engines:
         row = result[f"tp{tp}"]
-        print(f"{'TP=' + str(tp):<6} {row['prefill_step_ms']:>18.1f} {row['decode_step_ms']:>17.1f} "
-              f"{row['prefill_steps']:>11}/{row['decode_steps']:<11}")
-    print(f"TP={args.tp} vs TP=1: decode {result['decode_speedup']:.2f}x, prefill {result['prefill_speedup']:.2f}x "
-          "(>1 is faster)")
+        print(f"{'TP=' + str(tp):<6} {row['prefill_step_ms']:>18.1f} {row['decode_step_ms']:>17.1f} {row['prefill_steps']:>11}/{row['decode_steps']:<11}")
+    print(f"TP={args.tp} vs TP=1: decode {result['decode_speedup']:.2f}x, prefill {result['prefill_speedup']:.2f}x (>1 is faster)")
     return 0

@@ -13,8 +13,19 @@ import argparse
 import time
 
 from bench.common import (
-    add_common_args, emit, fmt, int_list, log, machine_line, machine_summary, median, random_ids, ratio, rng,
-    setup, table,
+    add_common_args,
+    emit,
+    fmt,
+    int_list,
+    log,
+    machine_line,
+    machine_summary,
+    median,
+    random_ids,
+    ratio,
+    rng,
+    setup,
+    table,
 )
 
 HELP = "decode throughput vs. concurrency (engine vs. serial transformers)"
@@ -23,20 +34,24 @@ SEED = 2026
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32, 64], metavar="N,N,...",
-                   help="concurrent requests per measurement")
+    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32, 64], metavar="N,N,...", help="concurrent requests per measurement")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--gen-len", type=int, default=32, help="generated tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="runs per concurrency (the median is reported)")
     p.add_argument("--no-hf", action="store_true", help="skip the serial transformers baseline")
-    p.add_argument("--hf-sample", type=int, default=8, metavar="K",
-                   help="serial baseline of the largest concurrency: time K prompts and extrapolate "
-                        "(serial time is linear in the number of requests)")
+    p.add_argument(
+        "--hf-sample",
+        type=int,
+        default=8,
+        metavar="K",
+        help="serial baseline of the largest concurrency: time K prompts and extrapolate (serial time is linear in the number of requests)",
+    )
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="engine token budget per step")
     p.add_argument("--temperature", type=float, default=0.0, help="engine sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="engine nucleus sampling (with --temperature > 0)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="engine dtype (default: the checkpoint's); the serial baseline stays fp32")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="engine dtype (default: the checkpoint's); the serial baseline stays fp32"
+    )
     add_common_args(p)
 
 
@@ -46,8 +61,7 @@ def prompts_for(concurrency: int, repeat: int, prompt_len: int, vocab: int) -> l
 
 
 # -- engine ------------------------------------------------------------------------------------
-def run_engine_once(engine, prompts: list[list[int]], gen_len: int, temperature: float = 0.0,
-                    top_p: float = 1.0) -> dict:
+def run_engine_once(engine, prompts: list[list[int]], gen_len: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Submit all prompts at once and step the engine until they finish."""
     from radixserve import SamplingParams
 
@@ -86,44 +100,59 @@ def measure_engine(args, model_dir: str, vocab_holder: dict) -> tuple[list[dict]
     cmax = max(args.concurrency)
     kv = cmax * (args.prompt_len + args.gen_len) + 1024
     t = time.perf_counter()
-    engine = Engine(model_dir, device=args.device, dtype=args.dtype, enable_prefix_cache=False, max_running=cmax,
-                    max_batched_tokens=args.max_batched_tokens, kv_cache_tokens=kv, seed=0)
+    engine = Engine(
+        model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        enable_prefix_cache=False,
+        max_running=cmax,
+        max_batched_tokens=args.max_batched_tokens,
+        kv_cache_tokens=kv,
+        seed=0,
+    )
     load_s = time.perf_counter() - t
     vocab = engine.vocab_size
     vocab_holder["vocab"] = vocab
     vocab_holder["dtype"] = str(engine.loaded.dtype).removeprefix("torch.")
     # Warm-up (first-call allocations, lazy init): not measured.
-    engine.generate([random_ids(rng(SEED, 0, 99), args.prompt_len, vocab) for _ in range(min(cmax, 4))],
-                    SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.generate(
+        [random_ids(rng(SEED, 0, 99), args.prompt_len, vocab) for _ in range(min(cmax, 4))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    )
     rows = []
     for c in args.concurrency:
         runs = []
         for r in range(args.repeats):
             log(f"  engine: concurrency {c}, run {r + 1}/{args.repeats} ...")
-            runs.append(run_engine_once(engine, prompts_for(c, r, args.prompt_len, vocab), args.gen_len,
-                                        args.temperature, args.top_p))
+            runs.append(run_engine_once(engine, prompts_for(c, r, args.prompt_len, vocab), args.gen_len, args.temperature, args.top_p))
             log(f"    {runs[-1]['wall_s']:.2f} s, {runs[-1]['generated_tokens'] / runs[-1]['wall_s']:.1f} tok/s")
         walls = [x["wall_s"] for x in runs]
         agg = [x["generated_tokens"] / x["wall_s"] for x in runs]
         dec = [ratio(x["decode_phase_tokens"], x["decode_phase_s"]) for x in runs]
         pre = [ratio(c * args.prompt_len, x["prefill_phase_s"]) for x in runs]
-        rows.append({
-            "concurrency": c,
-            "wall_s": median(walls),
-            "aggregate_tok_s": median(agg),
-            "per_stream_tok_s": median(agg) / c,
-            "prefill_phase_s": median([x["prefill_phase_s"] for x in runs]),
-            "prefill_tok_s": median(pre),
-            "decode_phase_tok_s": median(dec),
-            "runs_wall_s": walls,
-        })
+        rows.append(
+            {
+                "concurrency": c,
+                "wall_s": median(walls),
+                "aggregate_tok_s": median(agg),
+                "per_stream_tok_s": median(agg) / c,
+                "prefill_phase_s": median([x["prefill_phase_s"] for x in runs]),
+                "prefill_tok_s": median(pre),
+                "decode_phase_tok_s": median(dec),
+                "runs_wall_s": walls,
+            }
+        )
     base = next((row["aggregate_tok_s"] for row in rows if row["concurrency"] == 1), None)
     for row in rows:
         row["ratio_vs_c1"] = ratio(row["aggregate_tok_s"], base) if base else None
     stats = engine.stats()
-    info = {"load_s": load_s, "kv_cache_tokens": kv, "max_running": cmax,
-            "max_batched_tokens": args.max_batched_tokens, "preemptions": stats["preemptions"],
-            "prefix_hit_tokens": stats["prefix_hit_tokens"]}
+    info = {
+        "load_s": load_s,
+        "kv_cache_tokens": kv,
+        "max_running": cmax,
+        "max_batched_tokens": args.max_batched_tokens,
+        "preemptions": stats["preemptions"],
+        "prefix_hit_tokens": stats["prefix_hit_tokens"],
+    }
     return rows, info
 
 
@@ -138,8 +167,9 @@ def measure_serial(args, model_dir: str, vocab: int) -> list[dict]:
 
     def generate(prompt: list[int]) -> None:
         ids = torch.tensor([prompt], device=args.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.gen_len,
-                             min_new_tokens=args.gen_len, do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.gen_len, min_new_tokens=args.gen_len, do_sample=False, pad_token_id=pad
+        )
         assert out.shape[1] == len(prompt) + args.gen_len
 
     def serial(prompts: list[list[int]]) -> float:
@@ -164,13 +194,15 @@ def measure_serial(args, model_dir: str, vocab: int) -> list[dict]:
             times.append(serial(prompts_for(c, r, args.prompt_len, vocab)[:k]))
         t = median(times)
         tok_s = k * args.gen_len / t
-        rows.append({
-            "concurrency": c,
-            "prompts_timed": k,
-            "extrapolated": k < c,
-            "time_s": t * c / k,
-            "tok_s": tok_s,
-        })
+        rows.append(
+            {
+                "concurrency": c,
+                "prompts_timed": k,
+                "extrapolated": k < c,
+                "time_s": t * c / k,
+                "tok_s": tok_s,
+            }
+        )
         log(f"    {tok_s:.1f} tok/s")
     return rows
 
@@ -179,8 +211,7 @@ def measure_serial(args, model_dir: str, vocab: int) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     model_dir = setup(args)
-    log(f"throughput: model {model_dir}, concurrency {args.concurrency}, prompt {args.prompt_len} tokens, "
-        f"gen {args.gen_len} tokens, {args.repeats} repeat(s)")
+    log(f"throughput: model {model_dir}, concurrency {args.concurrency}, prompt {args.prompt_len} tokens, gen {args.gen_len} tokens, {args.repeats} repeat(s)")
     holder: dict = {}
     rows, info = measure_engine(args, model_dir, holder)
     serial = None if args.no_hf else measure_serial(args, model_dir, holder["vocab"])
@@ -195,8 +226,14 @@ def run(args: argparse.Namespace) -> int:
         "model": model_dir,
         "device": args.device,
         "dtype": str(holder.get("dtype")),
-        "config": {"concurrency": args.concurrency, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-                   "repeats": args.repeats, "prefix_cache": False, **info},
+        "config": {
+            "concurrency": args.concurrency,
+            "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len,
+            "repeats": args.repeats,
+            "prefix_cache": False,
+            **info,
+        },
         "machine": machine_summary(),
         "engine": rows,
         "serial": serial,
@@ -209,40 +246,60 @@ def run(args: argparse.Namespace) -> int:
 def render(res: dict) -> str:
     cfg = res["config"]
     out = [
-        f"Decode throughput: {cfg['prompt_len']}-token prompts, {cfg['gen_len']} new tokens each, greedy, "
-        f"prefix cache off; median of {cfg['repeats']} run(s)",
-        f"model {res['model']} ({res.get('dtype', '?')}) on {res['device']}; {machine_line(res['machine'])}; "
-        f"KV pool {cfg['kv_cache_tokens']:,} tokens",
+        f"Decode throughput: {cfg['prompt_len']}-token prompts, {cfg['gen_len']} new tokens each, greedy, prefix cache off; median of {cfg['repeats']} run(s)",
+        f"model {res['model']} ({res.get('dtype', '?')}) on {res['device']}; {machine_line(res['machine'])}; KV pool {cfg['kv_cache_tokens']:,} tokens",
         "",
     ]
     has_serial = bool(res["serial"])
-    headers = ["concurrency", "wall (s)", "aggregate (tok/s)", "per stream (tok/s)", "vs c=1 (x)",
-               "prefill phase (s)", "prefill (tok/s)", "decode phase (tok/s)"]
+    headers = [
+        "concurrency",
+        "wall (s)",
+        "aggregate (tok/s)",
+        "per stream (tok/s)",
+        "vs c=1 (x)",
+        "prefill phase (s)",
+        "prefill (tok/s)",
+        "decode phase (tok/s)",
+    ]
     if has_serial:
         headers.append("vs serial HF (x)")
     rows = []
     for r in res["engine"]:
-        row = [str(r["concurrency"]), fmt(r["wall_s"], 2), fmt(r["aggregate_tok_s"]), fmt(r["per_stream_tok_s"], 2),
-               fmt(r["ratio_vs_c1"], 2), fmt(r["prefill_phase_s"], 2), fmt(r["prefill_tok_s"]),
-               fmt(r["decode_phase_tok_s"])]
+        row = [
+            str(r["concurrency"]),
+            fmt(r["wall_s"], 2),
+            fmt(r["aggregate_tok_s"]),
+            fmt(r["per_stream_tok_s"], 2),
+            fmt(r["ratio_vs_c1"], 2),
+            fmt(r["prefill_phase_s"], 2),
+            fmt(r["prefill_tok_s"]),
+            fmt(r["decode_phase_tok_s"]),
+        ]
         if has_serial:
             row.append(fmt(r.get("ratio_vs_serial"), 2))
         rows.append(row)
     out.append(table(headers, rows))
     out.append("")
-    out.append("aggregate = all generated tokens / wall time; prefill phase = until every request has its "
-               "first token;\ndecode phase = tokens generated after that / the remaining time.")
+    out.append(
+        "aggregate = all generated tokens / wall time; prefill phase = until every request has its "
+        "first token;\ndecode phase = tokens generated after that / the remaining time."
+    )
     if has_serial:
         out.append("")
         out.append("Serial transformers baseline (model.generate, one request after another, greedy, fp32):")
         srows = []
         for s in res["serial"]:
-            how = (f"timed {s['prompts_timed']} of {s['concurrency']} prompts, extrapolated (serial is linear)"
-                   if s["extrapolated"] else f"timed all {s['prompts_timed']}")
+            how = (
+                f"timed {s['prompts_timed']} of {s['concurrency']} prompts, extrapolated (serial is linear)"
+                if s["extrapolated"]
+                else f"timed all {s['prompts_timed']}"
+            )
             srows.append([str(s["concurrency"]), fmt(s["time_s"], 2), fmt(s["tok_s"]), how])
         out.append(table(["workload (concurrency)", "time for all (s)", "tok/s", "how"], srows, align="lrrl"))
-        out.append("The 'vs serial HF' column divides engine aggregate tok/s by the serial tok/s of the same "
-                   "workload\n(the largest-concurrency figure for concurrencies not timed serially).")
+        out.append(
+            "The 'vs serial HF' column divides engine aggregate tok/s by the serial tok/s of the same "
+            "workload\n(the largest-concurrency figure for concurrencies not timed serially)."
+        )
     out.append("")
     out.append(f"total runtime {res['runtime_s']:.1f} s")
     return "\n".join(out)

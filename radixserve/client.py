@@ -118,31 +118,36 @@ class AsyncClient:
     namespace is the key's tenant's, derived on the server; ``namespace=`` then only names a
     part of it (``namespace="agents"`` is this tenant's ``agents``, never another tenant's)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = 60.0,
-                 max_frame_bytes: int = P.DEFAULT_LIMITS.max_frame_bytes, heartbeat: float = 1.0,
-                 router_timeout: float | None = 10.0, api_key: str | None = None):
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float | None = 60.0,
+        max_frame_bytes: int = P.DEFAULT_LIMITS.max_frame_bytes,
+        heartbeat: float = 1.0,
+        router_timeout: float | None = 10.0,
+        api_key: str | None = None,
+    ):
         self.address = address
         # Sent with every generate, choose and stats call; required when the server has keys.
         self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
         self.timeout = timeout
-        self._conn = Connection(address, max_frame_bytes=max_frame_bytes, heartbeat=heartbeat,
-                                router_timeout=router_timeout)
+        self._conn = Connection(address, max_frame_bytes=max_frame_bytes, heartbeat=heartbeat, router_timeout=router_timeout)
 
     def _timeout(self, timeout: Timeout) -> float | None:
         return self.timeout if isinstance(timeout, EllipsisType) else timeout
 
     def _generate_msg(self, prompt: Prompt, params: SamplingParams, namespace: str | None, stream: bool) -> P.Generate:
         if isinstance(prompt, str):
-            return P.Generate(id=self._conn.new_id(), prompt=prompt, params=params, namespace=namespace,
-                              stream=stream, api_key=self.api_key)
+            return P.Generate(id=self._conn.new_id(), prompt=prompt, params=params, namespace=namespace, stream=stream, api_key=self.api_key)
         if not isinstance(prompt, (list, tuple)):
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-        return P.Generate(id=self._conn.new_id(), token_ids=list(prompt), params=params, namespace=namespace,
-                          stream=stream, api_key=self.api_key)
+        return P.Generate(id=self._conn.new_id(), token_ids=list(prompt), params=params, namespace=namespace, stream=stream, api_key=self.api_key)
 
     # -- API -----------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None,
-                       timeout: Timeout = ..., **sampling) -> Completion:
+    async def generate(
+        self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None, timeout: Timeout = ..., **sampling
+    ) -> Completion:
         """Complete one prompt (text or token ids); ``sampling``: SamplingParams fields, or
         ``params``: the SamplingParams whole."""
         timeout = self._timeout(timeout)
@@ -152,13 +157,29 @@ class AsyncClient:
             final = reply if isinstance(reply, P.Final) else final
         if final is None:  # _events ends with a final message or raises
             raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")
-        return Completion(request_id=msg.id, text=final.text, token_ids=final.token_ids,
-                          finish_reason=final.finish_reason, usage=final.usage, timings=final.timings,
-                          worker=final.worker, logprobs=final.logprobs)
+        return Completion(
+            request_id=msg.id,
+            text=final.text,
+            token_ids=final.token_ids,
+            finish_reason=final.finish_reason,
+            usage=final.usage,
+            timings=final.timings,
+            worker=final.worker,
+            logprobs=final.logprobs,
+        )
 
-    async def chat(self, messages: list[dict], *, tokenizer, tools: list[dict] | None = None, tool_choice=None,
-                   parallel_tool_calls: bool | None = None, namespace: str | None = None, timeout: Timeout = ...,
-                   **sampling) -> ChatCompletion:
+    async def chat(
+        self,
+        messages: list[dict],
+        *,
+        tokenizer,
+        tools: list[dict] | None = None,
+        tool_choice=None,
+        parallel_tool_calls: bool | None = None,
+        namespace: str | None = None,
+        timeout: Timeout = ...,
+        **sampling,
+    ) -> ChatCompletion:
         """One chat turn with OpenAI-style ``messages``, ``tools``, ``tool_choice`` (``none``,
         ``auto``, ``required`` or ``{"type": "function", "function": {"name": ...}}``) and
         ``parallel_tool_calls``, as the HTTP gateway serves them: rendered here with ``tokenizer``'s
@@ -169,7 +190,7 @@ class AsyncClient:
         prompt, req = render_chat(tokenizer, messages, tools, tool_choice, parallel_tool_calls)
         if req is not None and req.parses:
             if sampling.get("structured") is not None:
-                raise BadRequestError("structured", "cannot be combined with tools unless tool_choice is \"none\"")
+                raise BadRequestError("structured", 'cannot be combined with tools unless tool_choice is "none"')
             sampling["structured"] = StructuredOutput(tool_calls=req.spec)
         out = await self.generate(prompt, namespace=namespace, timeout=timeout, **sampling)
         if req is None:
@@ -177,20 +198,44 @@ class AsyncClient:
         content, calls, reason = req.parse(out.text, out.finish_reason)
         return ChatCompletion(content=content, tool_calls=calls, finish_reason=reason, completion=out)
 
-    async def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum",
-                     temperature: float = 0.0, seed: int | None = None, namespace: str | None = None,
-                     timeout: Timeout = ...) -> Choice:
+    async def choose(
+        self,
+        prompt: Prompt,
+        choices: Sequence[str],
+        *,
+        normalize: str = "sum",
+        temperature: float = 0.0,
+        seed: int | None = None,
+        namespace: str | None = None,
+        timeout: Timeout = ...,
+    ) -> Choice:
         """Rank ``choices`` as continuations of ``prompt`` by token log-probabilities (SGLang's
         ``select``): the prompt is prefilled once, every ``prompt + choice`` is scored on top of
         its cached KV. ``normalize``: ``sum`` or ``mean`` (per token); ``temperature > 0`` samples
         ``best`` from softmax(score / temperature), reproducibly with ``seed``."""
         timeout = self._timeout(timeout)
         if isinstance(prompt, str):
-            msg = P.Choose(id=self._conn.new_id(), prompt=prompt, choices=list(choices), normalize=normalize,
-                           temperature=temperature, seed=seed, namespace=namespace, api_key=self.api_key)
+            msg = P.Choose(
+                id=self._conn.new_id(),
+                prompt=prompt,
+                choices=list(choices),
+                normalize=normalize,
+                temperature=temperature,
+                seed=seed,
+                namespace=namespace,
+                api_key=self.api_key,
+            )
         elif isinstance(prompt, (list, tuple)):
-            msg = P.Choose(id=self._conn.new_id(), token_ids=list(prompt), choices=list(choices), normalize=normalize,
-                           temperature=temperature, seed=seed, namespace=namespace, api_key=self.api_key)
+            msg = P.Choose(
+                id=self._conn.new_id(),
+                token_ids=list(prompt),
+                choices=list(choices),
+                normalize=normalize,
+                temperature=temperature,
+                seed=seed,
+                namespace=namespace,
+                api_key=self.api_key,
+            )
         else:
             raise BadRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         final: P.ChoiceFinal | None = None
@@ -198,11 +243,11 @@ class AsyncClient:
             final = reply
         if final is None:  # _events ends with a final message or raises
             raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")
-        return Choice(request_id=msg.id, best=final.best, index=final.index, ranked=final.ranked, usage=final.usage,
-                      timings=final.timings, worker=final.worker)
+        return Choice(request_id=msg.id, best=final.best, index=final.index, ranked=final.ranked, usage=final.usage, timings=final.timings, worker=final.worker)
 
-    async def stream(self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None,
-                     timeout: Timeout = ..., **sampling) -> AsyncIterator[Chunk | Completion]:
+    async def stream(
+        self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None, timeout: Timeout = ..., **sampling
+    ) -> AsyncIterator[Chunk | Completion]:
         """Yield :class:`~radixserve.protocol.Chunk` (new token_ids, text) as they come, then one
         :class:`Completion`; ``sampling`` or ``params`` as for :meth:`generate`. Leaving early
         aborts the request."""
@@ -210,14 +255,22 @@ class AsyncClient:
         msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=True)
         async for reply in self._conn.events(msg, timeout):
             if isinstance(reply, P.Final):
-                yield Completion(request_id=msg.id, text=reply.text, token_ids=reply.token_ids,
-                                 finish_reason=reply.finish_reason, usage=reply.usage, timings=reply.timings,
-                                 worker=reply.worker, logprobs=reply.logprobs)
+                yield Completion(
+                    request_id=msg.id,
+                    text=reply.text,
+                    token_ids=reply.token_ids,
+                    finish_reason=reply.finish_reason,
+                    usage=reply.usage,
+                    timings=reply.timings,
+                    worker=reply.worker,
+                    logprobs=reply.logprobs,
+                )
             else:
                 yield reply
 
-    async def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None,
-                    return_exceptions: bool = False, timeout: Timeout = ..., **sampling) -> list:
+    async def batch(
+        self, prompts: Sequence[Prompt], *, namespace: str | None = None, return_exceptions: bool = False, timeout: Timeout = ..., **sampling
+    ) -> list:
         """Complete many prompts concurrently; results in prompt order."""
         return await asyncio.gather(
             *(self.generate(p, namespace=namespace, timeout=timeout, **dict(sampling)) for p in prompts),
@@ -228,11 +281,9 @@ class AsyncClient:
         reply = await self._conn.call(P.Health(id=self._conn.new_id()), timeout)
         return {"status": reply.status, "workers": reply.workers, "workers_alive": reply.workers_alive}
 
-    async def stats(self, *, probe: Prompt | None = None, namespace: str | None = None,
-                    timeout: float | None = 5.0) -> dict:
+    async def stats(self, *, probe: Prompt | None = None, namespace: str | None = None, timeout: float | None = 5.0) -> dict:
         probe = list(probe) if probe is not None and not isinstance(probe, str) else probe
-        reply = await self._conn.call(P.Stats(id=self._conn.new_id(), probe=probe, namespace=namespace, api_key=self.api_key),
-                                 timeout)
+        reply = await self._conn.call(P.Stats(id=self._conn.new_id(), probe=probe, namespace=namespace, api_key=self.api_key), timeout)
         return reply.stats
 
     async def wait_ready(self, workers: int = 1, timeout: float = 60.0) -> dict:
@@ -278,24 +329,48 @@ class Client:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
-                 **sampling) -> Completion:
+    def generate(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ..., **sampling) -> Completion:
         return self._run(self._async.generate(prompt, namespace=namespace, timeout=timeout, **sampling))
 
-    def chat(self, messages: list[dict], *, tokenizer, tools: list[dict] | None = None, tool_choice=None,
-             parallel_tool_calls: bool | None = None, namespace: str | None = None, timeout: Timeout = ...,
-             **sampling) -> ChatCompletion:
-        return self._run(self._async.chat(messages, tokenizer=tokenizer, tools=tools, tool_choice=tool_choice,
-                                          parallel_tool_calls=parallel_tool_calls, namespace=namespace,
-                                          timeout=timeout, **sampling))
+    def chat(
+        self,
+        messages: list[dict],
+        *,
+        tokenizer,
+        tools: list[dict] | None = None,
+        tool_choice=None,
+        parallel_tool_calls: bool | None = None,
+        namespace: str | None = None,
+        timeout: Timeout = ...,
+        **sampling,
+    ) -> ChatCompletion:
+        return self._run(
+            self._async.chat(
+                messages,
+                tokenizer=tokenizer,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                namespace=namespace,
+                timeout=timeout,
+                **sampling,
+            )
+        )
 
-    def choose(self, prompt: Prompt, choices: Sequence[str], *, normalize: str = "sum", temperature: float = 0.0,
-               seed: int | None = None, namespace: str | None = None, timeout: Timeout = ...) -> Choice:
-        return self._run(self._async.choose(prompt, choices, normalize=normalize, temperature=temperature, seed=seed,
-                                            namespace=namespace, timeout=timeout))
+    def choose(
+        self,
+        prompt: Prompt,
+        choices: Sequence[str],
+        *,
+        normalize: str = "sum",
+        temperature: float = 0.0,
+        seed: int | None = None,
+        namespace: str | None = None,
+        timeout: Timeout = ...,
+    ) -> Choice:
+        return self._run(self._async.choose(prompt, choices, normalize=normalize, temperature=temperature, seed=seed, namespace=namespace, timeout=timeout))
 
-    def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ...,
-               **sampling) -> Iterator[Chunk | Completion]:
+    def stream(self, prompt: Prompt, *, namespace: str | None = None, timeout: Timeout = ..., **sampling) -> Iterator[Chunk | Completion]:
         agen = self._async.stream(prompt, namespace=namespace, timeout=timeout, **sampling)
         try:
             while True:
@@ -307,10 +382,8 @@ class Client:
             if not self._closed:
                 self._run(agen.aclose())
 
-    def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None,
-              return_exceptions: bool = False, timeout: Timeout = ..., **sampling) -> list:
-        return self._run(self._async.batch(prompts, namespace=namespace, return_exceptions=return_exceptions,
-                                           timeout=timeout, **sampling))
+    def batch(self, prompts: Sequence[Prompt], *, namespace: str | None = None, return_exceptions: bool = False, timeout: Timeout = ..., **sampling) -> list:
+        return self._run(self._async.batch(prompts, namespace=namespace, return_exceptions=return_exceptions, timeout=timeout, **sampling))
 
     def health(self, timeout: float | None = 5.0) -> dict:
         return self._run(self._async.health(timeout))
@@ -345,5 +418,4 @@ class Client:
             pass
 
 
-__all__ = ["Client", "AsyncClient", "ChatCompletion", "Completion", "Choice", "Chunk", "ToolCall", "Usage", "Timings",
-           "RadixServeError"]
+__all__ = ["Client", "AsyncClient", "ChatCompletion", "Completion", "Choice", "Chunk", "ToolCall", "Usage", "Timings", "RadixServeError"]

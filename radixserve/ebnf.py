@@ -16,8 +16,8 @@ def choice_ebnf(choices: list[str]) -> str:
 # xgrammar 0.2.x writes length-bounded strings (maxLength / minLength) with the character class
 # [^"\\\r\n], which lets raw control characters (U+0000-U+001F) in, so the output is not JSON
 # (json.loads refuses it); unbounded strings use the right class. We patch the class in the EBNF.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 
 def json_schema_ebnf(schema_text: str) -> str:

@@ -89,8 +89,18 @@ class RequestTimeoutError(RadixServeError, TimeoutError):
 
 
 _BY_CODE: dict[str, type[RadixServeError]] = {
-    cls.code: cls for cls in (BadRequestError, TooLongError, OverloadedError, WorkerLostError, ShuttingDownError,
-                              InternalError, RequestTimeoutError, RouterLostError, UnauthorizedError)
+    cls.code: cls
+    for cls in (
+        BadRequestError,
+        TooLongError,
+        OverloadedError,
+        WorkerLostError,
+        ShuttingDownError,
+        InternalError,
+        RequestTimeoutError,
+        RouterLostError,
+        UnauthorizedError,
+    )
 }
 
 
@@ -109,4 +119,3 @@ def error_from_code(code: str, message: str) -> RadixServeError:
 class InvariantError(InternalError, AssertionError):
     """An internal invariant broke (KV accounting, radix tree, page tables): a bug, never bad input.
     Raised explicitly, so it fires under ``python -O`` too (unlike ``assert``)."""
-

@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from radixserve.validation import flatten_type, type_hints, convert, field_meta, literal_choices
+from radixserve.validation import convert, field_meta, flatten_type, literal_choices, type_hints
 
 T = TypeVar("T", bound=msgspec.Struct)
 
 
-def add_flags(parser, cls: type, fields: Iterable[str] | None = None, *, defaults: dict[str, Any] | None = None,
-              helps: dict[str, str | None] | None = None) -> None:
+def add_flags(
+    parser, cls: type, fields: Iterable[str] | None = None, *, defaults: dict[str, Any] | None = None, helps: dict[str, str | None] | None = None
+) -> None:
     """Add one flag per field of ``cls`` (``fields``: which, in this order; default: every
     non-Struct field) to ``parser`` (a parser or an argument group). ``defaults`` / ``helps``
     override a field's default / help for this command only."""
@@ -35,10 +36,10 @@ def add_flags(parser, cls: type, fields: Iterable[str] | None = None, *, default
         f = info[name]
         meta = field_meta(cls, name)
         extra = dict(meta.extra or {}) if meta is not None and meta.extra else {}
-        default = defaults.get(name, f.default if f.default is not msgspec.NODEFAULT else
-                               (f.default_factory() if f.default_factory is not msgspec.NODEFAULT else None))
-        kwargs: dict[str, Any] = {"dest": name,
-                                  "help": helps.get(name, meta.description if meta is not None else None)}
+        default = defaults.get(
+            name, f.default if f.default is not msgspec.NODEFAULT else (f.default_factory() if f.default_factory is not msgspec.NODEFAULT else None)
+        )
+        kwargs: dict[str, Any] = {"dest": name, "help": helps.get(name, meta.description if meta is not None else None)}
         flag = extra.pop("flag", "--" + name.replace("_", "-"))
         base = _base_type(cls, name)
         if base is bool:

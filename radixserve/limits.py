@@ -91,8 +91,9 @@ def validate_choose(msg: Choose, limits: Limits = DEFAULT_LIMITS) -> None:
     check_choices(msg.choices, msg.normalize, msg.temperature)
     chars = sum(map(len, msg.choices))
     if chars > limits.max_choice_chars:
-        raise TooLongError("choices", f"have {chars} characters in all; the limit is {limits.max_choice_chars} "
-                                      f"(max_choice_chars): send fewer or shorter choices")
+        raise TooLongError(
+            "choices", f"have {chars} characters in all; the limit is {limits.max_choice_chars} (max_choice_chars): send fewer or shorter choices"
+        )
     _check_namespace(msg.namespace, limits)
 
 

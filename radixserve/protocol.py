@@ -32,11 +32,21 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 
 from radixserve.errors import (  # noqa: F401  (the error codes live in errors.py; re-exported here)
-    BAD_REQUEST, ERROR_CODES, INTERNAL, OVERLOADED, SHUTTING_DOWN, TOO_LONG, WORKER_LOST, BadRequestError,
+    BAD_REQUEST,
+    ERROR_CODES,
+    INTERNAL,
+    OVERLOADED,
+    SHUTTING_DOWN,
+    TOO_LONG,
+    WORKER_LOST,
+    BadRequestError,
     TooLongError,
 )
 from radixserve.limits import (  # noqa: F401  (the limits and their checks live in limits.py; re-exported here)
-    DEFAULT_LIMITS, Limits, validate_choose, validate_generate,
+    DEFAULT_LIMITS,
+    Limits,
+    validate_choose,
+    validate_generate,
 )
 from radixserve.sampling_params import SamplingParams
 from radixserve.validation import explain
@@ -278,9 +288,28 @@ class Shutdown(_Msg, tag="shutdown"):
 
 
 Message = (
-    Generate | Abort | Health | Stats | Chunk | Final | Error | HealthReply | StatsReply
-    | Register | Heartbeat | CacheEvents | Goodbye | Work | Ping | Shutdown | Choose | ChoiceFinal | ChooseWork | Refused
-    | Leave | Rejoin
+    Generate
+    | Abort
+    | Health
+    | Stats
+    | Chunk
+    | Final
+    | Error
+    | HealthReply
+    | StatsReply
+    | Register
+    | Heartbeat
+    | CacheEvents
+    | Goodbye
+    | Work
+    | Ping
+    | Shutdown
+    | Choose
+    | ChoiceFinal
+    | ChooseWork
+    | Refused
+    | Leave
+    | Rejoin
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -310,8 +339,7 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
         field, rule = explain(exc)
         if field.startswith("params.") and "." not in field[7:]:  # a SamplingParams range: name the parameter
             field = field[7:]
-            raise DecodeError(explain(exc, SamplingParams)[1] if field in SamplingParams.__struct_fields__ else rule,
-                              _guess_id(frame), field=field) from None
+            raise DecodeError(explain(exc, SamplingParams)[1] if field in SamplingParams.__struct_fields__ else rule, _guess_id(frame), field=field) from None
         raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
     except msgspec.DecodeError as exc:
         raise DecodeError(f"is not a valid protocol message ({exc})", _guess_id(frame)) from None
@@ -319,8 +347,7 @@ def decode(frame: bytes, *, max_frame_bytes: int | None = None) -> _Msg:
         raise DecodeError("nests too deeply to be a protocol message", _guess_id(frame)) from None
     v = getattr(msg, "v", PROTOCOL_VERSION)
     if v != PROTOCOL_VERSION:
-        raise DecodeError(f"protocol version {v} is not supported; this server speaks {PROTOCOL_VERSION}",
-                          getattr(msg, "id", ""))
+        raise DecodeError(f"protocol version {v} is not supported; this server speaks {PROTOCOL_VERSION}", getattr(msg, "id", ""))
     return msg
 
 
@@ -365,7 +392,7 @@ def _scan_id(frame: bytes) -> str:
         else:
             return None
         try:
-            return frame[at:at + n].decode(), at + n
+            return frame[at : at + n].decode(), at + n
         except UnicodeDecodeError:
             return None
 

@@ -7,7 +7,6 @@ import ctypes
 import os
 import platform
 
-
 OMP_SPIN_COUNT = 10000
 """libgomp's spin count at barriers (``GOMP_SPINCOUNT``) that :func:`default_omp_wait` sets."""
 
@@ -78,8 +77,7 @@ def default_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    settings = ((_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD),
-                (_M_TOP_PAD, MALLOC_TOP_PAD))
+    settings = ((_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD), (_M_TOP_PAD, MALLOC_TOP_PAD))
     return all([mallopt(param, value) == 1 for param, value in settings])
 
 

@@ -59,14 +59,15 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
         given = [n for n in ("json_schema", "regex", "choice", "tool_calls") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise BadRequestError("structured", "give exactly one of json_schema, json_object=True, regex, choice "
-                                  "or tool_calls"
-                                  + (f", got {', '.join(given)}" if given else ""))
+            raise BadRequestError(
+                "structured", "give exactly one of json_schema, json_object=True, regex, choice or tool_calls" + (f", got {', '.join(given)}" if given else "")
+            )
         if self.json_schema is not None:
             depth = json_depth(self.json_schema)
             if depth > MAX_SCHEMA_DEPTH:
-                raise BadRequestError("structured.json_schema", f"nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} "
-                                                                f"levels of objects and arrays are accepted")
+                raise BadRequestError(
+                    "structured.json_schema", f"nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} levels of objects and arrays are accepted"
+                )
             if len(self.schema_text) > MAX_SCHEMA_CHARS:
                 raise BadRequestError("structured.json_schema", f"must be at most {MAX_SCHEMA_CHARS} characters of JSON")
         if self.regex is not None and not 0 < len(self.regex) <= MAX_REGEX_CHARS:
@@ -175,13 +176,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0, description="nucleus sampling mass, in (0, 1]")] = 1.0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0, description="in [0, 1]")] = 0.0
     seed: int | None = None
-    stop: Annotated[list[Annotated[str, Meta(min_length=1)]],
-                    Meta(max_length=16, description="at most 16 non-empty strings")] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16, description="at most 16 non-empty strings")] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="top alternatives per token")] | None = None
-    repetition_penalty: Annotated[float, Meta(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
-                                              description="1 is off")] = 1.0
+    repetition_penalty: Annotated[float, Meta(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="1 is off")] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0, description="in [-2, 2]")] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0, description="in [-2, 2]")] = 0.0
     include_stop_str_in_output: bool = False
@@ -203,11 +202,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`BadRequestError` naming the first bad field and its limit: the annotated

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from radixserve.model.builtin import dtype_kwargs, build_tokenizer, save_model_dir
+from radixserve.model.builtin import build_tokenizer, dtype_kwargs, save_model_dir
 
 __all__ = ["TINY_ARCHS", "ServerProcess", "make_tiny_model_dir", "spawn_server", "tiny_config"]
 
@@ -81,8 +81,7 @@ def tiny_config(arch: str, **overrides):
     return getattr(transformers, cfg_name)(**kw)
 
 
-def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0,
-                        tokenizer: bool = True, **overrides) -> Path:
+def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
     """Create a tiny random checkpoint of ``arch`` at ``path`` and return it.
 
     Weights are drawn in fp32 from ``seed``; a non-fp32 ``dtype`` override is applied
@@ -94,8 +93,7 @@ def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", *, seed: i
     tok = None
     if tokenizer:
         tok = build_tokenizer(config.vocab_size, model_max_length=config.max_position_embeddings)
-        config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-            tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     return save_model_dir(path, config, seed=seed, tokenizer=tok)
 
 
@@ -124,7 +122,7 @@ class ServerProcess:
         listening = next(ln for ln in lines if _LISTENING in ln)
         self.address = _loopback(listening.split(_LISTENING, 1)[1].split()[0])
         self.worker_address = listening.split(_WORKERS_AT, 1)[1].split(";")[0] if _WORKERS_AT in listening else ""
-        self.http_url = (next(ln for ln in lines if _HTTP in ln).split(_HTTP, 1)[1].split()[0] if http else None)
+        self.http_url = next(ln for ln in lines if _HTTP in ln).split(_HTTP, 1)[1].split()[0] if http else None
 
     @property
     def pid(self) -> int:
@@ -160,10 +158,18 @@ def _loopback(address: str) -> str:
     return address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://*:", "tcp://127.0.0.1:")
 
 
-def spawn_server(model: str | os.PathLike | None = None, *args: str, workers: int = 1, port: int = 0,
-                 http: bool = False, env: Mapping[str, str] | None = None, log_level: str = "WARNING",
-                 ready_timeout: float = 120.0, wait_workers: bool = True,
-                 preexec_fn: Callable[[], None] | None = None) -> ServerProcess:
+def spawn_server(
+    model: str | os.PathLike | None = None,
+    *args: str,
+    workers: int = 1,
+    port: int = 0,
+    http: bool = False,
+    env: Mapping[str, str] | None = None,
+    log_level: str = "WARNING",
+    ready_timeout: float = 120.0,
+    wait_workers: bool = True,
+    preexec_fn: Callable[[], None] | None = None,
+) -> ServerProcess:
     """Start ``radixserve serve [--model MODEL] --workers N --port PORT [--http-port 0] ARGS...``.
 
     It runs as ``python -P -m radixserve.cli`` (the working directory cannot shadow the package)
@@ -175,13 +181,25 @@ def spawn_server(model: str | os.PathLike | None = None, *args: str, workers: in
     stopped and :class:`RuntimeError` says what it printed. ``preexec_fn`` runs in the child
     before serve starts (e.g. to set a resource limit, as ``prlimit`` does).
     """
-    cmd = [sys.executable, "-P", "-m", "radixserve.cli", "--log-level", log_level, "serve",
-           *(["--model", str(model)] if model is not None else []), "--workers", str(workers),
-           "--port", str(port), *(["--http-port", "0"] if http else []), *args]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "radixserve.cli",
+        "--log-level",
+        log_level,
+        "serve",
+        *(["--model", str(model)] if model is not None else []),
+        "--workers",
+        str(workers),
+        "--port",
+        str(port),
+        *(["--http-port", "0"] if http else []),
+        *args,
+    ]
     full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env, start_new_session=True,
-                            preexec_fn=preexec_fn)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env, start_new_session=True, preexec_fn=preexec_fn)
     lines: list[str] = []
     done = threading.Event()
 
@@ -215,4 +233,3 @@ def spawn_server(model: str | os.PathLike | None = None, *args: str, workers: in
             server.stop()
             raise
     return server
-

@@ -49,8 +49,7 @@ def _quantize_k45(x: np.ndarray, bits: int) -> np.ndarray:
     sc = np.clip(np.rint(scale / d16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(mn / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
     eff = d16.astype(np.float32)[:, None] * sc
-    q = np.where(eff[..., None] > 0, np.rint((sub + (dmin16.astype(np.float32)[:, None] * m)[..., None])
-                                              / np.where(eff > 0, eff, 1)[..., None]), 0)
+    q = np.where(eff[..., None] > 0, np.rint((sub + (dmin16.astype(np.float32)[:, None] * m)[..., None]) / np.where(eff > 0, eff, 1)[..., None]), 0)
     q = np.clip(q, 0, top).astype(np.uint8)  # [blocks, 8, 32]
     low = q & 0xF
     qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
@@ -80,8 +79,7 @@ def _quantize_q6k(x: np.ndarray) -> np.ndarray:
     for t in range(4):  # values of each 32 -> 2-bit fields 2t of qh
         sel = r // 32 == t
         qh[:, :, r[sel] % 32] |= (q[:, :, sel] >> 4) << (2 * t)
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(-1, 2)],
-                          axis=1)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(-1, 2)], axis=1)
 
 
 def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
@@ -103,12 +101,20 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
-_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -166,8 +172,7 @@ def _finish(w) -> None:
     w.close()
 
 
-def write_gguf(path: str | Path, hf_dir: str | Path, arch: str = "llama",
-               qtype_of: Callable[[str], int | None] = lambda name: None) -> Path:
+def write_gguf(path: str | Path, hf_dir: str | Path, arch: str = "llama", qtype_of: Callable[[str], int | None] = lambda name: None) -> Path:
     """Write the checkpoint in ``hf_dir`` as a GGUF at ``path``, the way llama.cpp's converter lays
     it out (q/k rows permuted for ``arch`` llama); ``qtype_of(gguf_name)`` picks each 2-D tensor's
     ggml type (None: F32, as the checkpoint's values)."""
@@ -193,8 +198,7 @@ def write_gguf(path: str | Path, hf_dir: str | Path, arch: str = "llama",
     return path
 
 
-def write_synthetic_gguf(path: str | Path, cfg: dict, qtype_of: Callable[[str], int], arch: str = "llama",
-                         seed: int = 0, std: float = 0.02) -> Path:
+def write_synthetic_gguf(path: str | Path, cfg: dict, qtype_of: Callable[[str], int], arch: str = "llama", seed: int = 0, std: float = 0.02) -> Path:
     """A GGUF of a model shaped by ``cfg`` (a Hugging Face config dict) with random weights, each
     2-D tensor quantized in the type ``qtype_of(gguf_name)`` picks (norms: F32 ones). One layer's
     tensors are drawn and quantized, and every layer repeats them, so writing a 7B-shaped file takes
@@ -210,12 +214,19 @@ def write_synthetic_gguf(path: str | Path, cfg: dict, qtype_of: Callable[[str], 
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q), "ffn_gate": (inter, h),
-              "ffn_up": (inter, h), "ffn_down": (h, inter)}
+    shapes = {
+        "attn_q": (q, h),
+        "attn_k": (kv, h),
+        "attn_v": (kv, h),
+        "attn_output": (h, q),
+        "ffn_gate": (inter, h),
+        "ffn_up": (inter, h),
+        "ffn_down": (h, inter),
+    }
 
     def blocks(name: str, shape: tuple[int, int]):
         qtype = qtype_of(name)
-        x = (rng.standard_normal(shape, dtype=np.float32) * std)
+        x = rng.standard_normal(shape, dtype=np.float32) * std
         return quantize(x, qtype), gguf.GGMLQuantizationType(qtype)
 
     layer = {stem: blocks(f"blk.0.{stem}.weight", shape) for stem, shape in shapes.items()}

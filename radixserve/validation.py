@@ -22,8 +22,7 @@ from radixserve.errors import BadRequestError
 T = TypeVar("T")
 
 _PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_KIND = {"int": "an integer", "float": "a number", "str": "a string", "array": "a list", "bool": "true or false",
-         "object": "an object", "null": "null"}
+_KIND = {"int": "an integer", "float": "a number", "str": "a string", "array": "a list", "bool": "true or false", "object": "an object", "null": "null"}
 
 
 def convert(data: Any, type_: type[T], *, field_prefix: str = "") -> T:
@@ -32,8 +31,7 @@ def convert(data: Any, type_: type[T], *, field_prefix: str = "") -> T:
         return msgspec.convert(data, type_)
     except msgspec.ValidationError as exc:
         field, rule = explain(exc, type_, _lookup(data, explain(exc)[0]))
-        raise BadRequestError(field_prefix + field if field else field_prefix.rstrip(".") or "value",
-                              rule) from None
+        raise BadRequestError(field_prefix + field if field else field_prefix.rstrip(".") or "value", rule) from None
 
 
 def check(obj: msgspec.Struct) -> None:

@@ -161,9 +161,11 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     out = []
     for p in prompts:
         ids = model.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False,
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
             pad_token_id=0,
         )
-        out.append(ids[0, len(p):].tolist())
+        out.append(ids[0, len(p) :].tolist())
     return out

@@ -67,10 +67,16 @@ class Handler(BaseHTTPRequestHandler):
         prompt = len(body["prompt"])
         if llama:  # (bench peers does not stream llama-server)
             time.sleep(0.002 * n)
-            self._answer(200, {"content": "x" * n, "tokens": out if body.get("return_tokens") else [], "stop": True,
-                               "tokens_predicted": n,
-                               "timings": {"cache_n": cached, "prompt_n": prompt - cached, "predicted_n": n,
-                                           "predicted_ms": 2.0 * (n - 1)}})
+            self._answer(
+                200,
+                {
+                    "content": "x" * n,
+                    "tokens": out if body.get("return_tokens") else [],
+                    "stop": True,
+                    "tokens_predicted": n,
+                    "timings": {"cache_n": cached, "prompt_n": prompt - cached, "predicted_n": n, "predicted_ms": 2.0 * (n - 1)},
+                },
+            )
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -80,8 +86,7 @@ class Handler(BaseHTTPRequestHandler):
             ids = {"token_ids": [t]} if body.get("return_token_ids") else {}
             self._event({"choices": [{"index": 0, "text": "x", "finish_reason": None, **ids}]})
         self._event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-        self._event({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n,
-                                              "prompt_tokens_details": {"cached_tokens": cached}}})
+        self._event({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": cached}}})
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _event(self, data: dict) -> None:

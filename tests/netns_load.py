@@ -66,8 +66,7 @@ async def drive(args) -> dict:
             tokens = rng.choice(prefixes) + [rng.randrange(7, 500) for _ in range(8)]
         else:
             tokens = [rng.randrange(7, 500) for _ in range(48)]
-        records[rid] = {"id": rid, "sent": time.time(), "ended": None, "kind": "hung", "code": "",
-                        "worker": "", "replies": 0, "chunks": 0}
+        records[rid] = {"id": rid, "sent": time.time(), "ended": None, "kind": "hung", "code": "", "worker": "", "replies": 0, "chunks": 0}
         waiters[rid] = asyncio.Event()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         await sock.send(P.encode(P.Generate(id=rid, token_ids=tokens, params=params, stream=n % 3 == 0, api_key=API_KEY)))

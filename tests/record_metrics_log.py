@@ -17,19 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_cluster import Cluster  # noqa: E402
-
 from radixserve.client import Client  # noqa: E402
 from radixserve.testing import make_tiny_model_dir  # noqa: E402
 
+from serve_cluster import Cluster  # noqa: E402
 
-def record(out: Path, *, bursts: int = 3, per_burst: int = 24, gap_s: float = 3.0, interval_s: float = 0.5,
-           model_dir: str | None = None) -> Path:
+
+def record(out: Path, *, bursts: int = 3, per_burst: int = 24, gap_s: float = 3.0, interval_s: float = 0.5, model_dir: str | None = None) -> Path:
     out.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_dir or str(make_tiny_model_dir(Path(tmp) / "llama", "llama", seed=7))
-        cluster = Cluster(model_dir, 1, "--metrics-log", str(out), "--metrics-interval", str(interval_s),
-                          "--max-inflight", "2", "--max-queue", "256")
+        cluster = Cluster(model_dir, 1, "--metrics-log", str(out), "--metrics-interval", str(interval_s), "--max-inflight", "2", "--max-queue", "256")
         try:
             time.sleep(2 * interval_s)  # idle lines first
             with Client(cluster.address, timeout=120) as c, ThreadPoolExecutor(per_burst) as pool:

@@ -21,14 +21,27 @@ class Cluster:
     """`radixserve serve --port 0 ...` (:func:`radixserve.testing.spawn_server`) and its workers;
     with ``http=True`` also the OpenAI gateway (``--http-port 0``), its base URL in ``url``."""
 
-    def __init__(self, model_dir: str, workers: int = 2, *extra: str, kv_cache_tokens: int = 8192,
-                 ready_timeout: float = 90.0, restart: bool = False, http: bool = False):
+    def __init__(
+        self, model_dir: str, workers: int = 2, *extra: str, kv_cache_tokens: int = 8192, ready_timeout: float = 90.0, restart: bool = False, http: bool = False
+    ):
         self.secret_file = os.path.join(tempfile.mkdtemp(prefix="radixserve-test-"), "worker.secret")
         # restart=False: a killed worker stays dead, as the failure tests expect (serve's default
         # restarts it; tests of the supervisor ask for that).
-        self.server = spawn_server(model_dir, "--kv-cache-tokens", str(kv_cache_tokens), "--worker-threads", "1",
-                                   *([] if restart else ["--no-restart"]), "--worker-secret-file", self.secret_file,
-                                   *extra, workers=workers, env=ENV, ready_timeout=ready_timeout, http=http)
+        self.server = spawn_server(
+            model_dir,
+            "--kv-cache-tokens",
+            str(kv_cache_tokens),
+            "--worker-threads",
+            "1",
+            *([] if restart else ["--no-restart"]),
+            "--worker-secret-file",
+            self.secret_file,
+            *extra,
+            workers=workers,
+            env=ENV,
+            ready_timeout=ready_timeout,
+            http=http,
+        )
         self.url = self.server.http_url  # http://127.0.0.1:PORT/v1, or None without http
         self.proc = self.server.proc
         self.address, self.worker_address = self.server.address, self.server.worker_address
@@ -42,9 +55,29 @@ class Cluster:
 
     def start_worker(self, model_dir: str, name: str, *extra: str, **popen) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "worker", "--router", self.worker_address,
-             "--secret-file", self.secret_file, "--model", model_dir, "--worker-id", name, "--kv-cache-tokens", "8192", "--threads", "1", *extra],
-            env=ENV, **popen,
+            [
+                sys.executable,
+                "-m",
+                "radixserve.cli",
+                "--log-level",
+                "WARNING",
+                "worker",
+                "--router",
+                self.worker_address,
+                "--secret-file",
+                self.secret_file,
+                "--model",
+                model_dir,
+                "--worker-id",
+                name,
+                "--kv-cache-tokens",
+                "8192",
+                "--threads",
+                "1",
+                *extra,
+            ],
+            env=ENV,
+            **popen,
         )
         self.extra_procs.append(proc)
         return proc

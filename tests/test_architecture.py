@@ -28,8 +28,7 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _imports(path: Path, name: str, known: set[str]) -> set[str]:
@@ -127,12 +126,10 @@ def test_the_import_graph_sees_lazy_imports_and_circles():
 
 def test_no_import_circles():
     cycles = _cycles(_graph())
-    assert not cycles, "import circles (each set imports itself through the others): " + "; ".join(
-        " <-> ".join(c) for c in cycles)
+    assert not cycles, "import circles (each set imports itself through the others): " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize("package", ["radixserve"])
 def test_no_module_over_the_line_limit(package):
-    too_long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / package).rglob("*.py"))
-                if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    too_long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / package).rglob("*.py")) if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not too_long, f"modules over {MAX_LINES} lines (split them along a seam): {too_long}"

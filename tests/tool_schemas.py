@@ -30,12 +30,10 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     """An object schema of 1-4 properties (strings bounded, so even random weights finish a call)."""
     keys = rng.sample(KEYS, rng.randint(1, 4))
     props = {k: _value(rng, depth) for k in keys}
-    return {"type": "object", "properties": props, "required": [k for k in keys if rng.random() < 0.7],
-            "additionalProperties": False}
+    return {"type": "object", "properties": props, "required": [k for k in keys if rng.random() < 0.7], "additionalProperties": False}
 
 
 def random_tools(rng: random.Random, n: int | None = None) -> list[dict]:
     """1-3 function tools in OpenAI's shape with random schemas."""
     names = rng.sample(["get_weather", "make_move", "lookup", "set_alarm", "send_note", "roll_dice"], n or rng.randint(1, 3))
-    return [{"type": "function", "function": {"name": name, "description": f"{name.replace('_', ' ')}",
-                                              "parameters": random_schema(rng)}} for name in names]
+    return [{"type": "function", "function": {"name": name, "description": f"{name.replace('_', ' ')}", "parameters": random_schema(rng)}} for name in names]

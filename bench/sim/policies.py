@@ -11,9 +11,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from radixserve.kv.radix import RadixCache
-
 from bench.sim.workloads import Request, Workload
+from radixserve.kv.radix import RadixCache
 
 NEVER = 1 << 60  # next use of a unit no later request needs
 
@@ -40,7 +39,7 @@ def ideal(w: Workload, order: list[int] | None = None) -> int:
     paths, U = w.paths(), w.unit_tokens
     seen: set[int] = set()
     hit = 0
-    for i in (order if order is not None else range(len(w.requests))):
+    for i in order if order is not None else range(len(w.requests)):
         r, p = w.requests[i], paths[i]
         n, h = r.access_units(U), 0
         while h < n and p[h] in seen:
@@ -66,7 +65,7 @@ def belady(w: Workload, capacity: int) -> int:
     for j in range(len(reqs) - 1, -1, -1):
         p = paths[j]
         nxt[j] = [last.get(x, NEVER) for x in p]
-        for x in p[:reqs[j].access_units(U)]:
+        for x in p[: reqs[j].access_units(U)]:
             last[x] = j
     cached: dict[int, int] = {}  # unit -> next use
     heap: list[tuple[int, int, int]] = []
@@ -104,7 +103,7 @@ class _Pool:
 
     def alloc(self, n: int) -> list[int]:
         out = self.free_pages[-n:] if n else []
-        del self.free_pages[len(self.free_pages) - n:]
+        del self.free_pages[len(self.free_pages) - n :]
         return out
 
 
@@ -136,9 +135,9 @@ class RadixWorker:
             cache.evict(need - len(pool.free_pages))
         new = pool.alloc(min(need, len(pool.free_pages)))  # a request larger than the cache: keep a prefix
         if new:
-            already = cache.insert(r.stored[:h + len(new)], m.pages + new)
+            already = cache.insert(r.stored[: h + len(new)], m.pages + new)
             if already > h:  # our copies of units the tree already had (e.g. an output seen before)
-                pool.free(new[:already - h])
+                pool.free(new[: already - h])
         cache.unlock(m.node)
         got = r.hit_tokens(h, self.U)
         self.hit += got
@@ -152,8 +151,7 @@ def radix(w: Workload, capacity: int, eviction: str = "lru") -> int:
     return worker.hit
 
 
-def radix_lpm(w: Workload, capacity: int, window: int, eviction: str = "lru",
-              order: list[int] | None = None) -> int:
+def radix_lpm(w: Workload, capacity: int, window: int, eviction: str = "lru", order: list[int] | None = None) -> int:
     """Longest-prefix-first: of the next ``window`` waiting requests (arrival order; ``window`` 0:
     the requests with the same arrival time as the first waiting one) whose previous turn is
     done, serve the one with the longest cached prefix (``peek``, re-ranked after every request);
@@ -285,8 +283,9 @@ class _NullFreer:
         pass
 
 
-def route(w: Workload, workers: int, capacity: int, policy: str, *, cache_threshold: float = 0.5,
-          balance_abs: int = 0, balance_rel: float = 1.5) -> tuple[int, list[int]]:
+def route(
+    w: Workload, workers: int, capacity: int, policy: str, *, cache_threshold: float = 0.5, balance_abs: int = 0, balance_rel: float = 1.5
+) -> tuple[int, list[int]]:
     """Serve ``w`` with ``workers`` radix-LRU workers of ``capacity`` units each.
 
     Load is the prompt tokens assigned so far (requests run one at a time here, so nothing is
@@ -327,4 +326,3 @@ def route(w: Workload, workers: int, capacity: int, policy: str, *, cache_thresh
             raise ValueError(f"unknown routing {policy!r}; choose from {ROUTINGS}")
         ws[i].serve(r)
     return sum(x.hit for x in ws), [x.served for x in ws]
-

@@ -79,8 +79,7 @@ class Workload:
 
 
 # -- generated workloads -----------------------------------------------------------------------
-def agent_fleet(agents=64, system_tokens=2048, private_tokens=128, turns=4, output_tokens=8,
-                observation_tokens=16, seed=7) -> Workload:
+def agent_fleet(agents=64, system_tokens=2048, private_tokens=128, turns=4, output_tokens=8, observation_tokens=16, seed=7) -> Workload:
     """A agents share an S-token system prompt, each has a P-token private state; turn t's prompt
     is turn t-1's prompt + its output + an observation. Closed loop approximated by round robin
     over the agents per turn."""
@@ -97,12 +96,16 @@ def agent_fleet(agents=64, system_tokens=2048, private_tokens=128, turns=4, outp
             reqs.append(Request(prompt, len(prompt), stored, len(stored), float(t), last[a]))
             last[a] = len(reqs) - 1
             prompts[a] = stored + random_ids(g, observation_tokens, VOCAB)
-    return Workload("fleet", reqs, 1, f"agent fleet: {agents} agents x {turns} turns, system {system_tokens}, "
-                    f"private {private_tokens}, output {output_tokens}, observation {observation_tokens}")
+    return Workload(
+        "fleet",
+        reqs,
+        1,
+        f"agent fleet: {agents} agents x {turns} turns, system {system_tokens}, "
+        f"private {private_tokens}, output {output_tokens}, observation {observation_tokens}",
+    )
 
 
-def shared_prefix(groups=64, prompts=16, system_tokens=2048, question_tokens=128, output_tokens=256,
-                  seed=7) -> Workload:
+def shared_prefix(groups=64, prompts=16, system_tokens=2048, question_tokens=128, output_tokens=256, seed=7) -> Workload:
     """SGLang generated-shared-prefix: G groups x Q prompts (group prefix + unique question),
     shuffled."""
     g = rng(seed, 2)
@@ -117,12 +120,15 @@ def shared_prefix(groups=64, prompts=16, system_tokens=2048, question_tokens=128
     reqs = [reqs[i] for i in order]
     for i, r in enumerate(reqs):
         r.t = float(i)
-    return Workload("gsp", reqs, 1, f"generated shared prefix: {groups} groups x {prompts} prompts, system "
-                    f"{system_tokens}, question {question_tokens}, output {output_tokens}, shuffled")
+    return Workload(
+        "gsp",
+        reqs,
+        1,
+        f"generated shared prefix: {groups} groups x {prompts} prompts, system {system_tokens}, question {question_tokens}, output {output_tokens}, shuffled",
+    )
 
 
-def multi_turn_chat(conversations=32, turns=8, system_tokens=256, user_tokens=64, output_tokens=128,
-                    seed=7) -> Workload:
+def multi_turn_chat(conversations=32, turns=8, system_tokens=256, user_tokens=64, output_tokens=128, seed=7) -> Workload:
     """C conversations with a shared system prompt; turn t = everything so far + a new user
     message; conversations interleave in a random order that keeps each one's turns in order."""
     g = rng(seed, 3)
@@ -140,8 +146,12 @@ def multi_turn_chat(conversations=32, turns=8, system_tokens=256, user_tokens=64
         last[c] = len(reqs) - 1
         history[c] = stored
         left[c] -= 1
-    return Workload("chat", reqs, 1, f"multi-turn chat: {conversations} conversations x {turns} turns, system "
-                    f"{system_tokens}, user {user_tokens}, output {output_tokens}, interleaved")
+    return Workload(
+        "chat",
+        reqs,
+        1,
+        f"multi-turn chat: {conversations} conversations x {turns} turns, system {system_tokens}, user {user_tokens}, output {output_tokens}, interleaved",
+    )
 
 
 # -- traces ------------------------------------------------------------------------------------
@@ -158,8 +168,7 @@ def load_mooncake(path: str, limit: int | None = None) -> Workload:
             reqs.append(Request(ids, L, ids, L, float(d.get("timestamp", len(reqs)))))
             if limit and len(reqs) >= limit:
                 break
-    return Workload("mooncake", reqs, 512, f"Mooncake trace {os.path.basename(path)}: {len(reqs)} requests, "
-                    "512-token blocks")
+    return Workload("mooncake", reqs, 512, f"Mooncake trace {os.path.basename(path)}: {len(reqs)} requests, 512-token blocks")
 
 
 def load_weka(paths: list[str], limit: int | None = None) -> Workload:
@@ -185,8 +194,7 @@ def load_weka(paths: list[str], limit: int | None = None) -> Workload:
                     continue
                 ids = [intern.setdefault((sid, int(h)), len(intern)) for h in e["hash_ids"]]
                 L = int(e["in"])
-                items.append((t0 + float(e.get("t", 0.0)), chain, len(items),
-                              Request(ids, L, ids, min(L, len(ids) * B))))
+                items.append((t0 + float(e.get("t", 0.0)), chain, len(items), Request(ids, L, ids, min(L, len(ids) * B))))
 
         add(d["requests"], 0.0, (sid, None))
     items.sort(key=lambda x: (x[0], x[2]))

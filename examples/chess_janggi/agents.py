@@ -31,8 +31,8 @@ import itertools
 import json
 import random
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from examples.chess_janggi.rules import JANGGI_LEGEND, Game, IllegalMove
 
@@ -59,7 +59,8 @@ N knight, P pawn), lowercase letters are Black's, and '.' is an empty square. Ra
 You will be shown the position and the list of legal moves. Answer with exactly one legal move in UCI.
 """
 
-JANGGI_SYSTEM = """You are a janggi (Korean chess) assistant playing a full game of janggi against an opponent.
+JANGGI_SYSTEM = (
+    """You are a janggi (Korean chess) assistant playing a full game of janggi against an opponent.
 Rules of janggi, briefly. The board has nine files a to i and ten ranks 1 to 10; pieces stand on the
 intersections. Cho (uppercase, at the bottom) moves first; Han (lowercase, at the top) gets 1.5 points of
 compensation. Each side has a palace of three by three points (files d to f, ranks 1 to 3 for Cho and 8 to 10
@@ -79,9 +80,12 @@ keep the guards close to the general, use the cannons with a screen in front of 
 screen-free file for your own general. Trade cannons for horses when the board opens up. Look first for
 checks, captures and threats, for both sides, and keep your pieces protected.
 Notation. Moves are written in UCI: the from-point and the to-point, like b1c3 or h10g8 (rank 10 has two
-digits). """ + JANGGI_LEGEND + """
+digits). """
+    + JANGGI_LEGEND
+    + """
 You will be shown the position and the list of legal moves. Answer with exactly one legal move in UCI.
 """
+)
 
 SYSTEM_PROMPTS = {"chess": CHESS_SYSTEM, "janggi": JANGGI_SYSTEM}
 _SUBMITTED = itertools.count()  # submission order of SDK calls, over all agents (for the ideal hit rate)
@@ -117,22 +121,33 @@ def example_exchange(kind: str) -> list[dict]:
     from examples.chess_janggi.rules import ChessGame, JanggiGame
 
     start = ChessGame() if kind == "chess" else JanggiGame()
-    return [{"role": "user", "content": position_text(start) + "\nYour move:"},
-            {"role": "assistant", "content": EXAMPLE_MOVES[kind]}]
+    return [{"role": "user", "content": position_text(start) + "\nYour move:"}, {"role": "assistant", "content": EXAMPLE_MOVES[kind]}]
 
 
 def move_messages(game: Game, recent: int = 8) -> list[dict]:
     """Chat form: the shared system prompt and worked example, then this position as the user's turn."""
-    return [{"role": "system", "content": SYSTEM_PROMPTS[game.kind]}, *example_exchange(game.kind),
-            {"role": "user", "content": position_text(game, recent) + "\nYour move:"}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPTS[game.kind]},
+        *example_exchange(game.kind),
+        {"role": "user", "content": position_text(game, recent) + "\nYour move:"},
+    ]
 
 
 def make_move_tool(game: Game) -> dict:
     """The ``make_move`` function tool of a position: its one argument an ``enum`` of the legal moves."""
-    return {"type": "function", "function": {
-        "name": "make_move", "description": "Play one legal move, in UCI notation.",
-        "parameters": {"type": "object", "properties": {"move": {"type": "string", "enum": game.legal_moves()}},
-                       "required": ["move"], "additionalProperties": False}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": "make_move",
+            "description": "Play one legal move, in UCI notation.",
+            "parameters": {
+                "type": "object",
+                "properties": {"move": {"type": "string", "enum": game.legal_moves()}},
+                "required": ["move"],
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 def tool_messages(game: Game, recent: int = 8) -> list[dict]:
@@ -141,13 +156,14 @@ def tool_messages(game: Game, recent: int = 8) -> list[dict]:
     from examples.chess_janggi.rules import ChessGame, JanggiGame
 
     start = ChessGame() if game.kind == "chess" else JanggiGame()
-    example = {"id": "call_example", "type": "function",
-               "function": {"name": "make_move", "arguments": json.dumps({"move": EXAMPLE_MOVES[game.kind]})}}
-    return [{"role": "system", "content": SYSTEM_PROMPTS[game.kind]},
-            {"role": "user", "content": position_text(start) + "\nYour move:"},
-            {"role": "assistant", "content": None, "tool_calls": [example]},
-            {"role": "tool", "tool_call_id": "call_example", "content": "played " + EXAMPLE_MOVES[game.kind]},
-            {"role": "user", "content": position_text(game, recent) + "\nYour move:"}]
+    example = {"id": "call_example", "type": "function", "function": {"name": "make_move", "arguments": json.dumps({"move": EXAMPLE_MOVES[game.kind]})}}
+    return [
+        {"role": "system", "content": SYSTEM_PROMPTS[game.kind]},
+        {"role": "user", "content": position_text(start) + "\nYour move:"},
+        {"role": "assistant", "content": None, "tool_calls": [example]},
+        {"role": "tool", "tool_call_id": "call_example", "content": "played " + EXAMPLE_MOVES[game.kind]},
+        {"role": "user", "content": position_text(game, recent) + "\nYour move:"},
+    ]
 
 
 def chat_renderer(tokenizer) -> Callable[[list[dict]], str] | None:
@@ -207,10 +223,22 @@ class LLMAgent:
 
     name = "llm"
 
-    def __init__(self, client, *, mode: str = "choose", max_retries: int = 3, temperature: float = 0.0,
-                 seed: int | None = None, normalize: str = "mean", max_tokens: int = 8, namespace: str | None = None,
-                 record: bool = False, render: Callable[[list[dict]], str] | None = None, openai=None,
-                 model: str | None = None):
+    def __init__(
+        self,
+        client,
+        *,
+        mode: str = "choose",
+        max_retries: int = 3,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        normalize: str = "mean",
+        max_tokens: int = 8,
+        namespace: str | None = None,
+        record: bool = False,
+        render: Callable[[list[dict]], str] | None = None,
+        openai=None,
+        model: str | None = None,
+    ):
         if mode not in ("choose", "generate", "constrained", "tools"):
             raise ValueError(f"mode must be choose, generate, constrained or tools, got {mode!r}")
         if mode == "tools" and (openai is None or model is None):
@@ -259,8 +287,7 @@ class LLMAgent:
         seed = None if self.seed is None else self.seed + game.ply
         if self.record:
             self.stats.requests.append((next(_SUBMITTED), "choose", prompt, choices))
-        result = await self.client.choose(prompt, choices, normalize=self.normalize, temperature=self.temperature,
-                                          seed=seed, namespace=self.namespace)
+        result = await self.client.choose(prompt, choices, normalize=self.normalize, temperature=self.temperature, seed=seed, namespace=self.namespace)
         self._account(result.timings.ttft_s, result.usage.query_tokens, result.usage.cached_tokens)
         return legal[result.index]
 
@@ -271,8 +298,7 @@ class LLMAgent:
         for attempt in range(1 + self.max_retries):
             seed = None if self.seed is None else self.seed * 1000 + game.ply * 10 + attempt
             seq = next(_SUBMITTED)
-            out = await self.client.generate(text, max_tokens=self.max_tokens, temperature=self.temperature,
-                                             seed=seed, stop=["\n"], namespace=self.namespace)
+            out = await self.client.generate(text, max_tokens=self.max_tokens, temperature=self.temperature, seed=seed, stop=["\n"], namespace=self.namespace)
             if self.record:  # the engine caches the completion too
                 self.stats.requests.append((seq, "generate", text, out.token_ids))
             self._account(out.timings.ttft_s, out.usage.prompt_tokens, out.usage.cached_tokens)
@@ -293,8 +319,14 @@ class LLMAgent:
         server ended it early (max_tokens too small for the longest move)."""
         seed = None if self.seed is None else self.seed * 1000 + game.ply * 10
         seq = next(_SUBMITTED)
-        out = await self.client.generate(prompt, max_tokens=max(self.max_tokens, 16), temperature=self.temperature,
-                                         seed=seed, namespace=self.namespace, structured=legal_move_constraint(game))
+        out = await self.client.generate(
+            prompt,
+            max_tokens=max(self.max_tokens, 16),
+            temperature=self.temperature,
+            seed=seed,
+            namespace=self.namespace,
+            structured=legal_move_constraint(game),
+        )
         if self.record:
             self.stats.requests.append((seq, "generate", prompt, out.token_ids))
         self._account(out.timings.ttft_s, out.usage.prompt_tokens, out.usage.cached_tokens)
@@ -308,9 +340,15 @@ class LLMAgent:
         """One chat completion with the ``make_move`` tool forced; the move of its call, or None."""
         seed = None if self.seed is None else self.seed * 1000 + game.ply * 10
         resp = await self.openai.chat.completions.create(
-            model=self.model, messages=tool_messages(game), tools=[make_move_tool(game)], parallel_tool_calls=False,
-            tool_choice={"type": "function", "function": {"name": "make_move"}}, max_tokens=max(self.max_tokens, 32),
-            temperature=self.temperature, seed=seed)
+            model=self.model,
+            messages=tool_messages(game),
+            tools=[make_move_tool(game)],
+            parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "make_move"}},
+            max_tokens=max(self.max_tokens, 32),
+            temperature=self.temperature,
+            seed=seed,
+        )
         details = resp.usage.prompt_tokens_details
         self._account(None, resp.usage.prompt_tokens, details.cached_tokens if details else 0)  # HTTP: no TTFT
         calls = resp.choices[0].message.tool_calls or []

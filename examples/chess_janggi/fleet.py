@@ -67,24 +67,41 @@ class Match:
 
     def record(self) -> dict:
         a, b = self.game_sides
-        return {"name": self.name, "kind": self.kind, a: self.labels[a], b: self.labels[b],
-                "plies": self.game.ply, "result": self.game.result(), "termination": self.game.termination(),
-                "error": self.error}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            a: self.labels[a],
+            b: self.labels[b],
+            "plies": self.game.ply,
+            "result": self.game.result(),
+            "termination": self.game.termination(),
+            "error": self.error,
+        }
 
     def write(self, out: Path) -> None:
         a, b = self.game_sides
         if self.kind == "chess":
-            text = self.game.pgn({"Event": "radixserve fleet", "Round": str(self.index),
-                                  "White": self.labels[a], "Black": self.labels[b]})
+            text = self.game.pgn({"Event": "radixserve fleet", "Round": str(self.index), "White": self.labels[a], "Black": self.labels[b]})
             (out / f"{self.name}.pgn").write_text(text + "\n")
         else:
             data = {**self.game.record(), a: self.labels[a], b: self.labels[b]}
             (out / f"{self.name}.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
-def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, record: bool,
-                 temperature: float = 0.5, render=None, namespace: str | None = None, openai=None,
-                 model: str | None = None) -> list[Match]:
+def make_matches(
+    client,
+    n_chess: int,
+    n_janggi: int,
+    *,
+    mode: str,
+    seed: int,
+    record: bool,
+    temperature: float = 0.5,
+    render=None,
+    namespace: str | None = None,
+    openai=None,
+    model: str | None = None,
+) -> list[Match]:
     matches = []
     k = 0
     for kind, n in (("chess", n_chess), ("janggi", n_janggi)):
@@ -93,11 +110,15 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
             opponent = OPPONENTS[i % len(OPPONENTS)]
             llm_side = sides[(i // len(OPPONENTS)) % 2] if opponent != "llm" else sides[0]
             other = sides[1] if llm_side == sides[0] else sides[0]
-            agents = {llm_side: LLMAgent(client, mode=mode, seed=seed + k, record=record, temperature=temperature,
-                                        render=render, namespace=namespace, openai=openai, model=model)}
+            agents = {
+                llm_side: LLMAgent(
+                    client, mode=mode, seed=seed + k, record=record, temperature=temperature, render=render, namespace=namespace, openai=openai, model=model
+                )
+            }
             if opponent == "llm":
-                agents[other] = LLMAgent(client, mode=mode, seed=seed + k + 1, record=record, temperature=temperature,
-                                          render=render, namespace=namespace, openai=openai, model=model)
+                agents[other] = LLMAgent(
+                    client, mode=mode, seed=seed + k + 1, record=record, temperature=temperature, render=render, namespace=namespace, openai=openai, model=model
+                )
             elif opponent == "random":
                 agents[other] = RandomAgent(seed + k)
             else:
@@ -107,10 +128,23 @@ def make_matches(client, n_chess: int, n_janggi: int, *, mode: str, seed: int, r
     return matches
 
 
-async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *, mode: str = "choose",
-                    seed: int = 0, out: str | None = None, show_progress: bool = True,
-                    ideal_tokenizer=None, timeout: float = 600.0, temperature: float = 0.5,
-                    chat_tokenizer=None, namespace: str | None = None, http_url: str | None = None) -> dict:
+async def run_fleet(
+    address: str,
+    n_chess: int,
+    n_janggi: int,
+    max_plies: int,
+    *,
+    mode: str = "choose",
+    seed: int = 0,
+    out: str | None = None,
+    show_progress: bool = True,
+    ideal_tokenizer=None,
+    timeout: float = 600.0,
+    temperature: float = 0.5,
+    chat_tokenizer=None,
+    namespace: str | None = None,
+    http_url: str | None = None,
+) -> dict:
     """Play the games; return the report (a dict, every number with its unit in its key).
 
     ``mode="tools"`` plays through the server's OpenAI HTTP API at ``http_url`` (``.../v1``) with
@@ -135,9 +169,19 @@ async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *
         ideal_tokenizer = None  # its requests carry no token ids to replay
     async with AsyncClient(address, timeout=timeout) as client:
         await client.wait_ready(1, timeout=120)
-        matches = make_matches(client, n_chess, n_janggi, mode=mode, seed=seed, record=ideal_tokenizer is not None,
-                               temperature=temperature, render=chat_renderer(chat_tokenizer), namespace=namespace,
-                               openai=oai, model=model)
+        matches = make_matches(
+            client,
+            n_chess,
+            n_janggi,
+            mode=mode,
+            seed=seed,
+            record=ideal_tokenizer is not None,
+            temperature=temperature,
+            render=chat_renderer(chat_tokenizer),
+            namespace=namespace,
+            openai=oai,
+            model=model,
+        )
         progress = {"plies": 0}
         total = max_plies * len(matches)
         start = time.monotonic()
@@ -147,8 +191,12 @@ async def run_fleet(address: str, n_chess: int, n_janggi: int, max_plies: int, *
             if show_progress:
                 done = sum(m.game.is_over() or m.game.ply >= max_plies or m.error is not None for m in matches)
                 el = time.monotonic() - start
-                print(f"[fleet] {el:6.1f} s  plies {progress['plies']}/{total}  games done {done}/{len(matches)}  "
-                      f"{progress['plies'] / max(el, 1e-9):.1f} plies/s", file=sys.stderr, flush=True)
+                print(
+                    f"[fleet] {el:6.1f} s  plies {progress['plies']}/{total}  games done {done}/{len(matches)}  "
+                    f"{progress['plies'] / max(el, 1e-9):.1f} plies/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         wall = time.monotonic() - start
         server = await client.stats()
     if oai is not None:
@@ -252,12 +300,15 @@ def ideal_hit_rate(llms: list[LLMAgent], tokenizer) -> float:
 def format_report(r: dict) -> str:
     lines = [f"games: {r['games']} in {r['wall_s']} s"]
     for kind, g in r["games_by_kind"].items():
-        lines.append(f"  {kind}: finished {g['finished']} (1-0 {g['1-0']}, 0-1 {g['0-1']}, draw {g['1/2-1/2']}), "
-                     f"stopped at the move cap {g['move_cap']}, errors {g['errors']}")
+        lines.append(
+            f"  {kind}: finished {g['finished']} (1-0 {g['1-0']}, 0-1 {g['0-1']}, draw {g['1/2-1/2']}), "
+            f"stopped at the move cap {g['move_cap']}, errors {g['errors']}"
+        )
     lines += [
         f"moves: {r['plies']} plies ({r['plies_per_s']} plies/s), {r['llm_moves']} by LLM agents ({r['llm_moves_per_s']} LLM moves/s)",
         f"per-move latency (LLM): p50 {r['move_latency_p50_ms']} ms, p99 {r['move_latency_p99_ms']} ms",
-        f"TTFT (per SDK call): p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms" if r["ttft_p50_ms"] == r["ttft_p50_ms"]
+        f"TTFT (per SDK call): p50 {r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms"
+        if r["ttft_p50_ms"] == r["ttft_p50_ms"]
         else "TTFT: not measured (mode tools: calls over HTTP)",
         f"prefix hit rate (from usage): {r['prefix_hit_rate'] * 100:.1f} % of {r['query_tokens']} query tokens"
         + (f"; ideal for this request sequence: {r['ideal_prefix_hit_rate'] * 100:.1f} %" if "ideal_prefix_hit_rate" in r else "")
@@ -284,24 +335,37 @@ def _tokenizer_for(model: str | None):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.chess_janggi.fleet", description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", default=None, help="router address (default: start a server on the default model)")
-    ap.add_argument("--model", default=None, help="model dir or .gguf for the server started here, and for its tokenizer "
-                    "(chat template, ideal hit rate); default: the server's default model")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model dir or .gguf for the server started here, and for its tokenizer (chat template, ideal hit rate); default: the server's default model",
+    )
     ap.add_argument("--workers", type=int, default=1, help="workers of the server started here (default: 1)")
-    ap.add_argument("--port", type=int, default=0,
-                    help="client port of the server started here; its workers' socket takes PORT + 1 "
-                         "(default: 0, free ports picked and printed)")
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="client port of the server started here; its workers' socket takes PORT + 1 (default: 0, free ports picked and printed)",
+    )
     ap.add_argument("--chess", type=int, default=4, help="chess games (default: 4)")
     ap.add_argument("--janggi", type=int, default=4, help="janggi games (default: 4)")
     ap.add_argument("--moves", type=int, default=20, help="plies per game at most (default: 20)")
-    ap.add_argument("--mode", default="choose", choices=["choose", "generate", "constrained", "tools"],
-                    help="LLM move selection: choose (scored legal moves), generate (parse, retry, fall back), "
-                         "constrained (generation masked to the legal moves) or tools (a make_move tool call "
-                         "through the OpenAI HTTP API and the openai client)")
-    ap.add_argument("--http-url", default=None, help="with --server and --mode tools: the server's OpenAI API base "
-                    "(http://HOST:PORT/v1)")
-    ap.add_argument("--temperature", type=float, default=0.5,
-                    help="LLM agents sample their move from softmax(score / T) over the legal moves, seeded per agent "
-                         "(default: 0.5; 0 is greedy, and then identical pairings replay identical games)")
+    ap.add_argument(
+        "--mode",
+        default="choose",
+        choices=["choose", "generate", "constrained", "tools"],
+        help="LLM move selection: choose (scored legal moves), generate (parse, retry, fall back), "
+        "constrained (generation masked to the legal moves) or tools (a make_move tool call "
+        "through the OpenAI HTTP API and the openai client)",
+    )
+    ap.add_argument("--http-url", default=None, help="with --server and --mode tools: the server's OpenAI API base (http://HOST:PORT/v1)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.5,
+        help="LLM agents sample their move from softmax(score / T) over the legal moves, seeded per agent "
+        "(default: 0.5; 0 is greedy, and then identical pairings replay identical games)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write PGN / JSON game records and report.json here")
     ap.add_argument("--no-ideal", action="store_true", help="skip the ideal hit rate (needs the model's tokenizer)")
@@ -319,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # serve divides the cores among the workers
         try:
-            server = spawn_server(args.model, workers=args.workers, port=args.port, wait_workers=False,
-                                  http=args.mode == "tools")
+            server = spawn_server(args.model, workers=args.workers, port=args.port, wait_workers=False, http=args.mode == "tools")
         except RuntimeError:  # serve printed why on stderr (a busy --port: "pick another --port")
             print("[fleet] the server did not start; its error is above", file=sys.stderr)
             return 2
@@ -329,11 +392,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
         tokenizer = _tokenizer_for(args.model)
-        report = asyncio.run(run_fleet(address, args.chess, args.janggi, args.moves, mode=args.mode, seed=args.seed,
-                                       out=args.out, show_progress=not args.quiet,
-                                       ideal_tokenizer=None if args.no_ideal else tokenizer,
-                                       temperature=args.temperature, chat_tokenizer=None if args.plain else tokenizer,
-                                       http_url=args.http_url))
+        report = asyncio.run(
+            run_fleet(
+                address,
+                args.chess,
+                args.janggi,
+                args.moves,
+                mode=args.mode,
+                seed=args.seed,
+                out=args.out,
+                show_progress=not args.quiet,
+                ideal_tokenizer=None if args.no_ideal else tokenizer,
+                temperature=args.temperature,
+                chat_tokenizer=None if args.plain else tokenizer,
+                http_url=args.http_url,
+            )
+        )
     finally:
         if server is not None:
             server.stop(20)

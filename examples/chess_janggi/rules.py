@@ -21,8 +21,10 @@ except ImportError:  # pragma: no cover - games extra not installed
 JANGGI = "janggi"
 JANGGI_START = "rnba1abnr/4k4/1c5c1/p1p1p1p1p/9/9/P1P1P1P1P/1C5C1/4K4/RNBA1ABNR w - - 0 1"
 JANGGI_VALUES = {"r": 13, "c": 7, "n": 5, "b": 3, "a": 3, "p": 2, "k": 0}
-JANGGI_LEGEND = ("Legend: uppercase = Cho (moves first), lowercase = Han. K general, A guard, B elephant, "
-                 "N horse, R chariot, C cannon, P soldier; '.' empty. Palaces: files d-f, ranks 1-3 and 8-10.")
+JANGGI_LEGEND = (
+    "Legend: uppercase = Cho (moves first), lowercase = Han. K general, A guard, B elephant, "
+    "N horse, R chariot, C cannon, P soldier; '.' empty. Palaces: files d-f, ranks 1-3 and 8-10."
+)
 CHESS_VALUES = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, chess.QUEEN: 9, chess.KING: 0}
 UCI_RE = re.compile(r"\b([a-i](?:10|[1-9])[a-i](?:10|[1-9])[qrbn]?)\b")
 
@@ -234,8 +236,7 @@ class JanggiGame(Game):
         return JanggiGame(self.start_fen, self.moves + [uci], self.variant)
 
     def record(self) -> dict:
-        return {"variant": self.variant, "start_fen": self.start_fen, "moves": list(self.moves),
-                "result": self.result(), "termination": self.termination()}
+        return {"variant": self.variant, "start_fen": self.start_fen, "moves": list(self.moves), "result": self.result(), "termination": self.termination()}
 
 
 def perft(game: Game, depth: int) -> int:

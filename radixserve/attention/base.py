@@ -57,7 +57,5 @@ class AttentionBackend(ABC):
         return None
 
     @abstractmethod
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""

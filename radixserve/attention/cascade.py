@@ -15,9 +15,7 @@ import torch
 LOG2E = 1.0 / math.log(2.0)
 
 
-def attend_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query attention returning ``(out, lse_base2)``.
 
     q: [..., Hkv, G, D] (G query rows per KV head: heads of a group, times queries);
@@ -34,9 +32,7 @@ def attend_with_lse(
     return torch.matmul(probs, v), lse * LOG2E
 
 
-def merge_states(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Combine two attention results over disjoint KV sets (base-2 LSEs; out [..., D])."""
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

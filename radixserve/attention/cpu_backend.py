@@ -138,19 +138,25 @@ class CpuAttention(AttentionBackend):
             if len(dense) == metadata.num_seqs:  # every row: no gather of q, no scatter of out
                 self._gemm = (None, *self._gemm[1:])
         if cascade is None and not dense:
-            self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices,
-                          metadata.kv_last_page_len)
+            self._flat = (None, metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_last_page_len)
             return
         skip = members.union(dense)
         flat = [i for i in range(metadata.num_seqs) if i not in skip]
         flat_meta = _subset(metadata, flat) if flat else None
         self._flat = flat_meta
-        if (flat_meta is not None and cascade is not None and grouped_first and not dense and self._path != "flash"
-                and cascade.decodes_only and all(metadata.qo_lens[i] == 1 for i in flat)):
+        if (
+            flat_meta is not None
+            and cascade is not None
+            and grouped_first
+            and not dense
+            and self._path != "flash"
+            and cascade.decodes_only
+            and all(metadata.qo_lens[i] == 1 for i in flat)
+        ):
             # (the scheduler puts groups first: the ungrouped decodes are then the rows after them)
             self._combined = _concat(
-                (cascade.suffix_qo_indptr, cascade.suffix_kv_indptr, cascade.suffix_kv_indices,
-                 cascade.suffix_kv_last_page_len), flat_meta[1:])
+                (cascade.suffix_qo_indptr, cascade.suffix_kv_indptr, cascade.suffix_kv_indices, cascade.suffix_kv_last_page_len), flat_meta[1:]
+            )
 
     def _split_suffix(self, metadata: AttentionMetadata, grouped: list[int]) -> tuple[tuple, tuple] | None:
         """Level 1's decode members and extend members apart, when the decodes next to the
@@ -158,8 +164,7 @@ class CpuAttention(AttentionBackend):
         lens = [metadata.qo_lens[i] for i in grouped]
         decodes = [j for j, n in enumerate(lens) if n == 1]
         extend_tokens = sum(lens) - len(decodes)
-        if (len(decodes) < self.suffix_split_min_decodes or not extend_tokens
-                or len(decodes) * self.suffix_split_tokens_per_decode < extend_tokens):
+        if len(decodes) < self.suffix_split_min_decodes or not extend_tokens or len(decodes) * self.suffix_split_tokens_per_decode < extend_tokens:
             return None
         c = metadata.cascade
         assert c is not None
@@ -184,20 +189,19 @@ class CpuAttention(AttentionBackend):
             if self._flat is None or self._flat[0] is not None:
                 return None
             _, qo_indptr, kv_indptr, kv_indices, last = self._flat
-            return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices,
-                                    last, self.scale)
+            return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices, last, self.scale)
         c = meta.cascade
         if c is None or self._path == "flash" or not self._grouped[1]:
             return None
         prefix = (c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices, c.prefix_kv_last_page_len)
         if self._combined is not None:  # groups first, then decodes in no group
             qo_indptr, kv_indptr, kv_indices, last = self._combined
-            return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices, last,
-                                    self.scale, prefix)
+            return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, qo_indptr, kv_indptr, kv_indices, last, self.scale, prefix)
         if self._flat is not None or not self._in_order:
             return None
-        return DecodeKernelArgs(self.pool.k, self.pool.v, meta.out_slots, c.suffix_qo_indptr, c.suffix_kv_indptr,
-                                c.suffix_kv_indices, c.suffix_kv_last_page_len, self.scale, prefix)
+        return DecodeKernelArgs(
+            self.pool.k, self.pool.v, meta.out_slots, c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices, c.suffix_kv_last_page_len, self.scale, prefix
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         meta = self._meta
@@ -217,9 +221,9 @@ class CpuAttention(AttentionBackend):
             assert c is not None
             out, lse = attend(q, k_cache, v_cache, *self._combined, self.scale, True)
             g = int(c.prefix_qo_indptr[-1])  # the grouped rows
-            out_p, lse_p = self.ext.prefill_attention(q[:g], k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr,
-                                                      c.prefix_kv_indices, c.prefix_kv_last_page_len, self.scale,
-                                                      False)
+            out_p, lse_p = self.ext.prefill_attention(
+                q[:g], k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices, c.prefix_kv_last_page_len, self.scale, False
+            )
             out[:g] = self.ext.merge_state(out_p, lse_p, out[:g], lse[:g])
             return out
         if self._flat is not None and self._flat[0] is None:  # every sequence on the decode kernel
@@ -233,8 +237,7 @@ class CpuAttention(AttentionBackend):
             _put(out, rows, self.ext.prefill_attention(_take(q, rows), k_cache, v_cache, *index, self.scale, True)[0])
         if self._flat is not None:
             rows, qo_indptr, kv_indptr, kv_indices, last = self._flat
-            flat_out = attend(_take(q, rows), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale,
-                              True)[0]
+            flat_out = attend(_take(q, rows), k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last, self.scale, True)[0]
             _put(out, rows, flat_out)
         for seq in self._dense:
             first, end = seq.rows
@@ -251,20 +254,20 @@ class CpuAttention(AttentionBackend):
             out_s, lse_s = self._suffix_in_two(qg, k_cache, v_cache)
         else:
             suffix = attend if decodes_only else self.ext.prefill_attention
-            out_s, lse_s = suffix(qg, k_cache, v_cache, c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices,
-                                  c.suffix_kv_last_page_len, self.scale, True)
+            out_s, lse_s = suffix(
+                qg, k_cache, v_cache, c.suffix_qo_indptr, c.suffix_kv_indptr, c.suffix_kv_indices, c.suffix_kv_last_page_len, self.scale, True
+            )
         # Level 0: each group's queries against its shared prefix, GEMM-shaped, not causal.
         if self._path == "flash":
             out_p = torch.zeros_like(qg)
             lse_p = torch.full(qg.shape[:2], float("-inf"))
             for first, end, slots in prefixes:
                 if slots is not None:
-                    out_p[first:end], lse_p[first:end] = attend_prefix(qg[first:end], k_slots, v_slots, slots,
-                                                                       self.scale)
+                    out_p[first:end], lse_p[first:end] = attend_prefix(qg[first:end], k_slots, v_slots, slots, self.scale)
         else:
-            out_p, lse_p = self.ext.prefill_attention(qg, k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr,
-                                                      c.prefix_kv_indices, c.prefix_kv_last_page_len, self.scale,
-                                                      False)
+            out_p, lse_p = self.ext.prefill_attention(
+                qg, k_cache, v_cache, c.prefix_qo_indptr, c.prefix_kv_indptr, c.prefix_kv_indices, c.prefix_kv_last_page_len, self.scale, False
+            )
         _put(out, rows, self.ext.merge_state(out_p, lse_p, out_s, lse_s))
         return out
 
@@ -293,8 +296,7 @@ def _subset(metadata: AttentionMetadata, seqs: list[int]) -> tuple:
     return _subset_of(metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_last_page_len, seqs)
 
 
-def _subset_of(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-               kv_last_page_len: torch.Tensor, seqs: list[int]) -> tuple:
+def _subset_of(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, seqs: list[int]) -> tuple:
     """(rows, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of some sequences of one paged
     metadata set (a batch's, or its cascade level 1's); rows index that set's query rows."""
     qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
@@ -304,8 +306,13 @@ def _subset_of(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: tor
         sub_qo.append(sub_qo[-1] + qo[i + 1] - qo[i])
         sub_kv.append(sub_kv[-1] + kv[i + 1] - kv[i])
         parts.append(kv_indices[kv[i] : kv[i + 1]])
-    return (rows, torch.tensor(sub_qo, dtype=torch.int32), torch.tensor(sub_kv, dtype=torch.int32),
-            torch.cat(parts), kv_last_page_len[torch.tensor(seqs)].contiguous())
+    return (
+        rows,
+        torch.tensor(sub_qo, dtype=torch.int32),
+        torch.tensor(sub_kv, dtype=torch.int32),
+        torch.cat(parts),
+        kv_last_page_len[torch.tensor(seqs)].contiguous(),
+    )
 
 
 def _rows(rows: list[int]) -> torch.Tensor | slice:

@@ -80,8 +80,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
 
 
-def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: Slots,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: Slots, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``[T, Hq, D]`` against the K/V at pool ``slots``, every query seeing every key:
     (output ``[T, Hq, D]``, base-2 LSE ``[T, Hq]`` fp32). GQA is folded into the query rows."""
     t, heads, dim = qs.shape
@@ -96,8 +95,9 @@ def attend_prefix(qs: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor
     return out, lse[0].view(kv_heads, t, group).permute(1, 0, 2).reshape(t, heads).mul_(LOG2E)
 
 
-def attend_dense(seq: DenseSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
-                 v_slots: torch.Tensor, scale: float, merge_state) -> torch.Tensor:
+def attend_dense(
+    seq: DenseSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, scale: float, merge_state
+) -> torch.Tensor:
     """Output rows ``[T, Hq, D]`` (q's dtype) of one sequence; ``merge_state`` is the kernels' merge."""
     first, end = seq.rows
     qs = q[first:end]

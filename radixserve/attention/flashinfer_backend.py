@@ -47,15 +47,11 @@ class FlashInferAttention(AttentionBackend):
         self.page_size = pool.page_size
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         tensor_cores = num_qo_heads // self.num_kv_heads >= 4
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, kv_layout="NHD", use_tensor_cores=tensor_cores
-        )
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", use_tensor_cores=tensor_cores)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         # Cascade levels get wrappers of their own: one plan per wrapper per batch.
         self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
-        self.suffix = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, kv_layout="NHD", use_tensor_cores=tensor_cores
-        )
+        self.suffix = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD", use_tensor_cores=tensor_cores)
         self._meta: AttentionMetadata | None = None
 
     def _common(self) -> dict:
@@ -76,32 +72,51 @@ class FlashInferAttention(AttentionBackend):
             sub = _subset(metadata, flat)
             if all(metadata.qo_lens[i] == 1 for i in flat):
                 self.decode.plan(
-                    indptr=sub["kv_indptr"], indices=sub["kv_indices"], last_page_len=sub["kv_last_page_len"],
-                    num_qo_heads=self.num_qo_heads, head_dim=self.head_dim, pos_encoding_mode="NONE",
-                    **dims, **self._common(),
+                    indptr=sub["kv_indptr"],
+                    indices=sub["kv_indices"],
+                    last_page_len=sub["kv_last_page_len"],
+                    num_qo_heads=self.num_qo_heads,
+                    head_dim=self.head_dim,
+                    pos_encoding_mode="NONE",
+                    **dims,
+                    **self._common(),
                 )
                 self._flat_mode = self.decode
             else:
                 self.prefill.plan(
-                    qo_indptr=sub["qo_indptr"], paged_kv_indptr=sub["kv_indptr"],
-                    paged_kv_indices=sub["kv_indices"], paged_kv_last_page_len=sub["kv_last_page_len"],
-                    num_qo_heads=self.num_qo_heads, head_dim_qk=self.head_dim, causal=True,
-                    **dims, **self._common(),
+                    qo_indptr=sub["qo_indptr"],
+                    paged_kv_indptr=sub["kv_indptr"],
+                    paged_kv_indices=sub["kv_indices"],
+                    paged_kv_last_page_len=sub["kv_last_page_len"],
+                    num_qo_heads=self.num_qo_heads,
+                    head_dim_qk=self.head_dim,
+                    causal=True,
+                    **dims,
+                    **self._common(),
                 )
                 self._flat_mode = self.prefill
         self._group_rows = self._rows(metadata, grouped)
         if grouped and cascade is not None:  # grouped rows come from cascade groups
             self.prefix.plan(
-                qo_indptr=cascade.prefix_qo_indptr.cpu(), paged_kv_indptr=cascade.prefix_kv_indptr.cpu(),
+                qo_indptr=cascade.prefix_qo_indptr.cpu(),
+                paged_kv_indptr=cascade.prefix_kv_indptr.cpu(),
                 paged_kv_indices=cascade.prefix_kv_indices.to(self.device),
                 paged_kv_last_page_len=cascade.prefix_kv_last_page_len.cpu(),
-                num_qo_heads=self.num_qo_heads, head_dim_qk=self.head_dim, causal=False,
-                **dims, **self._common(),
+                num_qo_heads=self.num_qo_heads,
+                head_dim_qk=self.head_dim,
+                causal=False,
+                **dims,
+                **self._common(),
             )
             self.suffix.plan(
-                indptr=cascade.suffix_kv_indptr.cpu(), indices=cascade.suffix_kv_indices.to(self.device),
-                last_page_len=cascade.suffix_kv_last_page_len.cpu(), num_qo_heads=self.num_qo_heads,
-                head_dim=self.head_dim, pos_encoding_mode="NONE", **dims, **self._common(),
+                indptr=cascade.suffix_kv_indptr.cpu(),
+                indices=cascade.suffix_kv_indices.to(self.device),
+                last_page_len=cascade.suffix_kv_last_page_len.cpu(),
+                num_qo_heads=self.num_qo_heads,
+                head_dim=self.head_dim,
+                pos_encoding_mode="NONE",
+                **dims,
+                **self._common(),
             )
 
     def _rows(self, metadata: AttentionMetadata, seqs: list[int]) -> torch.Tensor:

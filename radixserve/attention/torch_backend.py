@@ -86,9 +86,7 @@ class TorchAttention(AttentionBackend):
             qd = q[self._decode_rows].unsqueeze(2)  # [B, Hq, 1, D]
             kd = _gather(k_cache, self._decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
             vd = _gather(v_cache, self._decode_slots).transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True
-            )
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True)
             out[self._decode_rows] = od.squeeze(2)
         if self._groups:
             out[self._cascade_rows] = self._cascade(q[self._cascade_rows], k_cache, v_cache)
@@ -97,9 +95,7 @@ class TorchAttention(AttentionBackend):
             qp = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
             kp = _gather(k_cache, slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
             vp = _gather(v_cache, slots).transpose(0, 1)[None]
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
-            )
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[start:end] = op[0].transpose(0, 1)
         return out
 
@@ -124,8 +120,7 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def _padded(slot_lists: list[torch.Tensor], device, visible: list[int] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(slot_lists: list[torch.Tensor], device, visible: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Slot lists padded into one [n, max_len] gather table, and the mask [n, 1, 1, max_len] of
     each row's first ``visible[row]`` slots (default: all of its list)."""
     max_len = max(len(s) for s in slot_lists)

@@ -26,8 +26,7 @@ class CacheManager:
     def __init__(self, pool: KVPool, *, enable_prefix_cache: bool, eviction: str = "lru"):
         self.pool = pool
         self.page_size = pool.page_size
-        self.tree: PrefixCache = (RadixCache(pool.page_size, pool, eviction=eviction) if enable_prefix_cache
-                                  else NoPrefixCache())
+        self.tree: PrefixCache = RadixCache(pool.page_size, pool, eviction=eviction) if enable_prefix_cache else NoPrefixCache()
         self.query_tokens = 0
         self.hit_tokens = 0
         self.alignment_waste_tokens = 0
@@ -98,8 +97,9 @@ class CacheManager:
         aligned = req.kv.computed // self.page_size * self.page_size
         if aligned <= req.kv.cached_len:
             return
-        m = self.tree.cache_prefix(req.tokens[:aligned], req.kv.pages[: aligned // self.page_size], req.input.namespace,
-                                   held=req.kv.node, held_len=req.kv.cached_len)
+        m = self.tree.cache_prefix(
+            req.tokens[:aligned], req.kv.pages[: aligned // self.page_size], req.input.namespace, held=req.kv.node, held_len=req.kv.cached_len
+        )
         if m.length:
             req.kv.pages[: len(m.pages)] = m.pages
             req.kv.node, req.kv.cached_len = m.node, m.length
@@ -178,8 +178,9 @@ class CacheManager:
         free = self.pool.free_page_ids()
         total = len(free) + len(tree_pages) + len(owned)
         if total != self.pool.num_pages:
-            raise InvariantError(f"KV accounting broken: free {len(free)} + cached {len(tree_pages)} + running "
-                                 f"{len(owned)} = {total} != total {self.pool.num_pages}")
+            raise InvariantError(
+                f"KV accounting broken: free {len(free)} + cached {len(tree_pages)} + running {len(owned)} = {total} != total {self.pool.num_pages}"
+            )
         if len(set(free) | set(tree_pages) | set(owned)) != total:
             raise InvariantError("a KV page is held twice")
         self.tree.check_integrity()

@@ -51,8 +51,7 @@ def tokenize_choices(tokenizer, choices: Sequence) -> list[list[int]]:
     return out
 
 
-def rank(choices: Sequence[str], scores: list[list[float]], normalize: str, temperature: float,
-         seed: int | None) -> tuple[list[RankedChoice], int]:
+def rank(choices: Sequence[str], scores: list[list[float]], normalize: str, temperature: float, seed: int | None) -> tuple[list[RankedChoice], int]:
     """Rank by the normalized score; pick the best, or sample softmax(score / temperature)."""
     rows = [RankedChoice(str(c), float(sum(lp)), float(sum(lp) / len(lp)), len(lp)) for c, lp in zip(choices, scores)]
     key = [r.logprob_sum if normalize == "sum" else r.logprob_mean for r in rows]
@@ -66,8 +65,9 @@ def rank(choices: Sequence[str], scores: list[list[float]], normalize: str, temp
     return [rows[i] for i in order], index
 
 
-def choice_requests(make_request: Callable[..., Request], rid: str, prompt_ids: list[int],
-                    choice_ids: list[list[int]], namespace: Hashable = None) -> tuple[Request, list[Request]]:
+def choice_requests(
+    make_request: Callable[..., Request], rid: str, prompt_ids: list[int], choice_ids: list[list[int]], namespace: Hashable = None
+) -> tuple[Request, list[Request]]:
     """The prefill-only request of the prompt and one scoring request per choice
     (``prompt + choice``), each scoring from the prompt's end. All are built (and so validated)
     up front: errors are raised to the caller here, before anything runs."""
@@ -90,10 +90,19 @@ class ChoiceJob:
     ``submit(request, on_chunk)`` queues a request on the engine, ``abort(rid)`` aborts one;
     ``on_done(result, error)`` is called once, from the engine thread (or from ``step``)."""
 
-    def __init__(self, prefill: Request, scorers: list[Request], choices: Sequence[str], *,
-                 submit: Callable[[Request, Callable[[StreamChunk], None]], object], abort: Callable[[str], None],
-                 normalize: str = "sum", temperature: float = 0.0, seed: int | None = None,
-                 on_done: Callable[[ChoiceResult | None, str | None], None]):
+    def __init__(
+        self,
+        prefill: Request,
+        scorers: list[Request],
+        choices: Sequence[str],
+        *,
+        submit: Callable[[Request, Callable[[StreamChunk], None]], object],
+        abort: Callable[[str], None],
+        normalize: str = "sum",
+        temperature: float = 0.0,
+        seed: int | None = None,
+        on_done: Callable[[ChoiceResult | None, str | None], None],
+    ):
         if len(scorers) != len(choices):
             raise BadRequestError("choices", "token ids and choices differ in length")
         self.prefill, self.scorers = prefill, scorers
@@ -148,12 +157,16 @@ class ChoiceJob:
             scores = [self.outputs[k].score_logprobs for k in range(len(self.scorers))]
             if any(s is None for s in scores):
                 raise InvariantError(f"a scoring request of choose {self.prefill.input.rid} finished without its logprobs")
-            ranked, index = rank(self.choices, [s for s in scores if s is not None],
-                                 self.normalize, self.temperature, self.seed)
+            ranked, index = rank(self.choices, [s for s in scores if s is not None], self.normalize, self.temperature, self.seed)
             first = self.prefill.life.arrival
-            result = ChoiceResult(best=self.choices[index], ranked=ranked, usage=self.usage, index=index,
-                                  ttft_s=(self.prefill.life.first_token_at or first) - first,
-                                  e2e_s=time.monotonic() - first)
+            result = ChoiceResult(
+                best=self.choices[index],
+                ranked=ranked,
+                usage=self.usage,
+                index=index,
+                ttft_s=(self.prefill.life.first_token_at or first) - first,
+                e2e_s=time.monotonic() - first,
+            )
             self.done = True
             self.on_done(result, None)
 

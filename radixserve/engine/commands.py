@@ -3,8 +3,8 @@ engine thread between steps (or by :meth:`Engine.step` when no thread runs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 from radixserve.engine.request import Request, StreamChunk
 

@@ -39,15 +39,17 @@ class EngineCore:
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
-        self.loaded = loaded = load_model(config.model, device=self.device, dtype=config.dtype, max_model_len=config.max_model_len,
-                                          weights=setup.weights_mode(config))
+        self.loaded = loaded = load_model(
+            config.model, device=self.device, dtype=config.dtype, max_model_len=config.max_model_len, weights=setup.weights_mode(config)
+        )
         self.tokenizer, self.max_model_len, self.vocab_size = loaded.tokenizer, loaded.max_model_len, loaded.vocab_size
         quant_compute = setup.quant_compute(loaded, config)
         self.pool = setup.make_pool(loaded, config, self.device)
         self.cache = CacheManager(self.pool, enable_prefix_cache=config.enable_prefix_cache, eviction=config.eviction)
         self.runner = setup.make_runner(loaded, self.pool, self.device, config)
-        self.scheduler = Scheduler(config, self.cache, cascade_min_shared_tokens=setup.cascade_threshold(config, self.runner),
-                                   cascade_extends=self.runner.attention.cascade_extends)
+        self.scheduler = Scheduler(
+            config, self.cache, cascade_min_shared_tokens=setup.cascade_threshold(config, self.runner), cascade_extends=self.runner.attention.cascade_extends
+        )
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(loaded.eos_token_ids))
         self.output = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len, self.scheduler.finish)

@@ -19,7 +19,6 @@ from radixserve.errors import BadRequestError
 from radixserve.limits import check_choices
 from radixserve.sampling_params import SamplingParams
 
-
 Prompt = str | Sequence[int]
 
 
@@ -48,10 +47,16 @@ class Engine(EngineCore):
         **options,
     ):
         config = EngineConfig(
-            model=model, device=device, dtype=dtype, page_size=page_size,
-            kv_cache_tokens=kv_cache_tokens, max_running=max_running,
-            max_batched_tokens=max_batched_tokens, enable_prefix_cache=enable_prefix_cache,
-            seed=seed, **options,
+            model=model,
+            device=device,
+            dtype=dtype,
+            page_size=page_size,
+            kv_cache_tokens=kv_cache_tokens,
+            max_running=max_running,
+            max_batched_tokens=max_batched_tokens,
+            enable_prefix_cache=enable_prefix_cache,
+            seed=seed,
+            **options,
         )
         super().__init__(config)
         self._ids = itertools.count()
@@ -82,7 +87,10 @@ class Engine(EngineCore):
         params = fit_max_tokens(params, len(ids), self.max_model_len, self.pool.capacity_tokens)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         return Request(
-            rid=rid, prompt_ids=ids, params=params, namespace=namespace,
+            rid=rid,
+            prompt_ids=ids,
+            params=params,
+            namespace=namespace,
             generator=self.sampler.generator_for(params.seed),
             grammar=self.grammars.matcher(params.structured) if params.structured is not None else None,
             stream=bool(params.stop),
@@ -142,9 +150,19 @@ class Engine(EngineCore):
         return [results[r.input.rid] for r in reqs]
 
     # -- choice scoring ------------------------------------------------------------------------
-    def submit_choose(self, prompt: Prompt, choices: Sequence, on_done, *, normalize: str = "sum",
-                      temperature: float = 0.0, seed: int | None = None, namespace: Hashable = None,
-                      request_id: str | None = None, choice_ids: list[list[int]] | None = None) -> ChoiceJob:
+    def submit_choose(
+        self,
+        prompt: Prompt,
+        choices: Sequence,
+        on_done,
+        *,
+        normalize: str = "sum",
+        temperature: float = 0.0,
+        seed: int | None = None,
+        namespace: Hashable = None,
+        request_id: str | None = None,
+        choice_ids: list[list[int]] | None = None,
+    ) -> ChoiceJob:
         """Start a choose call; ``on_done(result, error_reason)`` is called once from the engine
         thread. Bad input raises here (:class:`BadRequestError` / :class:`TooLongError`)."""
         check_choices(choices, normalize, temperature)
@@ -155,13 +173,15 @@ class Engine(EngineCore):
         rid = request_id or f"choose-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         texts = [c if isinstance(c, str) else self.tokenizer.decode(c) for c in choices]
         prefill, scorers = choice_requests(self.make_request, rid, self.tokenize(prompt), choice_ids, namespace)
-        job = ChoiceJob(prefill, scorers, texts, submit=self.add_request, abort=self.abort, normalize=normalize,
-                        temperature=temperature, seed=seed, on_done=on_done)
+        job = ChoiceJob(
+            prefill, scorers, texts, submit=self.add_request, abort=self.abort, normalize=normalize, temperature=temperature, seed=seed, on_done=on_done
+        )
         job.start()
         return job
 
-    def choose(self, prompt: Prompt, choices: Sequence, *, normalize: str = "sum", temperature: float = 0.0,
-               seed: int | None = None, namespace: Hashable = None) -> ChoiceResult:
+    def choose(
+        self, prompt: Prompt, choices: Sequence, *, normalize: str = "sum", temperature: float = 0.0, seed: int | None = None, namespace: Hashable = None
+    ) -> ChoiceResult:
         """Rank ``choices`` as continuations of ``prompt`` by their tokens' log-probabilities.
         The prompt is prefilled once and every ``prompt + choice`` is scored in one batch on top
         of its cached KV. ``normalize``: ``sum`` (sequence likelihood) or ``mean`` (per token).
@@ -173,8 +193,7 @@ class Engine(EngineCore):
             box.append((result, error))
             done.set()
 
-        self.submit_choose(prompt, choices, on_done, normalize=normalize, temperature=temperature, seed=seed,
-                           namespace=namespace)
+        self.submit_choose(prompt, choices, on_done, normalize=normalize, temperature=temperature, seed=seed, namespace=namespace)
         if self.thread.running:
             done.wait()
         else:
@@ -194,7 +213,8 @@ class Engine(EngineCore):
         req = self.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), namespace=namespace)
         if self.cache.pinned_tokens + len(req.input.prompt_ids) > self.pin_budget_tokens:
             raise BadRequestError(
-                "prompt", f"pinning {len(req.input.prompt_ids)} more tokens would exceed the pin budget of "
+                "prompt",
+                f"pinning {len(req.input.prompt_ids)} more tokens would exceed the pin budget of "
                 f"{self.pin_budget_tokens} tokens ({self.cache.pinned_tokens} pinned); unpin something or raise pin_budget_tokens",
             )
         req.decode.pin = True

@@ -6,8 +6,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -15,10 +15,10 @@ import torch
 from radixserve.attention.base import AttentionBackend
 from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
-from radixserve.errors import BadRequestError
 from radixserve.engine.scheduler import ScheduledItem
-from radixserve.kv.pool import KVPool
+from radixserve.errors import BadRequestError
 from radixserve.kernels.linear import prepack
+from radixserve.kv.pool import KVPool
 from radixserve.model.llama import Attention, CausalLM, ForwardBatch, head_dim_of
 
 log = logging.getLogger("radixserve")

@@ -19,8 +19,7 @@ class OutputProcessor:
     ``release(req, reason)`` is called when a request finishes, before its final chunk is built
     (the scheduler frees its KV and marks it finished)."""
 
-    def __init__(self, tokenizer, eos_token_ids: Iterable[int], max_model_len: int,
-                 release: Callable[[Request, str], None]):
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int], max_model_len: int, release: Callable[[Request, str], None]):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -94,7 +93,7 @@ class OutputProcessor:
         before = self.tokenizer.decode(ids[context:done], skip_special_tokens=True)
         after = self.tokenizer.decode(ids[context:], skip_special_tokens=True)
         if after.startswith(before):
-            text = out.decoded_text + after[len(before):]
+            text = out.decoded_text + after[len(before) :]
         else:  # the new tokens changed the text before them (a tokenizer's clean-up): decode it all
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if not text.endswith("\ufffd"):

@@ -81,8 +81,10 @@ def fit_max_tokens(params: SamplingParams, prompt_tokens: int, max_model_len: in
     if params.max_tokens is None:
         return msgspec.structs.replace(params, max_tokens=limit - prompt_tokens)
     if prompt_tokens + params.max_tokens > limit:
-        raise TooLongError("max_tokens", f"{params.max_tokens} + {prompt_tokens} prompt tokens exceeds the {what} "
-                                         f"({limit} tokens); at most {limit - prompt_tokens} fit after this prompt")
+        raise TooLongError(
+            "max_tokens",
+            f"{params.max_tokens} + {prompt_tokens} prompt tokens exceeds the {what} ({limit} tokens); at most {limit - prompt_tokens} fit after this prompt",
+        )
     return params
 
 
@@ -167,9 +169,19 @@ class Request:
 
     __slots__ = ("input", "decode", "out", "kv", "life", "_tokens")
 
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, namespace: Hashable = None, *,
-                 generator: torch.Generator | None = None, grammar: Any = None, stream: bool = False,
-                 pin: bool = False, score_from: int | None = None):
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        namespace: Hashable = None,
+        *,
+        generator: torch.Generator | None = None,
+        grammar: Any = None,
+        stream: bool = False,
+        pin: bool = False,
+        score_from: int | None = None,
+    ):
         self.input = RequestInput(rid, prompt_ids, params, namespace)
         self.decode = DecodeSettings(generator, grammar, stream, pin, score_from)
         self.out = OutputState()
@@ -244,4 +256,3 @@ def _scored(rid: str, values: list[float | None]) -> list[float]:
     if any(x is None for x in values):
         raise InvariantError(f"scoring request {rid} finished with {values.count(None)} positions unscored")
     return [float(x) for x in values if x is not None]
-

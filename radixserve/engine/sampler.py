@@ -173,8 +173,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Request], failed: set[i
     import xgrammar as xgr
 
     failed = set() if failed is None else failed
-    rows = [row for row, r in enumerate(reqs)
-            if row not in failed and r.decode.grammar is not None and not r.decode.grammar.is_terminated()]
+    rows = [row for row, r in enumerate(reqs) if row not in failed and r.decode.grammar is not None and not r.decode.grammar.is_terminated()]
     if not rows:
         return logits
     bitmask = xgr.allocate_token_bitmask(len(reqs), logits.shape[-1])

@@ -56,8 +56,7 @@ class _NullFreer:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, *, cascade_min_shared_tokens: int | None = None,
-                 cascade_extends: bool = False):
+    def __init__(self, config: EngineConfig, cache: CacheManager, *, cascade_min_shared_tokens: int | None = None, cascade_extends: bool = False):
         self.config = config
         self.cache = cache
         self.cascade_min_shared_tokens = cascade_min_shared_tokens  # None: no cascade groups

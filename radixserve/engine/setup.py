@@ -8,8 +8,8 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.errors import BadRequestError
 from radixserve.engine.tensor_parallel import TensorParallelRunner
+from radixserve.errors import BadRequestError
 from radixserve.kv.pool import KVPool
 from radixserve.model.checks import check_memory
 from radixserve.model.llama import head_dim_of
@@ -21,8 +21,7 @@ def weights_mode(config: EngineConfig) -> str:
     shards dense weights only); ``quantized`` with it is refused."""
     if config.tensor_parallel > 1:
         if config.weights == "quantized":
-            raise BadRequestError("weights", "tensor parallelism shards dense weights: use weights=dequantize "
-                                             "(--weights dequantize) or tensor_parallel=1")
+            raise BadRequestError("weights", "tensor parallelism shards dense weights: use weights=dequantize (--weights dequantize) or tensor_parallel=1")
         return "dequantize"
     return config.weights
 
@@ -85,13 +84,21 @@ def describe(loaded, config: EngineConfig, runner, pool: KVPool, max_model_len: 
     """The settings an engine runs with (logged at start-up; :meth:`Engine.info`)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     return {
-        "model": str(loaded.path), "arch": loaded.config.architectures[0], "dtype": dtype,
+        "model": str(loaded.path),
+        "arch": loaded.config.architectures[0],
+        "dtype": dtype,
         "quant_compute": quant_compute,
-        "device": config.device, "attention": type(runner.attention).__name__,
-        "kv_capacity_tokens": pool.capacity_tokens, "kv_pages": pool.num_pages, "page_size": pool.page_size,
-        "kv_dtype": config.kv_dtype or dtype, "max_running": config.max_running,
-        "max_batched_tokens": config.max_batched_tokens, "max_model_len": max_model_len,
-        "prefix_cache": config.enable_prefix_cache, "tensor_parallel": config.tensor_parallel,
+        "device": config.device,
+        "attention": type(runner.attention).__name__,
+        "kv_capacity_tokens": pool.capacity_tokens,
+        "kv_pages": pool.num_pages,
+        "page_size": pool.page_size,
+        "kv_dtype": config.kv_dtype or dtype,
+        "max_running": config.max_running,
+        "max_batched_tokens": config.max_batched_tokens,
+        "max_model_len": max_model_len,
+        "prefix_cache": config.enable_prefix_cache,
+        "tensor_parallel": config.tensor_parallel,
     }
 
 
@@ -101,5 +108,4 @@ def ready_line(info: dict) -> str:
         "{kv_capacity_tokens} tokens ({kv_pages} pages x {page_size}, kv={kv_dtype}) | max_running={max_running} "
         "max_batched_tokens={max_batched_tokens} max_model_len={max_model_len} prefix_cache={cache} "
         "tensor_parallel={tensor_parallel}"
-    ).format(**info, cache="on" if info["prefix_cache"] else "off",
-             quant=f" quant_compute={info['quant_compute']}" if info.get("quant_compute") else "")
+    ).format(**info, cache="on" if info["prefix_cache"] else "off", quant=f" quant_compute={info['quant_compute']}" if info.get("quant_compute") else "")

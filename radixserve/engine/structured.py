@@ -53,10 +53,8 @@ class GrammarCache:
             try:
                 import xgrammar as xgr
             except ImportError:
-                raise BadRequestError("structured", "structured output needs xgrammar, which is not installed: "
-                                      "pip install 'radixserve[structured]'") from None
-            self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                            stop_token_ids=self._stop or None)
+                raise BadRequestError("structured", "structured output needs xgrammar, which is not installed: pip install 'radixserve[structured]'") from None
+            self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop or None)
         return self._info
 
     def _get_compiler(self):

@@ -45,6 +45,7 @@ STOP_TIMEOUT_S = 10.0
 @dataclass
 class _Window:
     """The tokens ``[start, start + len(tokens))`` of a request, indexed by absolute position."""
+
     start: int
     tokens: list[int]
 
@@ -60,6 +61,7 @@ class _KV:
 @dataclass
 class _Req:
     """What the runner reads of a Request: its tokens and its KV's pages."""
+
     tokens: _Window
     kv: _KV
 
@@ -67,6 +69,7 @@ class _Req:
 @dataclass
 class _Item:
     """What a follower needs of a ScheduledItem: no sampling or scoring (rank 0 does those)."""
+
     req: _Req
     start: int
     num_tokens: int
@@ -90,13 +93,21 @@ def _follower(rank: int, world: int, store_path: str, spec: FollowerSpec, conn) 
     try:
         torch.set_num_threads(spec.threads)
         device = torch.device("cpu")
-        loaded = load_model(spec.model_path, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len,
-                            weights="dequantize")  # (rank 0 too: setup.weights_mode)
+        loaded = load_model(
+            spec.model_path, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len, weights="dequantize"
+        )  # (rank 0 too: setup.weights_mode)
         cfg = loaded.config
         row_parallel = shard_model(loaded.model, rank, world)
-        pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=spec.num_pages, page_size=spec.page_size,
-                      num_kv_heads=cfg.num_key_value_heads // world, head_dim=head_dim_of(cfg),
-                      dtype=loaded.dtype, device=device, kv_dtype=spec.kv_dtype)
+        pool = KVPool(
+            num_layers=cfg.num_hidden_layers,
+            num_pages=spec.num_pages,
+            page_size=spec.page_size,
+            num_kv_heads=cfg.num_key_value_heads // world,
+            head_dim=head_dim_of(cfg),
+            dtype=loaded.dtype,
+            device=device,
+            kv_dtype=spec.kv_dtype,
+        )
         runner = ModelRunner(loaded.model, pool, device, spec.attention)
         conn.send(("ready", None))
     except Exception:
@@ -126,9 +137,13 @@ class TensorParallelRunner:
         self._dir = tempfile.mkdtemp(prefix="radixserve-tp-")
         store_path = os.path.join(self._dir, "store")
         spec = FollowerSpec(
-            model_path=str(loaded.path), dtype=str(loaded.dtype).removeprefix("torch."),
-            max_model_len=loaded.max_model_len, num_pages=pool.num_pages,
-            page_size=pool.page_size, kv_dtype=pool.kv_dtype, attention=attention,
+            model_path=str(loaded.path),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            max_model_len=loaded.max_model_len,
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            kv_dtype=pool.kv_dtype,
+            attention=attention,
             threads=max(1, torch.get_num_threads() // world),
         )
         ctx = mp.get_context("spawn")
@@ -136,8 +151,7 @@ class TensorParallelRunner:
         try:
             for rank in range(1, world):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_follower, args=(rank, world, store_path, spec, child),
-                                   name=f"radixserve-tp{rank}", daemon=True)
+                proc = ctx.Process(target=_follower, args=(rank, world, store_path, spec, child), name=f"radixserve-tp{rank}", daemon=True)
                 proc.start()
                 child.close()
                 self._procs.append(proc)
@@ -154,8 +168,7 @@ class TensorParallelRunner:
         except BaseException:
             self.close()
             raise
-        log.info("tensor parallel: %d ranks (gloo over 127.0.0.1), follower pids %s", world,
-                 [p.pid for p in self._procs])
+        log.info("tensor parallel: %d ranks (gloo over 127.0.0.1), follower pids %s", world, [p.pid for p in self._procs])
 
     @property
     def attention(self):

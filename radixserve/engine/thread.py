@@ -20,8 +20,7 @@ class EngineThread:
     ``step``. ``apply`` runs one command; ``has_work`` says whether a step has anything to do;
     ``on_error`` is called (on the thread) after a step raised."""
 
-    def __init__(self, step: Callable[[], object], apply: Callable[[Command], None],
-                 has_work: Callable[[], bool], on_error: Callable[[], None]):
+    def __init__(self, step: Callable[[], object], apply: Callable[[Command], None], has_work: Callable[[], bool], on_error: Callable[[], None]):
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._step, self._apply, self._has_work, self._on_error = step, apply, has_work, on_error
         self._thread: threading.Thread | None = None

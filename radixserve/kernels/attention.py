@@ -58,8 +58,7 @@ def ops(namespace: str = NAMESPACE) -> AttentionOps | None:
         ns = build.ops(namespace, "paged_attention") if namespace == NAMESPACE else _loaded(namespace)
         if ns is None:
             return None
-        found = _cache[namespace] = AttentionOps(
-            **{name: getattr(ns, name).default for name in AttentionOps.__dataclass_fields__})
+        found = _cache[namespace] = AttentionOps(**{name: getattr(ns, name).default for name in AttentionOps.__dataclass_fields__})
     return found
 
 

@@ -71,8 +71,7 @@ def _torch_tag() -> str:
 
 def build_dir() -> Path:
     root = Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
-    tag = (f"torch{torch.__version__.split('+')[0]}-{_torch_tag()}-py{sys.version_info.major}{sys.version_info.minor}"
-           f"-{_cpu_tag()}-{_sources_tag()}")
+    tag = f"torch{torch.__version__.split('+')[0]}-{_torch_tag()}-py{sys.version_info.major}{sys.version_info.minor}-{_cpu_tag()}-{_sources_tag()}"
     return root / "ext" / tag
 
 
@@ -195,14 +194,22 @@ def _build():
             cpp_extension.verify_ninja_availability()
             copies = _stage_sources(directory)
             library = cpp_extension.load(
-                name=NAME, sources=[str(copies / s.name) for s in sources], build_directory=str(directory),
-                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False, is_python_module=False,
+                name=NAME,
+                sources=[str(copies / s.name) for s in sources],
+                build_directory=str(directory),
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+                is_python_module=False,
             )
         elapsed = time.perf_counter() - start
         if not built or elapsed > 5:
             log.warning("built the CPU kernels in %.1f s", elapsed)
         return str(library)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, once, loudly
-        log.warning("CPU kernels unavailable (%s: %s); using the torch attention backend and torch ops",
-                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        log.warning(
+            "CPU kernels unavailable (%s: %s); using the torch attention backend and torch ops",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+        )
         return None

@@ -96,8 +96,7 @@ class FusedDecode:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def __call__(self, model: DecodeModel, x: torch.Tensor, positions: torch.Tensor,
-                 backend: AttentionBackend) -> torch.Tensor | None:
+    def __call__(self, model: DecodeModel, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor | None:
         """Run every decoder layer on ``x`` (the embeddings, updated in place as the residual
         stream) and return the last layer's MLP output; None when this batch or model does not
         qualify (the caller then runs the layers one by one)."""
@@ -119,9 +118,26 @@ class FusedDecode:
         self.batches += 1
         assert self._ops is not None  # (set by _build)
         return self._ops.decode_layers(
-            x, self._params, packed, args.k_caches, args.v_caches, cos, sin, args.slots, args.qo_indptr,
-            args.kv_indptr, args.kv_indices, args.kv_last_page_len, heads, kv_heads, head_dim, eps, args.scale,
-            list(args.prefix), self._quant if quant.int8_rows() else self._quant_fp32)
+            x,
+            self._params,
+            packed,
+            args.k_caches,
+            args.v_caches,
+            cos,
+            sin,
+            args.slots,
+            args.qo_indptr,
+            args.kv_indptr,
+            args.kv_indices,
+            args.kv_last_page_len,
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+            args.scale,
+            list(args.prefix),
+            self._quant if quant.int8_rows() else self._quant_fp32,
+        )
 
     def _prepacked(self, rows: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Each layer's qkv, o, gate_up and down weights as :func:`radixserve.kernels.linear.linear`
@@ -172,19 +188,21 @@ class FusedDecode:
                     self._quant_fp32.append(_DENSE)
                     weights.append(m.weight)
             bias = [cast("torch.Tensor | None", m.bias) for m in layer.linears]
-            for t in (layer.input_norm, weights[0], bias[0], weights[1], bias[1], layer.post_norm, weights[2],
-                      bias[2], weights[3], bias[3]):
+            for t in (layer.input_norm, weights[0], bias[0], weights[1], bias[1], layer.post_norm, weights[2], bias[2], weights[3], bias[3]):
                 params.append(none if t is None else t)  # (the parameters themselves, as the layers read them)
         if all(q is _DENSE for q in self._quant):
             self._quant = self._quant_fp32 = []
         first = described[0]
         self._shape = (first.num_heads, first.num_kv_heads, first.head_dim, float(first.eps[0]))
         if self._quant and all(m is None for m in self._linears):
-            log.info("decode batches run their decoder layers in one native call, quantized weights at every row "
-                     "count (%s=0 turns this off)", ENV)
+            log.info("decode batches run their decoder layers in one native call, quantized weights at every row count (%s=0 turns this off)", ENV)
         else:
-            log.info("decode batches run their decoder layers in one native call: up to %d rows, and beyond where "
-                     "every linear layer runs oneDNN (%s=0 turns this off)", lin.max_rows(dtype), ENV)
+            log.info(
+                "decode batches run their decoder layers in one native call: up to %d rows, and beyond where "
+                "every linear layer runs oneDNN (%s=0 turns this off)",
+                lin.max_rows(dtype),
+                ENV,
+            )
         return params
 
 

@@ -46,8 +46,7 @@ def packed_policy() -> str:
     """``RADIXSERVE_PACKED_LINEAR`` as one of :data:`POLICIES` (read once per process)."""
     if "policy" not in _state:
         raw = os.environ.get("RADIXSERVE_PACKED_LINEAR", "all").strip().lower()
-        policy = {"0": "off", "off": "off", "false": "off", "no": "off",
-                  "1": "all", "": "all", "exact": "exact", "all": "all"}.get(raw)
+        policy = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "all", "": "all", "exact": "exact", "all": "all"}.get(raw)
         if policy is None:
             log.warning("RADIXSERVE_PACKED_LINEAR=%r is not one of 0, exact, all; using all", raw)
             policy = "all"
@@ -97,8 +96,7 @@ def has_onednn_ops(dtype: torch.dtype = torch.float32) -> bool:
     """torch has oneDNN's prepacked linear ops, and for bf16 this CPU runs them (oneDNN's bf16
     needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has fp32 only)."""
     mk = getattr(torch.ops, "mkldnn", None)
-    if not (torch.backends.mkldnn.is_available() and hasattr(mk, "_reorder_linear_weight")
-            and hasattr(mk, "_linear_pointwise")):
+    if not (torch.backends.mkldnn.is_available() and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise")):
         return False
     return dtype != torch.bfloat16 or bool(getattr(mk, "_is_mkldnn_bf16_supported", lambda: True)())
 
@@ -136,10 +134,12 @@ def measure(dtype: torch.dtype, candidates: tuple[str, ...], reps: int = 9) -> d
                     fns += [functools.partial(onednn_linear, x, od, None) for x in xs]
                     continue
                 packed = ops.pack_fp32(w.float())
-                fns += [functools.partial(F.linear, x, w) if name == "mkl" and x.shape[0] < PACKED_MIN_ROWS
-                        else functools.partial(lambda x, p, n, k: ops.packed_linear(x.float(), p, n, k, None).to(dtype),
-                                               x, packed, n, k)
-                        for x in xs]
+                fns += [
+                    functools.partial(F.linear, x, w)
+                    if name == "mkl" and x.shape[0] < PACKED_MIN_ROWS
+                    else functools.partial(lambda x, p, n, k: ops.packed_linear(x.float(), p, n, k, None).to(dtype), x, packed, n, k)
+                    for x in xs
+                ]
         best = dict.fromkeys(products, float("inf"))
         rep, rounds = 0, reps + 2  # (the first two rounds warm up)
         while rep < rounds:
@@ -190,8 +190,11 @@ def _choose_backend(dtype: torch.dtype) -> str:
     native = "mkl" if dtype == torch.float32 else "widen"
     if not onednn:
         if raw == "onednn":
-            log.warning("RADIXSERVE_CPU_GEMM=onednn: oneDNN's %s GEMM does not run with this torch on this CPU; "
-                        "using MKL%s", str(dtype).removeprefix("torch."), " (widened to fp32)" if native == "widen" else "")
+            log.warning(
+                "RADIXSERVE_CPU_GEMM=onednn: oneDNN's %s GEMM does not run with this torch on this CPU; using MKL%s",
+                str(dtype).removeprefix("torch."),
+                " (widened to fp32)" if native == "widen" else "",
+            )
         return native
     if raw == "mkl":
         return native
@@ -199,12 +202,17 @@ def _choose_backend(dtype: torch.dtype) -> str:
         return "onednn"
     rates = measure(dtype, (native, "onednn"))
     choice = "onednn" if rates["onednn"] > 1.1 * rates[native] else native
-    log.info("%s GEMM on this CPU (%s rows; %s; %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; "
-             "using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)", str(dtype).removeprefix("torch."),
-             ", ".join(map(str, GEMM_PROBE_ROWS)), ", ".join(f"{n} x {k}" for n, k in probed_shapes()),
-             torch.get_num_threads(), rates["onednn"],
-             " (widened to fp32)" if native == "widen" else "", rates[native],
-             "oneDNN" if choice == "onednn" else "MKL")
+    log.info(
+        "%s GEMM on this CPU (%s rows; %s; %d threads): oneDNN %.0f GFLOP/s, MKL%s %.0f GFLOP/s; using %s (RADIXSERVE_CPU_GEMM=mkl or onednn chooses)",
+        str(dtype).removeprefix("torch."),
+        ", ".join(map(str, GEMM_PROBE_ROWS)),
+        ", ".join(f"{n} x {k}" for n, k in probed_shapes()),
+        torch.get_num_threads(),
+        rates["onednn"],
+        " (widened to fp32)" if native == "widen" else "",
+        rates[native],
+        "oneDNN" if choice == "onednn" else "MKL",
+    )
     return choice
 
 
@@ -223,8 +231,7 @@ def amx_first(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s batches of every size, the small-M kernel's too, go to the AMX GEMM: a
     CPU bf16 weight of :func:`amx_shape` where the backend is ``"amx"``."""
     # (is_cpu first: a CUDA model never loads, let alone builds, the CPU extension)
-    return weight.is_cpu and weight.dtype == torch.bfloat16 and gemm_backend(torch.bfloat16) == "amx" and \
-        amx_shape(weight)
+    return weight.is_cpu and weight.dtype == torch.bfloat16 and gemm_backend(torch.bfloat16) == "amx" and amx_shape(weight)
 
 
 def packed_row_range(dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple[int, int]:

@@ -65,8 +65,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> torch.Tensor:
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if residual is not None:
         x.add_(residual)
     dtype = x.dtype

@@ -96,8 +96,7 @@ def _packable(weight: torch.Tensor) -> bool:
 def probe_shapes(model: nn.Module) -> None:
     """Have :func:`~radixserve.kernels.gemm.gemm_backend` time ``model``'s own :class:`Linear`
     shapes (the output embedding left out: only sampled rows run it)."""
-    gemm.set_probe_shapes({tuple(m.weight.shape) for m in model.modules()  # type: ignore[misc]
-                           if isinstance(m, Linear) and m.weight.dim() == 2})
+    gemm.set_probe_shapes({(m.weight.shape[0], m.weight.shape[1]) for m in model.modules() if isinstance(m, Linear) and m.weight.dim() == 2})
 
 
 def prepack(model: nn.Module) -> int:
@@ -116,9 +115,13 @@ def prepack(model: nn.Module) -> int:
     ops = gemm.packed_ops()
     t0 = time.perf_counter()
     done = sum(c.get(w, ops) is not None for w, c in packable)
-    log.info("packed %d of %d linear weights in %.2f s (GEMM backends: %s)", done, len(packable),
-             time.perf_counter() - t0, ", ".join(sorted({f"{str(w.dtype).removeprefix('torch.')} "
-                                                         f"{gemm.gemm_backend(w.dtype)}" for w, _ in packable})))
+    log.info(
+        "packed %d of %d linear weights in %.2f s (GEMM backends: %s)",
+        done,
+        len(packable),
+        time.perf_counter() - t0,
+        ", ".join(sorted({f"{str(w.dtype).removeprefix('torch.')} {gemm.gemm_backend(w.dtype)}" for w, _ in packable})),
+    )
     return done
 
 
@@ -164,8 +167,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   packed: PackedWeight, fp32_out: bool = False) -> torch.Tensor | None:
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight, fp32_out: bool = False) -> torch.Tensor | None:
     """The packed product, or None when this weight keeps F.linear. With ``fp32_out``, float32:
     the AMX GEMM's unrounded sums, the other GEMMs' results cast."""
     ops = gemm.packed_ops()
@@ -187,8 +189,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.float() if fp32_out else y
 
 
-def prepacked_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
-                     packed: PackedWeight) -> torch.Tensor | None:
+def prepacked_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor | None:
     """The prepacked copy of ``weight`` (oneDNN's, or the AMX GEMM's 4-D tiles) that :func:`linear`
     multiplies a batch of ``rows`` rows (of the weight's dtype) by, or None when it would take
     another path for that batch (the small-M kernel, MKL, F.linear). For callers that run the same
@@ -199,8 +200,9 @@ def prepacked_weight(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
     return buf if buf is not None and (buf.is_mkldnn or buf.dim() == 4) else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           fp32_out: bool = False, packed: PackedWeight | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp32_out: bool = False, packed: PackedWeight | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (cast to float32 when ``fp32_out``; the kernel then writes its
     fp32 sums without a rounding to the dtype) on the path of the module docstring; ``packed``:
     the cache of ``weight``'s packed copy (without it, no packed GEMM)."""
@@ -221,8 +223,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.float() if fp32_out else y
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        packed: PackedWeight | None = None) -> torch.Tensor:
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: PackedWeight | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``linear(x, weight, bias)`` for a ``[gate; up]`` weight. Where
     :func:`linear` would take the AMX GEMM's packed copy, the GEMM applies the activation to its
     fp32 sums as they leave the tiles (``amx_linear_silu``: no bf16 rounding of gate and up);

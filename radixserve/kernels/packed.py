@@ -33,7 +33,7 @@ def _bit_identical(weight: torch.Tensor, packed: torch.Tensor, ops) -> bool:
     n, k = weight.shape
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for m in ((1, 4, *gemm.PROBE_ROWS) if packed.is_mkldnn else gemm.PROBE_ROWS):  # (oneDNN runs from 1 row)
+        for m in (1, 4, *gemm.PROBE_ROWS) if packed.is_mkldnn else gemm.PROBE_ROWS:  # (oneDNN runs from 1 row)
             x = torch.randn(m, k, generator=g)
             y = gemm.onednn_linear(x, packed, None) if packed.is_mkldnn else ops.packed_linear(x, packed, n, k, None)
             if not torch.equal(y, F.linear(x, weight)):
@@ -50,8 +50,10 @@ def _reserve(nbytes: int) -> bool:
     if nbytes > budget:  # type: ignore[operator]
         if not _state.get("budget_logged"):
             _state["budget_logged"] = True
-            log.warning("packed weight copies: the budget (half the memory available at the first one) is spent; "
-                        "the remaining linear layers use F.linear (RADIXSERVE_PACKED_LINEAR=0 turns packing off)")
+            log.warning(
+                "packed weight copies: the budget (half the memory available at the first one) is spent; "
+                "the remaining linear layers use F.linear (RADIXSERVE_PACKED_LINEAR=0 turns packing off)"
+            )
         _state["pack_budget"] = budget
         return False
     _state["pack_budget"] = budget - nbytes  # type: ignore[operator]
@@ -118,26 +120,46 @@ class PackedWeight:
             shapes: set = _state.setdefault("inexact_shapes", set())  # type: ignore[assignment]
             if tuple(weight.shape) not in shapes:
                 shapes.add(tuple(weight.shape))
-                log.info("%s linear %dx%d: the packed GEMM is not bit-identical to F.linear at this shape; "
-                         "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)",
-                         str(weight.dtype).removeprefix("torch."), *weight.shape)
+                log.info(
+                    "%s linear %dx%d: the packed GEMM is not bit-identical to F.linear at this shape; "
+                    "it keeps F.linear (RADIXSERVE_PACKED_LINEAR=all packs it anyway)",
+                    str(weight.dtype).removeprefix("torch."),
+                    *weight.shape,
+                )
         elif amx:
-            _log_once("amx_logged", "bf16 linear layers: keeping AMX-packed copies of the weights for batches of every "
-                      "size (as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off")
+            _log_once(
+                "amx_logged",
+                "bf16 linear layers: keeping AMX-packed copies of the weights for batches of every "
+                "size (as much memory again as the weights); RADIXSERVE_PACKED_LINEAR=0 turns this off",
+            )
         elif onednn:
             lo, hi = gemm.packed_row_range(weight.dtype)
-            _log_once(("onednn_logged", weight.dtype), "%s linear layers: keeping oneDNN-prepacked copies of the "
-                      "weights for batches of %d%s rows (as much memory again as the weights); "
-                      "RADIXSERVE_PACKED_LINEAR=0 turns this off",
-                      str(weight.dtype).removeprefix("torch."), lo, f"-{hi}" if hi < 1 << 40 else " or more")
+            _log_once(
+                ("onednn_logged", weight.dtype),
+                "%s linear layers: keeping oneDNN-prepacked copies of the "
+                "weights for batches of %d%s rows (as much memory again as the weights); "
+                "RADIXSERVE_PACKED_LINEAR=0 turns this off",
+                str(weight.dtype).removeprefix("torch."),
+                lo,
+                f"-{hi}" if hi < 1 << 40 else " or more",
+            )
         elif widened:
-            _log_once("widened_logged", "bf16 linear layers (no AMX on this CPU): keeping fp32 MKL-packed copies of "
-                      "the weights for batches of more than %d rows (twice the bf16 weight memory); "
-                      "RADIXSERVE_PACKED_LINEAR=0 turns this off", gemm.MAX_ROWS_VECTOR)
+            _log_once(
+                "widened_logged",
+                "bf16 linear layers (no AMX on this CPU): keeping fp32 MKL-packed copies of "
+                "the weights for batches of more than %d rows (twice the bf16 weight memory); "
+                "RADIXSERVE_PACKED_LINEAR=0 turns this off",
+                gemm.MAX_ROWS_VECTOR,
+            )
         else:
-            _log_once("packed_logged", "fp32 linear layers: keeping MKL-packed copies of the weights for batches of "
-                      "%d-%d rows, about as large as the weights (up to twice the fp32 weight memory); "
-                      "RADIXSERVE_PACKED_LINEAR=0 turns this off", gemm.PACKED_MIN_ROWS, gemm.PACKED_MAX_ROWS)
+            _log_once(
+                "packed_logged",
+                "fp32 linear layers: keeping MKL-packed copies of the weights for batches of "
+                "%d-%d rows, about as large as the weights (up to twice the fp32 weight memory); "
+                "RADIXSERVE_PACKED_LINEAR=0 turns this off",
+                gemm.PACKED_MIN_ROWS,
+                gemm.PACKED_MAX_ROWS,
+            )
         self._entry = (weakref.ref(weight), key, packed)
         return packed
 

@@ -45,6 +45,7 @@ def int8_rows() -> bool:
     """Whether the rows multiplied now are decode tokens (:func:`decode_rows`)."""
     return _DECODE_ROWS.get()
 
+
 _NO_MAP = torch.empty(0, dtype=torch.int32)
 _ALL_ROWS = torch.empty(0, dtype=torch.long)
 _state: dict[str, object] = {}
@@ -75,14 +76,12 @@ class QuantTensor:
             raise ValueError(f"GGUF type id {self.qtype} is not one of {sorted(QTYPES)}")
         block, size = BLOCKS[self.qtype]
         if k % block or self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != k // block * size:
-            raise ValueError(f"{QTYPES[self.qtype]} data {tuple(self.data.shape)} {self.data.dtype} does not hold "
-                             f"a [{n}, {k}] weight")
+            raise ValueError(f"{QTYPES[self.qtype]} data {tuple(self.data.shape)} {self.data.dtype} does not hold a [{n}, {k}] weight")
         if (self.data.shape[0] if self.row_map is None else self.row_map.numel()) != n:
             raise ValueError(f"a [{n}, {k}] weight needs {n} rows")
         if self.row_map is not None:  # (checked here once: the kernels read it unchecked at every call)
             m = self.row_map
-            if m.dtype != torch.int32 or m.dim() != 1 or not m.is_contiguous() or \
-                    (n and not 0 <= int(m.min()) <= int(m.max()) < self.data.shape[0]):
+            if m.dtype != torch.int32 or m.dim() != 1 or not m.is_contiguous() or (n and not 0 <= int(m.min()) <= int(m.max()) < self.data.shape[0]):
                 raise ValueError(f"row_map must be a contiguous int32 vector of rows in [0, {self.data.shape[0]})")
 
     @property
@@ -95,8 +94,7 @@ class QuantTensor:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 rows (all, or those listed), equal to gguf's ``dequantize`` bit for bit."""
-        idx = _ALL_ROWS if rows is None and self.row_map is None else \
-            (torch.arange(self.shape[0]) if rows is None else rows).to(torch.long)
+        idx = _ALL_ROWS if rows is None and self.row_map is None else (torch.arange(self.shape[0]) if rows is None else rows).to(torch.long)
         if self.row_map is not None:
             idx = self.row_map.to(torch.long)[idx]
         return ops().dequantize(self.data, self.qtype, self.shape[1], idx)
@@ -115,8 +113,7 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.impl = IMPL_FP32  # (set_compute)
-        self._args = ([p.data for p in parts], [p.qtype for p in parts],
-                      [_NO_MAP if p.row_map is None else p.row_map for p in parts])
+        self._args = ([p.data for p in parts], [p.qtype for p in parts], [_NO_MAP if p.row_map is None else p.row_map for p in parts])
 
     @property
     def nbytes(self) -> int:
@@ -152,8 +149,7 @@ def set_compute(model: nn.Module, mode: str) -> str | None:
     if not layers:
         return None
     if mode == "int8" and not has_int8():
-        raise ValueError("quant_compute=int8 needs a CPU with AVX-512 VNNI and VBMI (and the extension built for "
-                         "it); this one has neither: use fp32 or auto")
+        raise ValueError("quant_compute=int8 needs a CPU with AVX-512 VNNI and VBMI (and the extension built for it); this one has neither: use fp32 or auto")
     taken = "int8" if mode == "int8" or (mode == "auto" and has_int8()) else "fp32"
     for m in layers:
         m.impl = IMPL_INT8 if taken == "int8" else IMPL_FP32

@@ -74,8 +74,7 @@ class KVPool:
         self._free = list(range(num_pages))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        kv_dtype: str | None = None) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
         """K and V bytes of one token over all layers (int8: plus its float32 scales)."""
         if kv_dtype == "int8":
             return 2 * num_layers * num_kv_heads * (head_dim + 4)

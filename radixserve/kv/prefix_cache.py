@@ -38,8 +38,7 @@ class RadixNode:
         return not self.children
 
     def __repr__(self) -> str:
-        return (f"RadixNode(tokens={len(self.key)}, pages={len(self.pages)}, "
-                f"children={len(self.children)}, lock_ref={self.lock_ref}, ns={self.namespace!r})")
+        return f"RadixNode(tokens={len(self.key)}, pages={len(self.pages)}, children={len(self.children)}, lock_ref={self.lock_ref}, ns={self.namespace!r})"
 
 
 class MatchResult(NamedTuple):
@@ -74,13 +73,11 @@ class PrefixCache(ABC):
         """Cached prefix length of ``tokens[:max_len]``, changing nothing."""
 
     @abstractmethod
-    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True,
-              max_len: int | None = None) -> MatchResult:
+    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True, max_len: int | None = None) -> MatchResult:
         """The longest cached prefix of ``tokens[:max_len]`` (whole pages); lock its node to use it."""
 
     @abstractmethod
-    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *,
-                     held: RadixNode, held_len: int) -> MatchResult:
+    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *, held: RadixNode, held_len: int) -> MatchResult:
         """Cache ``tokens`` (whole pages) whose KV lies in ``pages``, for a caller whose first
         ``held_len`` tokens are the cache's own pages under ``held`` (locked). Frees the caller's
         duplicates of pages the cache already had, moves the caller's lock from ``held`` to the
@@ -132,12 +129,10 @@ class NoPrefixCache(PrefixCache):
     def peek(self, tokens: Sequence[int], namespace: Hashable = None, *, max_len: int | None = None) -> int:
         return 0
 
-    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True,
-              max_len: int | None = None) -> MatchResult:
+    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True, max_len: int | None = None) -> MatchResult:
         return MatchResult([], 0, self.root)
 
-    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *,
-                     held: RadixNode, held_len: int) -> MatchResult:
+    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *, held: RadixNode, held_len: int) -> MatchResult:
         return MatchResult([], 0, held)
 
     def lock(self, node: RadixNode) -> None:

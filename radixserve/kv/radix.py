@@ -48,14 +48,19 @@ class RadixCache(PrefixCache):
 
     enabled = True
 
-    def __init__(self, page_size: int, freer: PageFreer, *, eviction: str = "lru",
-                 clock: Callable[[], float] = time.monotonic,
-                 on_event: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        freer: PageFreer,
+        *,
+        eviction: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[..., None] | None = None,
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if eviction not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction policy {eviction!r}; "
-                             f"choose one of {sorted(EVICTION_POLICIES)}")
+            raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {sorted(EVICTION_POLICIES)}")
         self.page_size = page_size
         self.freer = freer
         self.eviction = eviction
@@ -85,8 +90,7 @@ class RadixCache(PrefixCache):
         return self._evictable + self._protected
 
     # ------------------------------------------------------------------ match / insert
-    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True,
-              max_len: int | None = None) -> MatchResult:
+    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, split: bool = True, max_len: int | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens[:max_len]``, rounded down to a whole page.
 
         ``split=True``: if the match ends inside a node, that node is split at the match so
@@ -112,8 +116,7 @@ class RadixCache(PrefixCache):
         pages += partial
         return MatchResult(pages, length, path[-1] if path else self.root)
 
-    def peek(self, tokens: Sequence[int], namespace: Hashable = None, *,
-             max_len: int | None = None) -> int:
+    def peek(self, tokens: Sequence[int], namespace: Hashable = None, *, max_len: int | None = None) -> int:
         """``match(tokens, namespace, split=False, max_len=max_len).length`` without building
         the page list (about half the cost): for ranking many waiting requests each step."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
@@ -131,24 +134,21 @@ class RadixCache(PrefixCache):
         P = self.page_size
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         if len(tokens) % P or len(pages) * P != len(tokens):
-            raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages, "
-                             f"page_size {P}")
+            raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages, page_size {P}")
         path, already, _ = self._walk(tokens, len(tokens), namespace, split=True)
         now = self.clock()
         for node in path:
             node.last_access = now
         if already < len(tokens):
             parent = path[-1] if path else self.root
-            leaf = RadixNode(key=tokens[already:], pages=list(pages[already // P:]), parent=parent,
-                             last_access=now, namespace=namespace)
+            leaf = RadixNode(key=tokens[already:], pages=list(pages[already // P :]), parent=parent, last_access=now, namespace=namespace)
             parent.children[self._child_key(leaf)] = leaf
             self._evictable += len(leaf.pages)
             if self.on_event is not None:
                 self.on_event(("insert", namespace, list(tokens)))
         return already
 
-    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *,
-                     held: RadixNode, held_len: int) -> MatchResult:
+    def cache_prefix(self, tokens: Sequence[int], pages: list[int], namespace: Hashable, *, held: RadixNode, held_len: int) -> MatchResult:
         """``insert``, then free the caller's duplicates of what was already cached, re-``match``
         for the canonical pages and move the caller's lock from ``held`` to the new entry."""
         P = self.page_size
@@ -161,8 +161,7 @@ class RadixCache(PrefixCache):
         self.unlock(held)
         return m
 
-    def _walk(self, tokens: list[int], limit: int, namespace: Hashable,
-              split: bool) -> tuple[list[RadixNode], int, list[int]]:
+    def _walk(self, tokens: list[int], limit: int, namespace: Hashable, split: bool) -> tuple[list[RadixNode], int, list[int]]:
         """Walk ``tokens[:limit]`` (``limit`` page-aligned) from the root.
 
         Returns (fully matched nodes root-first, matched tokens, pages matched inside the node
@@ -181,22 +180,22 @@ class RadixCache(PrefixCache):
             if end <= limit and tokens[pos:end] == key:  # fast path: whole node matches (C speed)
                 path.append(child)
                 node, pos = child, end
-                child_key = tuple(tokens[pos:pos + P])
+                child_key = tuple(tokens[pos : pos + P])
                 continue
             # The match ends inside `child`. Its first page matched (the dict key); bisect on
             # whole pages with slice compares (C speed) for the longest equal run.
             lo, hi = 1, min(len(key), limit - pos) // P
-            if tokens[pos:pos + hi * P] == key[:hi * P]:  # common: a full hit capped by max_len
+            if tokens[pos : pos + hi * P] == key[: hi * P]:  # common: a full hit capped by max_len
                 lo = hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if tokens[pos:pos + mid * P] == key[:mid * P]:
+                if tokens[pos : pos + mid * P] == key[: mid * P]:
                     lo = mid
                 else:
                     hi = mid - 1
             i = lo * P  # P <= i < len(key)
             if not split:
-                return path, pos + i, child.pages[:i // P]
+                return path, pos + i, child.pages[: i // P]
             path.append(self._split(child, i))
             return path, pos + i, []
         return path, pos, []
@@ -208,16 +207,22 @@ class RadixCache(PrefixCache):
         parent = node.parent
         if parent is None:
             raise InvariantError("split of the root")
-        upper = RadixNode(key=node.key[:at], pages=node.pages[:at // P], parent=parent,
-                          lock_ref=node.lock_ref, last_access=node.last_access,
-                          hit_count=node.hit_count, namespace=node.namespace)
+        upper = RadixNode(
+            key=node.key[:at],
+            pages=node.pages[: at // P],
+            parent=parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+            hit_count=node.hit_count,
+            namespace=node.namespace,
+        )
         parent.children[self._child_key(upper)] = upper  # same key as `node` had
-        node.key, node.pages, node.parent = node.key[at:], node.pages[at // P:], upper
+        node.key, node.pages, node.parent = node.key[at:], node.pages[at // P :], upper
         upper.children[self._child_key(node)] = node
         return upper
 
     def _child_key(self, node: RadixNode) -> Hashable:
-        first_page = tuple(node.key[:self.page_size])
+        first_page = tuple(node.key[: self.page_size])
         return (node.namespace, first_page) if node.parent is self.root else first_page
 
     # ------------------------------------------------------------------ locking
@@ -260,8 +265,7 @@ class RadixCache(PrefixCache):
         if num_pages <= 0 or self._evictable == 0:
             return 0
         tie = itertools.count()
-        heap = [(self._priority(n), next(tie), n) for n in self._nodes()
-                if n.is_leaf and n.lock_ref == 0]
+        heap = [(self._priority(n), next(tie), n) for n in self._nodes() if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         on_event = self.on_event
@@ -342,7 +346,7 @@ class RadixCache(PrefixCache):
             if m.length < start:
                 return 0  # the part above is not cached: nothing below it either
             parent = m.node
-        first = tuple(tokens[start:start + self.page_size])
+        first = tuple(tokens[start : start + self.page_size])
         child = parent.children.get((namespace, first) if parent is self.root else first)
         if child is None:
             return 0

@@ -89,8 +89,7 @@ def dtype_kwargs(dtype: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
-def builtin_config(vocab_size: int = BUILTIN_VOCAB_SIZE, *, bos_token_id: int = 0, eos_token_id: int = 1,
-                   pad_token_id: int | None = 2, **overrides):
+def builtin_config(vocab_size: int = BUILTIN_VOCAB_SIZE, *, bos_token_id: int = 0, eos_token_id: int = 1, pad_token_id: int | None = 2, **overrides):
     """LlamaConfig of the built-in stand-in model (~4.3M parameters, fp32).
 
     hidden 256, 4 layers, 4 heads / 2 KV heads (head_dim 64), intermediate 704, 4096
@@ -222,8 +221,7 @@ def _patch_tokenizer_config(path: Path, tokenizer) -> None:
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def save_model_dir(path: str | os.PathLike, config, *, seed: int, tokenizer=None,
-                   generation_config: dict[str, Any] | None = None) -> Path:
+def save_model_dir(path: str | os.PathLike, config, *, seed: int, tokenizer=None, generation_config: dict[str, Any] | None = None) -> Path:
     """Create a random-weight model from ``config`` and save it (and ``tokenizer``) at ``path``.
 
     Deterministic for a fixed torch version: weights come from ``seed`` alone (see
@@ -297,8 +295,7 @@ def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "radixserve"
 
 
-def build_builtin_model_dir(path: str | os.PathLike, vocab_size: int = BUILTIN_VOCAB_SIZE,
-                            config=None, *, seed: int = BUILTIN_SEED) -> Path:
+def build_builtin_model_dir(path: str | os.PathLike, vocab_size: int = BUILTIN_VOCAB_SIZE, config=None, *, seed: int = BUILTIN_SEED) -> Path:
     """Build (if absent) a stand-in model with :func:`build_tokenizer` at ``path``.
 
     ``config`` defaults to :func:`builtin_config`; its vocab/special ids are taken from
@@ -307,8 +304,7 @@ def build_builtin_model_dir(path: str | os.PathLike, vocab_size: int = BUILTIN_V
     path = Path(path)
     if _is_model_dir(path):
         return path
-    tokenizer = build_tokenizer(vocab_size, model_max_length=(
-        config.max_position_embeddings if config is not None else _MAX_POSITIONS))
+    tokenizer = build_tokenizer(vocab_size, model_max_length=(config.max_position_embeddings if config is not None else _MAX_POSITIONS))
     ids = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -113,10 +113,7 @@ def _build_raw_tokenizer(vocab_size: int):
         # Ordinary (non-special) added tokens: a random model samples these most of the
         # time, and they should show up as visible text, not vanish under
         # skip_special_tokens=True.
-        extra = [
-            AddedToken(f"<|extra_{i}|>", special=False, normalized=False)
-            for i in range(vocab_size - n)
-        ]
+        extra = [AddedToken(f"<|extra_{i}|>", special=False, normalized=False) for i in range(vocab_size - n)]
         tok.add_tokens(extra)
     n = tok.get_vocab_size(with_added_tokens=True)
     if n != vocab_size:  # pragma: no cover - defensive

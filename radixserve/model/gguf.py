@@ -41,8 +41,7 @@ SOURCE_FILE = "gguf.json"
 #: ggml type id -> name, for the types whose blocks stay quantized in memory (csrc/quant.cpp).
 QTYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 #: ggml type id -> (weights per block, bytes per block).
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
-          14: (256, 210)}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 #: The fused projections and the checkpoint weights whose rows they stack, per decoder layer.
 _FUSED = {
@@ -104,11 +103,11 @@ def kept_quantized(types: dict[str, int], num_layers: int, tied: bool) -> dict[s
     every linear projection whose blocks are all of a type in :data:`QTYPES`, plus
     ``model.embed_tokens`` for a quantized embedding table (and ``quant_head`` over it where the
     output head is tied to it). ``types``: each tensor's ggml type id, by its Hugging Face name."""
+
     def quantized(names: list[str]) -> bool:
         return all(types.get(f"{n}.weight") in QTYPES for n in names)
 
-    layers = [(f"model.layers.{i}.{target}", [f"model.layers.{i}.{n}" for n in names])
-              for i in range(num_layers) for target, names in _FUSED.items()]
+    layers = [(f"model.layers.{i}.{target}", [f"model.layers.{i}.{n}" for n in names]) for i in range(num_layers) for target, names in _FUSED.items()]
     out = {target: names for target, names in layers + ([] if tied else [("lm_head", ["lm_head"])]) if quantized(names)}
     if quantized(["model.embed_tokens"]):
         out["model.embed_tokens"] = ["model.embed_tokens"]
@@ -138,8 +137,7 @@ def _reader(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:
-        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file ({exc}); is it truncated or damaged? "
-                             "download it again") from None
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file ({exc}); is it truncated or damaged? download it again") from None
 
 
 def field_value(reader, key: str, default=None):
@@ -197,8 +195,7 @@ def gguf_config(reader) -> dict:
         if orig is not None:
             rope["original_max_position_embeddings"] = int(orig)
         cfg["rope_scaling"] = rope
-    for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                       ("padding_token_id", "pad_token_id")):
+    for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
         value = field_value(reader, f"tokenizer.ggml.{key}")
         if value is not None:
             cfg[field] = int(value)
@@ -230,8 +227,7 @@ def decoder_tensors(reader):
         name = hf_name(t.name)
         if name is None:
             if t.name == "rope_freqs.weight":
-                log.warning("GGUF: ignoring rope_freqs (Llama 3 RoPE scaling; transformers ignores it too): "
-                            "outputs may drift past the original context")
+                log.warning("GGUF: ignoring rope_freqs (Llama 3 RoPE scaling; transformers ignores it too): outputs may drift past the original context")
                 continue
             raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
         yield name, t
@@ -333,9 +329,7 @@ def gguf_source(model_dir: str | os.PathLike) -> Path | None:
     try:
         st = path.stat()
     except OSError:
-        raise ModelLoadError(f"{str(model_dir)!r} reads its weights from {str(path)!r}, which is gone; "
-                             "pass the .gguf file itself") from None
+        raise ModelLoadError(f"{str(model_dir)!r} reads its weights from {str(path)!r}, which is gone; pass the .gguf file itself") from None
     if (st.st_size, st.st_mtime_ns) != (source["size"], source["mtime_ns"]):
-        raise ModelLoadError(f"{str(path)!r} changed since {str(model_dir)!r} was made from it; pass the .gguf file "
-                             "itself (it is read again)")
+        raise ModelLoadError(f"{str(path)!r} changed since {str(model_dir)!r} was made from it; pass the .gguf file itself (it is read again)")
     return path

@@ -24,11 +24,12 @@ from torch import nn
 
 from radixserve.errors import ModelLoadError
 from radixserve.kernels import quant
+from radixserve.kernels.quant import QTYPES, QuantEmbedding, QuantLinear, QuantTensor
 from radixserve.model.gguf import decoder_tensors, field_value, kept_quantized, permuted_qk, unpermute_qk
 from radixserve.model.llama import CausalLM
-from radixserve.kernels.quant import QTYPES, QuantEmbedding, QuantLinear, QuantTensor
 
 log = logging.getLogger("radixserve")
+
 
 @dataclass
 class GGUFWeights:
@@ -42,8 +43,7 @@ class GGUFWeights:
     def describe(self) -> str:
         kept = ", ".join(f"{name} x {n}" for name, n in sorted(self.quantized.items()))
         deq = ", ".join(f"{name} x {n}" for name, n in sorted(self.dequantized.items()))
-        parts = [f"quantized {kept} ({self.quantized_bytes / 2**20:,.1f} MiB, mapped from {self.path.name})" if kept
-                 else "none kept quantized"]
+        parts = [f"quantized {kept} ({self.quantized_bytes / 2**20:,.1f} MiB, mapped from {self.path.name})" if kept else "none kept quantized"]
         if deq:
             parts.append(f"dequantized {deq}")
         return "; ".join(parts)
@@ -77,8 +77,7 @@ def _dense(t, arch: str, config: dict) -> torch.Tensor:
     return w if heads is None else torch.from_numpy(unpermute_qk(w.numpy(), heads))
 
 
-def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: bool,
-                      device: str | torch.device = "cpu") -> GGUFWeights:
+def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: bool, device: str | torch.device = "cpu") -> GGUFWeights:
     """Fill ``model`` (a :class:`~radixserve.model.llama.CausalLM` on the meta device) from GGUF
     file ``path``; ``config``: the Hugging Face config as a dict. Allocates its parameters on
     ``device``. Modules whose weights stay quantized are replaced first, so no memory is ever
@@ -103,8 +102,7 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
             dense = cast(torch.Tensor, model.get_submodule(target).weight)  # (on the meta device: its shape only)
             shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
             if shape != tuple(dense.shape) or any(p.shape[1] != shape[1] for p in parts):
-                raise ModelLoadError(f"{path.name}: {', '.join(names)} hold {[p.shape for p in parts]}; the config "
-                                     f"needs {tuple(dense.shape)} in all")
+                raise ModelLoadError(f"{path.name}: {', '.join(names)} hold {[p.shape for p in parts]}; the config needs {tuple(dense.shape)} in all")
             consumed.update(f"{n}.weight" for n in names)
             summary.quantized.update(p.type_name for p in parts)
             summary.quantized_bytes += sum(p.nbytes for p in parts)
@@ -137,14 +135,12 @@ def load_gguf_weights(model: CausalLM, path: Path, config: dict, *, quantized: b
             summary.dequantized[gguf.GGMLQuantizationType(int(t.tensor_type)).name] += 1
     for layer, names in biases.items():
         if names:
-            layer.bias = nn.Parameter(torch.cat([_dense(tensors[n], arch, config) for n in names]).to(device),
-                                      requires_grad=False)
+            layer.bias = nn.Parameter(torch.cat([_dense(tensors[n], arch, config) for n in names]).to(device), requires_grad=False)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"{path.name} lacks {len(missing)} weights, e.g. {missing[:3]}")
     if quantized and summary.dequantized:
-        log.info("GGUF: no native kernel for %s: dequantized (%s)",
-                 ", ".join(sorted(summary.dequantized)), summary.describe())
+        log.info("GGUF: no native kernel for %s: dequantized (%s)", ", ".join(sorted(summary.dequantized)), summary.describe())
     return summary
 
 

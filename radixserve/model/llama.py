@@ -17,9 +17,9 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixserve.attention.base import AttentionBackend
-from radixserve.kernels.layers import add_rms_norm, rope_
 from radixserve.kernels import quant
 from radixserve.kernels.fused_decode import DecodeLayer, FusedDecode
+from radixserve.kernels.layers import add_rms_norm, rope_
 from radixserve.kernels.linear import Linear, PackedWeight, logits
 from radixserve.kernels.quant import QuantLinear
 
@@ -191,9 +191,7 @@ class Backbone(nn.Module):
         spec = arch_spec(config)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)  # or a QuantEmbedding
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, spec, self.rotary) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, spec, self.rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -244,9 +242,18 @@ class CausalLM(nn.Module):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(type(norm) is not RMSNorm for norm in norms):
                 return "the layers' norms differ"
-            described.append(DecodeLayer(layer, norms[0].weight, norms[1].weight, (norms[0].eps, norms[1].eps),
-                                         (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
-                                         attn.num_heads, attn.num_kv_heads, attn.head_dim))
+            described.append(
+                DecodeLayer(
+                    layer,
+                    norms[0].weight,
+                    norms[1].weight,
+                    (norms[0].eps, norms[1].eps),
+                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                )
+            )
         return described
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,8 +55,9 @@ def load_config(path: str | Path):
     """The transformers config of a model directory, after :func:`~radixserve.model.checks.check_config_values`."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory "
-                             "or .gguf file, or no model for the default one")
+        raise ModelLoadError(
+            f"model directory {str(path)!r} does not exist; pass a local Hugging Face model directory or .gguf file, or no model for the default one"
+        )
     file = path / "config.json"
     if not file.is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
@@ -100,8 +101,11 @@ def check_model(path: str | Path, max_model_len: int | None = None, processes: i
             raise ModelLoadError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
         limit = max_model_len
     each = f" (in each of {processes} workers)" if processes > 1 else ""
-    check_memory(f"the RoPE tables of a {limit}-token context{each}", processes * rope_table_bytes(limit, head_dim_of(config)),
-                 "give a shorter context with --max-model-len N (Engine(max_model_len=N))")
+    check_memory(
+        f"the RoPE tables of a {limit}-token context{each}",
+        processes * rope_table_bytes(limit, head_dim_of(config)),
+        "give a shorter context with --max-model-len N (Engine(max_model_len=N))",
+    )
     return config, limit
 
 
@@ -133,8 +137,7 @@ def load_model(
     model.model.rotary.build(device)  # fp32 cos/sin tables, cast per use like transformers
     if summary is not None:
         dense = sum(p.numel() * p.element_size() for p in model.parameters())
-        log.info("weights of %s: %s; %.1f MiB of %s parameters", summary.path.name, summary.describe(), dense / 2**20,
-                 str(torch_dtype).removeprefix("torch."))
+        log.info("weights of %s: %s; %.1f MiB of %s parameters", summary.path.name, summary.describe(), dense / 2**20, str(torch_dtype).removeprefix("torch."))
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(
@@ -155,9 +158,15 @@ def _quantize(weights: str, source: Path | None, device: torch.device) -> bool:
         raise ModelLoadError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     if weights == "dequantize" or (source is None and weights == "auto"):
         return False
-    why = ("the model is not a .gguf file" if source is None else
-           f"quantized weights run on the CPU only, not {device}" if device.type != "cpu" else
-           "the CPU kernels are not built (see the warning above)" if quant.ops() is None else None)
+    why = (
+        "the model is not a .gguf file"
+        if source is None
+        else f"quantized weights run on the CPU only, not {device}"
+        if device.type != "cpu"
+        else "the CPU kernels are not built (see the warning above)"
+        if quant.ops() is None
+        else None
+    )
     if why is None:
         return True
     if weights == "quantized":

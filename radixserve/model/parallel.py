@@ -24,14 +24,17 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 
 def check_divisible(config, world: int) -> None:
     """Refuse a split that does not divide heads, KV heads and MLP columns evenly."""
-    sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size}
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
     bad = {name: value for name, value in sizes.items() if value % world}
     if bad:
         what = ", ".join(f"{name}={value}" for name, value in bad.items())
-        raise BadRequestError("tensor_parallel", f"{what} of this model not divisible by tensor_parallel={world}; "
-                              f"choose a tensor_parallel that divides {', '.join(bad)}")
+        raise BadRequestError(
+            "tensor_parallel", f"{what} of this model not divisible by tensor_parallel={world}; choose a tensor_parallel that divides {', '.join(bad)}"
+        )
 
 
 def make_group(store_path: str, rank: int, world: int) -> dist.ProcessGroupGloo:

@@ -16,8 +16,7 @@ from pathlib import Path
 from radixserve.errors import BadRequestError, ModelLoadError
 
 _MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
-_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
-                "half": "float16"}
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 
 @dataclass(frozen=True)
@@ -82,9 +81,20 @@ def _from_hf_dir(path: Path, *, source: str) -> ModelShape:
     else:  # a config alone (e.g. copied from a model card): count the parameters it implies
         weights, tensors = _estimated_bytes(cfg, layers, heads, kv_heads, head_dim, hidden, dtype), 0
         source = "config.json alone (no safetensors: weight bytes estimated from the shapes)"
-    return ModelShape(name=path.name, source=source, architecture=arch, num_layers=layers, num_heads=heads,
-                      num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden, max_context=context,
-                      weights_bytes=weights, weights_dtype=_DTYPE_NAMES.get(dtype, dtype), num_tensors=tensors)
+    return ModelShape(
+        name=path.name,
+        source=source,
+        architecture=arch,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        max_context=context,
+        weights_bytes=weights,
+        weights_dtype=_DTYPE_NAMES.get(dtype, dtype),
+        num_tensors=tensors,
+    )
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -136,8 +146,7 @@ def _gguf_weight_bytes(reader, num_layers: int, dequantize: bool) -> tuple[int, 
 
     names = {name: t for t in reader.tensors if (name := hf_name(t.name)) is not None}
     types = {} if dequantize else {name: int(t.tensor_type) for name, t in names.items()}
-    kept = {f"{n}.weight" for part in kept_quantized(types, num_layers, "lm_head.weight" not in names).values()
-            for n in part}
+    kept = {f"{n}.weight" for part in kept_quantized(types, num_layers, "lm_head.weight" not in names).values() for n in part}
     return sum(int(t.n_bytes) if name in kept else int(t.n_elements) * 4 for name, t in names.items()), len(kept)
 
 
@@ -164,12 +173,22 @@ def _from_gguf(path: Path, dequantize: bool = False) -> ModelShape:
     kv_heads = field(f"{arch}.attention.head_count_kv", heads)
     head_dim = field(f"{arch}.attention.key_length", int(hidden) // int(heads))
     weights, kept = _gguf_weight_bytes(reader, int(layers), dequantize)
-    source = (f"GGUF header (gguf package); weights as serve holds them on a CPU: {kept} tensors in their quantized "
-              "blocks, the rest as float32" if not dequantize else
-              "GGUF header (gguf package); weights dequantized to float32 (--weights dequantize)")
-    return ModelShape(name=path.name, source=source, architecture=str(arch),
-                      num_layers=int(layers), num_heads=int(heads), num_kv_heads=int(kv_heads),
-                      head_dim=int(head_dim), hidden_size=int(hidden),
-                      max_context=int(field(f"{arch}.context_length", 2048)), weights_bytes=weights,
-                      weights_dtype="float32",  # what serve computes in and keeps its KV in (a GGUF's default dtype)
-                      num_tensors=len(reader.tensors))
+    source = (
+        f"GGUF header (gguf package); weights as serve holds them on a CPU: {kept} tensors in their quantized blocks, the rest as float32"
+        if not dequantize
+        else "GGUF header (gguf package); weights dequantized to float32 (--weights dequantize)"
+    )
+    return ModelShape(
+        name=path.name,
+        source=source,
+        architecture=str(arch),
+        num_layers=int(layers),
+        num_heads=int(heads),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        hidden_size=int(hidden),
+        max_context=int(field(f"{arch}.context_length", 2048)),
+        weights_bytes=weights,
+        weights_dtype="float32",  # what serve computes in and keeps its KV in (a GGUF's default dtype)
+        num_tensors=len(reader.tensors),
+    )

@@ -33,8 +33,7 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
 
 def kv_formula(shape: ModelShape, kv_dtype: str) -> str:
     s = shape
-    text = (f"2 x {s.num_layers} layers x {s.num_kv_heads} kv_heads x {s.head_dim} head_dim x "
-            f"{KV_DTYPE_BYTES[kv_dtype]} B ({kv_dtype})")
+    text = f"2 x {s.num_layers} layers x {s.num_kv_heads} kv_heads x {s.head_dim} head_dim x {KV_DTYPE_BYTES[kv_dtype]} B ({kv_dtype})"
     if kv_dtype in QUANTIZED:
         text += f" + 2 x {s.num_layers} x {s.num_kv_heads} x {SCALE_BYTES} B scales"
     return f"{text} = {kv_bytes_per_token(shape, kv_dtype):,} B/token"
@@ -62,8 +61,16 @@ def _budget(shape: ModelShape, kv_dtype: str, kv_bytes: int, page_size: int) -> 
     return Budget(kv_dtype, per, page, pages, pages * page_size)
 
 
-def plan(shape: ModelShape, *, context: int | None = None, concurrency: int = 1, memory_gb: float = 24.0,
-         kv_dtype: str | None = None, page_size: int = 1, reserve_gb: float | None = None) -> dict[str, Any]:
+def plan(
+    shape: ModelShape,
+    *,
+    context: int | None = None,
+    concurrency: int = 1,
+    memory_gb: float = 24.0,
+    kv_dtype: str | None = None,
+    page_size: int = 1,
+    reserve_gb: float | None = None,
+) -> dict[str, Any]:
     """The capacity plan as a JSON-able dict (every byte figure in bytes, every size in tokens)."""
     kv_dtype = kv_dtype or (shape.weights_dtype if shape.weights_dtype in KV_DTYPE_BYTES else "float16")
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -89,32 +96,53 @@ def plan(shape: ModelShape, *, context: int | None = None, concurrency: int = 1,
     quantized = {}
     for q in QUANTIZED:
         b = _budget(shape, q, kv_bytes, page_size)
-        quantized[q] = {"bytes_per_token": b.bytes_per_token, "formula": kv_formula(shape, q),
-                        "scale_bytes_per_token": 2 * shape.num_layers * shape.num_kv_heads * SCALE_BYTES,
-                        "kv_tokens": b.tokens, "sequences_at_context": b.sequences(context, page_size),
-                        "capacity_gain": (b.tokens / main.tokens) if main.tokens else None,
-                        "note": ("radixserve's --kv-dtype int8 stores exactly this layout" if q == "int8" else
-                                 "planning figure: the same layout in fp8 (e4m3); radixserve's engine has int8")}
+        quantized[q] = {
+            "bytes_per_token": b.bytes_per_token,
+            "formula": kv_formula(shape, q),
+            "scale_bytes_per_token": 2 * shape.num_layers * shape.num_kv_heads * SCALE_BYTES,
+            "kv_tokens": b.tokens,
+            "sequences_at_context": b.sequences(context, page_size),
+            "capacity_gain": (b.tokens / main.tokens) if main.tokens else None,
+            "note": (
+                "radixserve's --kv-dtype int8 stores exactly this layout"
+                if q == "int8"
+                else "planning figure: the same layout in fp8 (e4m3); radixserve's engine has int8"
+            ),
+        }
     int8 = _budget(shape, "int8", kv_bytes, page_size)
     comfort = []
     for ctx in COMFORT_CONTEXTS:
         for c in COMFORT_CONCURRENCY:
             need = c * main.pages_for(ctx, page_size) * main.page_bytes
-            comfort.append({"context": ctx, "concurrency": c, "kv_bytes": need,
-                            "within_model_context": ctx <= shape.max_context,
-                            "share_of_kv_budget": (need / kv_bytes) if kv_bytes else None,
-                            "fits": main.sequences(ctx, page_size) >= c if main.pages else False,
-                            "fits_int8": int8.sequences(ctx, page_size) >= c if int8.pages else False})
+            comfort.append(
+                {
+                    "context": ctx,
+                    "concurrency": c,
+                    "kv_bytes": need,
+                    "within_model_context": ctx <= shape.max_context,
+                    "share_of_kv_budget": (need / kv_bytes) if kv_bytes else None,
+                    "fits": main.sequences(ctx, page_size) >= c if main.pages else False,
+                    "fits_int8": int8.sequences(ctx, page_size) >= c if int8.pages else False,
+                }
+            )
     return {
         "model": asdict(shape),
-        "inputs": {"context": context, "concurrency": concurrency, "memory_gb": memory_gb, "kv_dtype": kv_dtype,
-                   "page_size": page_size, "reserve_gb": reserve_gb},
+        "inputs": {
+            "context": context,
+            "concurrency": concurrency,
+            "memory_gb": memory_gb,
+            "kv_dtype": kv_dtype,
+            "page_size": page_size,
+            "reserve_gb": reserve_gb,
+        },
         "memory_bytes": memory,
         "weights_bytes": shape.weights_bytes,
         "reserve_bytes": reserve,
-        "reserve_rule": (f"{reserve_gb} GiB (--reserve-gb)" if reserve_gb is not None else
-                         f"{RESERVE_FRACTION:.0%} of the memory left after weights (activations, allocator, "
-                         "CUDA context; what the engine leaves free on CUDA)"),
+        "reserve_rule": (
+            f"{reserve_gb} GiB (--reserve-gb)"
+            if reserve_gb is not None
+            else f"{RESERVE_FRACTION:.0%} of the memory left after weights (activations, allocator, CUDA context; what the engine leaves free on CUDA)"
+        ),
         "kv_budget_bytes": kv_bytes,
         "weights_fit": after_weights > 0,
         "kv_bytes_per_token": main.bytes_per_token,
@@ -124,13 +152,19 @@ def plan(shape: ModelShape, *, context: int | None = None, concurrency: int = 1,
         "page_bytes": main.page_bytes,
         "context_exceeds_model": context > shape.max_context,
         "sequences_at_context": main.sequences(context, page_size),
-        "request": {"kv_tokens": need_tokens, "kv_bytes": need_bytes, "fits": need_tokens <= main.tokens,
-                    "share_of_kv_budget": (need_bytes / kv_bytes) if kv_bytes else None,
-                    "max_context_at_concurrency": max_ctx},
-        "page_waste": {"tokens_per_sequence_at_context": waste_per_seq,
-                       "bytes_at_concurrency": concurrency * waste_per_seq * main.bytes_per_token,
-                       "mean_tokens_per_sequence": (page_size - 1) / 2,
-                       "mean_share": ((page_size - 1) / 2) / (pages_per_seq * page_size)},
+        "request": {
+            "kv_tokens": need_tokens,
+            "kv_bytes": need_bytes,
+            "fits": need_tokens <= main.tokens,
+            "share_of_kv_budget": (need_bytes / kv_bytes) if kv_bytes else None,
+            "max_context_at_concurrency": max_ctx,
+        },
+        "page_waste": {
+            "tokens_per_sequence_at_context": waste_per_seq,
+            "bytes_at_concurrency": concurrency * waste_per_seq * main.bytes_per_token,
+            "mean_tokens_per_sequence": (page_size - 1) / 2,
+            "mean_share": ((page_size - 1) / 2) / (pages_per_seq * page_size),
+        },
         "quantized": quantized,
         "comfort": comfort,
     }
@@ -176,13 +210,13 @@ def format_plan(p: dict[str, Any]) -> str:
     ]
     for q, d in p["quantized"].items():
         gain = f"{d['capacity_gain']:.2f}x the tokens" if d["capacity_gain"] else "n/a"
-        lines.append(f"KV {q:<8} {d['formula']} (scales {d['scale_bytes_per_token']} B/token): "
-                     f"{d['kv_tokens']:,} tokens, {gain}, {d['sequences_at_context']:,} sequences at {i['context']:,}"
-                     + ("" if q == "int8" else f" ({d['note']})"))
+        lines.append(
+            f"KV {q:<8} {d['formula']} (scales {d['scale_bytes_per_token']} B/token): "
+            f"{d['kv_tokens']:,} tokens, {gain}, {d['sequences_at_context']:,} sequences at {i['context']:,}" + ("" if q == "int8" else f" ({d['note']})")
+        )
     conc = COMFORT_CONCURRENCY
     lines.append("")
-    lines.append(f"comfort table ({i['kv_dtype']} KV; ok = fits, int8 = fits only with --kv-dtype int8, no = "
-                 "does not fit; % of the KV budget)")
+    lines.append(f"comfort table ({i['kv_dtype']} KV; ok = fits, int8 = fits only with --kv-dtype int8, no = does not fit; % of the KV budget)")
     lines.append("context  " + "".join(f"{f'x{c}':>14}" for c in conc))
     for ctx in COMFORT_CONTEXTS:
         cells = []

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from collections.abc import Sequence
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,7 @@ def _delta(cur: dict, prev: dict, key: str) -> int:
     return a - b if a >= b else a  # a counter that went down was reset (worker restart)
 
 
-def _engine_window(t: float, dt: float, eng: dict, prev_eng: dict, ttft: dict | None, prev_ttft: dict | None,
-                   inflight: int, queue_depth: int = 0) -> Window:
+def _engine_window(t: float, dt: float, eng: dict, prev_eng: dict, ttft: dict | None, prev_ttft: dict | None, inflight: int, queue_depth: int = 0) -> Window:
     tokens = _delta(eng, prev_eng, "generated_tokens")
     running = eng.get("running", 0)
     mean_running = (running + prev_eng.get("running", running)) / 2
@@ -110,14 +109,24 @@ def _engine_window(t: float, dt: float, eng: dict, prev_eng: dict, ttft: dict | 
     if ttft and "count" in ttft:
         completed = max(0, ttft["count"] - (prev_ttft or {}).get("count", 0))
     return Window(
-        t=t, dt_s=dt, completed=completed,
-        ttft_p50_s=hist_delta_quantile(ttft, prev_ttft, 0.5), ttft_p99_s=hist_delta_quantile(ttft, prev_ttft, 0.99),
-        queue_depth=queue_depth, waiting=eng.get("waiting", 0), inflight=inflight, running=running,
-        tokens=tokens, tokens_per_s=tps,
+        t=t,
+        dt_s=dt,
+        completed=completed,
+        ttft_p50_s=hist_delta_quantile(ttft, prev_ttft, 0.5),
+        ttft_p99_s=hist_delta_quantile(ttft, prev_ttft, 0.99),
+        queue_depth=queue_depth,
+        waiting=eng.get("waiting", 0),
+        inflight=inflight,
+        running=running,
+        tokens=tokens,
+        tokens_per_s=tps,
         per_stream_tok_s=(tps / mean_running) if mean_running > 0 and tokens > 0 else None,
-        kv_total_tokens=eng.get("kv_total_tokens", 0), kv_used_tokens=eng.get("kv_used_tokens", 0),
-        kv_evictable_tokens=eng.get("kv_evictable_tokens", 0), kv_locked_tokens=eng.get("kv_locked_tokens", 0),
-        hit_rate=(h / q) if q > 0 else None, preemptions=_delta(eng, prev_eng, "preemptions"),
+        kv_total_tokens=eng.get("kv_total_tokens", 0),
+        kv_used_tokens=eng.get("kv_used_tokens", 0),
+        kv_evictable_tokens=eng.get("kv_evictable_tokens", 0),
+        kv_locked_tokens=eng.get("kv_locked_tokens", 0),
+        hit_rate=(h / q) if q > 0 else None,
+        preemptions=_delta(eng, prev_eng, "preemptions"),
     )
 
 
@@ -135,8 +144,9 @@ def window_of(cur: dict, prev: dict | None, t: float, dt: float) -> Window:
             continue
         pw = prev.get("workers", {}).get(name, {})
         eng, peng = w.get("engine", {}), pw.get("engine", {})
-        workers[name] = _engine_window(t, dt, eng, peng, w.get("histograms", {}).get("router_ttft_s"),
-                                       pw.get("histograms", {}).get("router_ttft_s"), w.get("inflight", 0))
+        workers[name] = _engine_window(
+            t, dt, eng, peng, w.get("histograms", {}).get("router_ttft_s"), pw.get("histograms", {}).get("router_ttft_s"), w.get("inflight", 0)
+        )
         for key in ("generated_tokens", "prefix_query_tokens", "prefix_hit_tokens", "preemptions"):
             # per worker first, so one worker's restart does not make the fleet's delta negative
             fleet_prev[key] = fleet_prev.get(key, 0)
@@ -146,10 +156,10 @@ def window_of(cur: dict, prev: dict | None, t: float, dt: float) -> Window:
             fleet_prev[key] = fleet_prev.get(key, 0) + peng.get(key, eng.get(key, 0))
     hists, prev_hists = router.get("histograms", {}), prev_router.get("histograms", {})
     gauges = router.get("gauges", {})
-    fleet = _engine_window(t, dt, fleet_eng, fleet_prev, hists.get("ttft_s"), prev_hists.get("ttft_s"),
-                           gauges.get("inflight", 0), gauges.get("queue_depth", 0))
-    return Window(**{**asdict(fleet), "workers": workers, "workers_alive": len(workers),
-                     "inflight_cap": gauges.get("max_inflight_per_worker", 0) * len(workers)})
+    fleet = _engine_window(t, dt, fleet_eng, fleet_prev, hists.get("ttft_s"), prev_hists.get("ttft_s"), gauges.get("inflight", 0), gauges.get("queue_depth", 0))
+    return Window(
+        **{**asdict(fleet), "workers": workers, "workers_alive": len(workers), "inflight_cap": gauges.get("max_inflight_per_worker", 0) * len(workers)}
+    )
 
 
 # ---------------------------------------------------------------------------------- signals
@@ -184,23 +194,34 @@ def _ms(x: float | None) -> str:
 
 def saturation_signals(windows: Sequence[Window], th: Thresholds = Thresholds()) -> list[Signal]:
     """The four saturation signals over ``windows`` (oldest first), each on or off with evidence."""
-    recent = list(windows[-th.recent_windows:])
+    recent = list(windows[-th.recent_windows :])
     out = []
 
     ttfts = [w.ttft_p50_s for w in windows if w.ttft_p50_s is not None]
     now_ttft = statistics.median([w.ttft_p50_s for w in recent if w.ttft_p50_s is not None] or [math.nan])
     best = min(ttfts) if ttfts else None
-    on = not math.isnan(now_ttft) and (now_ttft >= th.ttft_slow_s or (
-        now_ttft >= th.ttft_slow_s / 2 and best is not None and now_ttft >= th.ttft_rise_factor * best))
-    out.append(Signal("ttft_rising", on, "TTFT rising from milliseconds to seconds",
-                      f"p50 TTFT {_ms(None if math.isnan(now_ttft) else now_ttft)} now, best window {_ms(best)} "
-                      f"(on at >= {_ms(th.ttft_slow_s)})"))
+    on = not math.isnan(now_ttft) and (
+        now_ttft >= th.ttft_slow_s or (now_ttft >= th.ttft_slow_s / 2 and best is not None and now_ttft >= th.ttft_rise_factor * best)
+    )
+    out.append(
+        Signal(
+            "ttft_rising",
+            on,
+            "TTFT rising from milliseconds to seconds",
+            f"p50 TTFT {_ms(None if math.isnan(now_ttft) else now_ttft)} now, best window {_ms(best)} (on at >= {_ms(th.ttft_slow_s)})",
+        )
+    )
 
-    tail = list(windows[-th.queue_windows:])
+    tail = list(windows[-th.queue_windows :])
     above = sum(w.queued > 0 for w in tail)
-    out.append(Signal("queue_persistent", bool(tail) and above == len(tail), "queue depth staying above 0",
-                      f"requests queued (router + engines) above 0 in {above} of the last {len(tail)} windows; "
-                      f"now {tail[-1].queued if tail else 0}"))
+    out.append(
+        Signal(
+            "queue_persistent",
+            bool(tail) and above == len(tail),
+            "queue depth staying above 0",
+            f"requests queued (router + engines) above 0 in {above} of the last {len(tail)} windows; now {tail[-1].queued if tail else 0}",
+        )
+    )
 
     streams = [(s, w.running) for w in windows if (s := w.per_stream_tok_s) is not None]
     now = [(s, w.running) for w in recent if (s := w.per_stream_tok_s) is not None]
@@ -209,31 +230,48 @@ def saturation_signals(windows: Sequence[Window], th: Thresholds = Thresholds())
         peak, peak_running = max(streams)
         rate, running = now[-1]
         on = rate <= th.sag_fraction * peak and running > peak_running
-        evidence = (f"{rate:.1f} tok/s per stream at {running} running, best "
-                    f"{peak:.1f} tok/s at {peak_running} running (on at <= {th.sag_fraction:.0%} of best with a fuller batch)")
+        evidence = (
+            f"{rate:.1f} tok/s per stream at {running} running, best "
+            f"{peak:.1f} tok/s at {peak_running} running (on at <= {th.sag_fraction:.0%} of best with a fuller batch)"
+        )
     out.append(Signal("per_stream_sagging", on, "per-stream tok/s sagging as the batch fills", evidence))
 
     pre = sum(w.preemptions for w in recent)
-    out.append(Signal("preemption", pre > 0, "preemption / recompute (KV ran out)",
-                      f"{pre} preemptions in the last {len(recent)} windows"))
+    out.append(Signal("preemption", pre > 0, "preemption / recompute (KV ran out)", f"{pre} preemptions in the last {len(recent)} windows"))
     return out
 
 
 KV_FULL = 0.8  # KV pressure at which quantizing the cache is worth it
 KV_IDLE = 0.5  # ... and below which a full in-flight cap, not memory, is what queues requests
 
-RAISE_CAP = Remedy(0, "use the idle KV first", "every worker is at the router's --max-inflight while most of the KV "
-                   "pool is free: raise --max-inflight (and the engine's --max-running) before buying anything",
-                   ("queue_persistent", "ttft_rising"))
+RAISE_CAP = Remedy(
+    0,
+    "use the idle KV first",
+    "every worker is at the router's --max-inflight while most of the KV "
+    "pool is free: raise --max-inflight (and the engine's --max-running) before buying anything",
+    ("queue_persistent", "ttft_rising"),
+)
 REMEDIES = (
-    Remedy(1, "bound context", "cap max_tokens and prompt length (max_model_len, shorter histories, "
-           "summarised old turns): each token of context costs KV and attention time",
-           ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
-    Remedy(2, "quantize the KV cache", "--kv-dtype int8: int8 K/V plus a float32 scale per token and head, "
-           "about half the bytes per token of bf16, so about twice the tokens fit (see radixserve plan); check "
-           "quality first: it changes greedy text on real models (python -m bench kv_quant)", ("queue_persistent", "preemption")),
-    Remedy(3, "add workers / GPUs", "radixserve worker --router ADDR on another GPU or host; the router "
-           "spreads load and keeps prefixes together", ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption")),
+    Remedy(
+        1,
+        "bound context",
+        "cap max_tokens and prompt length (max_model_len, shorter histories, summarised old turns): each token of context costs KV and attention time",
+        ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption"),
+    ),
+    Remedy(
+        2,
+        "quantize the KV cache",
+        "--kv-dtype int8: int8 K/V plus a float32 scale per token and head, "
+        "about half the bytes per token of bf16, so about twice the tokens fit (see radixserve plan); check "
+        "quality first: it changes greedy text on real models (python -m bench kv_quant)",
+        ("queue_persistent", "preemption"),
+    ),
+    Remedy(
+        3,
+        "add workers / GPUs",
+        "radixserve worker --router ADDR on another GPU or host; the router spreads load and keeps prefixes together",
+        ("ttft_rising", "queue_persistent", "per_stream_sagging", "preemption"),
+    ),
 )
 
 
@@ -248,7 +286,13 @@ def remedies(signals: Sequence[Signal], latest: Window | None = None) -> list[Re
     pressure = latest.kv_pressure if latest is not None else None
     if pressure is not None and "preemption" not in on and pressure < KV_FULL:
         out = [r for r in out if r.rank != 2]
-    if (latest is not None and on & set(RAISE_CAP.addresses) and pressure is not None and pressure < KV_IDLE
-            and latest.inflight_cap and latest.inflight >= latest.inflight_cap):
+    if (
+        latest is not None
+        and on & set(RAISE_CAP.addresses)
+        and pressure is not None
+        and pressure < KV_IDLE
+        and latest.inflight_cap
+        and latest.inflight >= latest.inflight_cap
+    ):
         out.insert(0, RAISE_CAP)
     return out

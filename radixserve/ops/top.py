@@ -11,9 +11,9 @@ from __future__ import annotations
 import collections
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
-from collections.abc import Iterator
 
 from radixserve.ops.signals import Signal, Thresholds, Window, remedies, saturation_signals, window_of
 
@@ -36,25 +36,32 @@ def _pct(x: float | None) -> str:
 def snapshot(window: Window, history: list[Window], address: str, th: Thresholds = Thresholds()) -> dict[str, Any]:
     """What one frame shows, as a JSON-able dict (``--json``)."""
     signals = saturation_signals(history, th)
-    return {"address": address, "time": window.t, "window": window.to_dict(),
-            "signals": [asdict(s) for s in signals],
-            "signals_on": [s.name for s in signals if s.on],
-            "remedies": [asdict(r) for r in remedies(signals, window)]}
+    return {
+        "address": address,
+        "time": window.t,
+        "window": window.to_dict(),
+        "signals": [asdict(s) for s in signals],
+        "signals_on": [s.name for s in signals if s.on],
+        "remedies": [asdict(r) for r in remedies(signals, window)],
+    }
 
 
 def render(window: Window, signals: list[Signal], address: str):
     """A rich renderable of one frame."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    from rich import box
-
-    load = Table(title=f"radixserve top  {address}  (window {window.dt_s:.1f} s)", title_justify="left",
-                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                 caption=(f"{window.workers_alive} worker(s) alive; queued = router queue ({window.queue_depth}) "
-                          "+ engines' waiting"),
-                 caption_justify="left")
+    load = Table(
+        title=f"radixserve top  {address}  (window {window.dt_s:.1f} s)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        caption=(f"{window.workers_alive} worker(s) alive; queued = router queue ({window.queue_depth}) + engines' waiting"),
+        caption_justify="left",
+    )
     for col in ("", "TTFT p50", "TTFT p99", "done", "queued", "run", "tok/s", "per stream", "preempt"):
         load.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
     kv = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
@@ -62,17 +69,35 @@ def render(window: Window, signals: list[Signal], address: str):
         kv.add_column(col, justify="left" if not col else "right", no_wrap=True, min_width=len(col))
 
     def row(name: str, w: Window, queued: int) -> None:
-        load.add_row(name, _ms(w.ttft_p50_s), _ms(w.ttft_p99_s), str(w.completed), str(queued), str(w.running),
-                     _rate(w.tokens_per_s), _rate(w.per_stream_tok_s), str(w.preemptions))
+        load.add_row(
+            name,
+            _ms(w.ttft_p50_s),
+            _ms(w.ttft_p99_s),
+            str(w.completed),
+            str(queued),
+            str(w.running),
+            _rate(w.tokens_per_s),
+            _rate(w.per_stream_tok_s),
+            str(w.preemptions),
+        )
         in_use = w.kv_used_tokens - w.kv_evictable_tokens
-        kv.add_row(name, f"{in_use:,} ({_pct(w.kv_pressure)})", f"{w.kv_evictable_tokens:,}",
-                   f"{w.kv_total_tokens - w.kv_used_tokens:,}", f"{w.kv_total_tokens:,}", _pct(w.hit_rate))
+        kv.add_row(
+            name,
+            f"{in_use:,} ({_pct(w.kv_pressure)})",
+            f"{w.kv_evictable_tokens:,}",
+            f"{w.kv_total_tokens - w.kv_used_tokens:,}",
+            f"{w.kv_total_tokens:,}",
+            _pct(w.hit_rate),
+        )
 
     row("fleet", window, window.queued)
     for name, w in window.workers.items():
         row(name, w, w.waiting)
-    parts: list[Any] = [load, kv, Text("KV in use = held by running requests and locked prefixes (what saturates); "
-                                       "evictable = cached prefixes, reclaimed on demand\n")]
+    parts: list[Any] = [
+        load,
+        kv,
+        Text("KV in use = held by running requests and locked prefixes (what saturates); evictable = cached prefixes, reclaimed on demand\n"),
+    ]
     on = [s for s in signals if s.on]
     if on:
         parts.append(Text("saturation signals ON:", style="bold red"))
@@ -104,13 +129,20 @@ def windows(client, interval: float, timeout: float) -> Iterator[Window]:
         cur = client.stats(timeout=timeout)
         dt = cur["router"].get("uptime_s", 0) - prev["router"].get("uptime_s", 0)
         restarted = dt <= 0
-        yield window_of(cur, None if restarted else prev, time.time(),
-                        cur["router"].get("uptime_s", interval) if restarted else dt)
+        yield window_of(cur, None if restarted else prev, time.time(), cur["router"].get("uptime_s", interval) if restarted else dt)
         prev = cur
 
 
-def run_top(address: str, *, interval: float = 2.0, once: bool = False, as_json: bool = False,
-            timeout: float = 5.0, iterations: int | None = None, th: Thresholds = Thresholds()) -> int:
+def run_top(
+    address: str,
+    *,
+    interval: float = 2.0,
+    once: bool = False,
+    as_json: bool = False,
+    timeout: float = 5.0,
+    iterations: int | None = None,
+    th: Thresholds = Thresholds(),
+) -> int:
     from radixserve.client import Client
 
     history: collections.deque[Window] = collections.deque(maxlen=HISTORY)

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 import zmq.utils.z85 as z85
+from zmq.auth.thread import ThreadAuthenticator
 
 from radixserve.errors import RadixServeError
 
@@ -51,8 +51,7 @@ def new_secret() -> str:
     return secrets.token_hex(SECRET_HEX_CHARS // 2)
 
 
-_GENERATE = ("serve writes one with --worker-secret-file, or generate one: "
-             "python -c 'import secrets; print(secrets.token_hex(32))'")
+_GENERATE = "serve writes one with --worker-secret-file, or generate one: python -c 'import secrets; print(secrets.token_hex(32))'"
 
 
 def check_secret(secret: str) -> str:
@@ -85,8 +84,7 @@ def read_secret_file(path: str, *, create: bool = False) -> str:
         return secret
     mode = p.stat().st_mode & 0o777
     if mode & 0o077:
-        raise AuthError(f"secret file {p} is open to group or others (mode {mode:04o}); whoever reads it can pose as a "
-                        f"worker: run chmod 600 {p}")
+        raise AuthError(f"secret file {p} is open to group or others (mode {mode:04o}); whoever reads it can pose as a worker: run chmod 600 {p}")
     return check_secret(p.read_text())
 
 

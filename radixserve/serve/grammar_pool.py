@@ -173,19 +173,19 @@ class GrammarPool:
         log.debug("compiled a %s grammar in %.2f s", job.spec.kind, time.monotonic() - t0)
         import xgrammar as xgr
 
-        return await asyncio.get_running_loop().run_in_executor(None, xgr.CompiledGrammar.deserialize_json, payload,
-                                                                self._info)
+        return await asyncio.get_running_loop().run_in_executor(None, xgr.CompiledGrammar.deserialize_json, payload, self._info)
 
     def _timeout_error(self, spec: StructuredOutput) -> BadRequestError:
-        return BadRequestError(f"structured.{spec.kind}", f"did not compile into a grammar within {self.timeout_s:g} s "
-                                                          f"(the worker's grammar compile limit); simplify it: fewer "
-                                                          f"alternatives, less nesting")
+        return BadRequestError(
+            f"structured.{spec.kind}",
+            f"did not compile into a grammar within {self.timeout_s:g} s (the worker's grammar compile limit); simplify it: fewer alternatives, less nesting",
+        )
 
     async def _child(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-P", "-m", "radixserve.serve.grammar_pool", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE)
+                sys.executable, "-P", "-m", "radixserve.serve.grammar_pool", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
             assert self._proc.stdin is not None and self._proc.stdout is not None
             info = self._info.serialize_json().encode()
             self._proc.stdin.write(_LEN.pack(len(info)) + info)

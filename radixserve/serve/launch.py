@@ -34,8 +34,7 @@ def check_model_dir(model: str | None) -> None:
     if p.is_file() and p.suffix.lower() == ".gguf":
         return
     if not p.is_dir():
-        raise ModelLoadError(f"--model {model}: no such directory or .gguf file (give a local Hugging Face model "
-                             "directory or a GGUF file)")
+        raise ModelLoadError(f"--model {model}: no such directory or .gguf file (give a local Hugging Face model directory or a GGUF file)")
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"--model {model}: no config.json in it; is this a Hugging Face model directory?")
 
@@ -50,11 +49,13 @@ def check_device(device: str) -> None:
         import torch
 
         if torch.version.cuda is None:
-            raise RadixServeError(f"--device {d}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
-                                  f"build of torch (see pytorch.org) or use --device cpu")
+            raise RadixServeError(
+                f"--device {d}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch (see pytorch.org) or use --device cpu"
+            )
         if not torch.cuda.is_available():
-            raise RadixServeError(f"--device {d}: torch has CUDA {torch.version.cuda} but sees no GPU "
-                                  f"(check the driver and CUDA_VISIBLE_DEVICES) or use --device cpu")
+            raise RadixServeError(
+                f"--device {d}: torch has CUDA {torch.version.cuda} but sees no GPU (check the driver and CUDA_VISIBLE_DEVICES) or use --device cpu"
+            )
 
 
 def make_engine(config: EngineConfig):
@@ -85,12 +86,24 @@ def router_config(cfg: ServeConfig):
     limits = Limits(max_frame_bytes=cfg.max_frame_bytes)
     limits.validate()
     return RouterConfig(
-        host=cfg.host, port=cfg.port, address=cfg.address, policy=cfg.policy, max_queue=cfg.max_queue,
-        max_inflight_per_worker=cfg.max_inflight, max_clients=cfg.max_clients, heartbeat_timeout_s=cfg.heartbeat_timeout,
-        drain_s=cfg.drain_timeout, metrics_log=cfg.metrics_log, metrics_interval_s=cfg.metrics_interval,
-        limits=limits, balance_abs=cfg.balance_abs,
-        balance_rel=cfg.balance_rel, cache_threshold=cfg.cache_threshold, max_prompt_chars=cfg.max_prompt_chars,
-        worker_port=cfg.worker_port, worker_address=cfg.worker_address,
+        host=cfg.host,
+        port=cfg.port,
+        address=cfg.address,
+        policy=cfg.policy,
+        max_queue=cfg.max_queue,
+        max_inflight_per_worker=cfg.max_inflight,
+        max_clients=cfg.max_clients,
+        heartbeat_timeout_s=cfg.heartbeat_timeout,
+        drain_s=cfg.drain_timeout,
+        metrics_log=cfg.metrics_log,
+        metrics_interval_s=cfg.metrics_interval,
+        limits=limits,
+        balance_abs=cfg.balance_abs,
+        balance_rel=cfg.balance_rel,
+        cache_threshold=cfg.cache_threshold,
+        max_prompt_chars=cfg.max_prompt_chars,
+        worker_port=cfg.worker_port,
+        worker_address=cfg.worker_address,
         secret=auth.read_secret_file(cfg.worker_secret_file, create=True) if cfg.worker_secret_file else None,
         api_keys=configured_keys(cfg.api_key, cfg.api_keys_file),
     )
@@ -107,10 +120,19 @@ def local_worker_configs(cfg: ServeConfig, router: str, log_level: str = "INFO")
 
     threads = cfg.worker_threads or default_threads(cfg.workers)
     devices = cfg.devices
-    return [WorkerConfig(engine=msgspec.structs.replace(cfg.engine, device=devices[i % len(devices)]),
-                         router=router, worker_id=f"w{i}", threads=threads, exit_with_parent=True,
-                         parent_pid=os.getpid(), grammar_timeout=cfg.grammar_timeout,
-                         log_level=log_level) for i in range(cfg.workers)]
+    return [
+        WorkerConfig(
+            engine=msgspec.structs.replace(cfg.engine, device=devices[i % len(devices)]),
+            router=router,
+            worker_id=f"w{i}",
+            threads=threads,
+            exit_with_parent=True,
+            parent_pid=os.getpid(),
+            grammar_timeout=cfg.grammar_timeout,
+            log_level=log_level,
+        )
+        for i in range(cfg.workers)
+    ]
 
 
 def spawn_workers(cfg: ServeConfig, router: str, secret: str, log_level: str = "INFO"):
@@ -154,23 +176,25 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
         try:
             tokenizer = load_tokenizer(cfg.engine.model)
         except Exception as exc:
-            raise ModelLoadError(f"--model {cfg.engine.model}: cannot load its tokenizer ({type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise ModelLoadError(
+                f"--model {cfg.engine.model}: cannot load its tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
         router.set_tokenizer(tokenizer)
         config.model_fingerprint = auth.model_fingerprint(cfg.engine.model, len(tokenizer))
-        print(f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy "
-              f"{cfg.policy}, {cfg.workers} workers on {', '.join(cfg.devices)}; max queue {cfg.max_queue}, "
-              f"{cfg.max_inflight} in flight per worker; "
-              f"{f'{len(config.api_keys)} API keys required' if config.api_keys else 'no API key required'})", flush=True)
+        print(
+            f"radixserve: router listening on {address} (workers connect to {router.worker_address}; policy "
+            f"{cfg.policy}, {cfg.workers} workers on {', '.join(cfg.devices)}; max queue {cfg.max_queue}, "
+            f"{cfg.max_inflight} in flight per worker; "
+            f"{f'{len(config.api_keys)} API keys required' if config.api_keys else 'no API key required'})",
+            flush=True,
+        )
         if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
             from radixserve.serve.openai import start_gateway
 
-            gateway = start_gateway(cfg, _loopback(address), config.limits, tenant_secret=router.tenants.secret,
-                                    router_key=router.gateway_key)
+            gateway = start_gateway(cfg, _loopback(address), config.limits, tenant_secret=router.tenants.secret, router_key=router.gateway_key)
         supervisor = router.supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)
         http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
-        router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}",
-                                          flush=True)
+        router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}", flush=True)
         run_async(router.serve())
     finally:
         # The loop's handlers are gone: a Ctrl-C while the gateway and workers stop only marks the
@@ -210,9 +234,16 @@ def run_worker(cfg: WorkerConfig) -> int:
 
         torch.set_num_threads(cfg.threads)
     engine = make_engine(cfg.engine)
-    return serve_engine(engine, cfg.router, cfg.worker_id, parent_pid=parent, secret=secret,
-                        heartbeat_s=cfg.heartbeat, router_timeout_s=cfg.router_timeout,
-                        grammar_timeout_s=cfg.grammar_timeout)
+    return serve_engine(
+        engine,
+        cfg.router,
+        cfg.worker_id,
+        parent_pid=parent,
+        secret=secret,
+        heartbeat_s=cfg.heartbeat,
+        router_timeout_s=cfg.router_timeout,
+        grammar_timeout_s=cfg.grammar_timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     default_omp_wait()  # before anything loads torch (a serve sets it for its workers too)
     default_malloc()
 
-    parser = argparse.ArgumentParser(prog="python -m radixserve.serve.launch",
-                                     description="one worker process of radixserve serve (serve starts these)")
+    parser = argparse.ArgumentParser(prog="python -m radixserve.serve.launch", description="one worker process of radixserve serve (serve starts these)")
     parser.add_argument("--config-json", required=True, help="the worker's WorkerConfig as JSON")
     args = parser.parse_args(argv)
     try:

@@ -32,8 +32,7 @@ class Histogram:
     """Fixed-bucket histogram (a ``value <= le`` bucket per bound, then ``+Inf``), registered as
     ``name`` in ``registry`` (a fresh one when None)."""
 
-    def __init__(self, buckets=LATENCY_BUCKETS_S, *, name: str = "histogram",
-                 registry: CollectorRegistry | None = None):
+    def __init__(self, buckets=LATENCY_BUCKETS_S, *, name: str = "histogram", registry: CollectorRegistry | None = None):
         self.buckets = tuple(buckets)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._h = prometheus_client.Histogram(name, name, buckets=self.buckets, registry=self.registry)
@@ -67,7 +66,8 @@ class Histogram:
     def to_dict(self) -> dict[str, Any]:
         counts, count, total = self._snapshot()
         return {
-            "count": count, "sum": round(total, 6),
+            "count": count,
+            "sum": round(total, 6),
             "p50": _num(_quantile(self.buckets, counts, count, 0.5)),
             "p99": _num(_quantile(self.buckets, counts, count, 0.99)),
             "buckets": {str(b): c for b, c in zip(self.buckets, counts)} | {"+Inf": counts[-1]},
@@ -90,8 +90,7 @@ def _num(x: float) -> float | None:
 
 
 # ------------------------------------------------------------------ a stats document as Prometheus text
-_ENGINE_GAUGES = {"running", "waiting", "kv_total_tokens", "kv_used_tokens", "kv_evictable_tokens",
-                  "kv_locked_tokens", "kv_pinned_tokens"}
+_ENGINE_GAUGES = {"running", "waiting", "kv_total_tokens", "kv_used_tokens", "kv_evictable_tokens", "kv_locked_tokens", "kv_pinned_tokens"}
 
 
 def _families(stats: dict[str, Any]) -> list[tuple[str, str, dict, Any]]:
@@ -163,10 +162,10 @@ class GatewayMetrics:
 
     def __init__(self, inflight: Callable[[], int]):
         self.registry = CollectorRegistry()
-        self.requests = prometheus_client.Counter("radixserve_http_requests", "HTTP requests answered by the gateway",
-                                                  ["route", "status"], registry=self.registry)
-        gauge = prometheus_client.Gauge("radixserve_http_inflight", "HTTP completion requests in progress",
-                                        registry=self.registry)
+        self.requests = prometheus_client.Counter(
+            "radixserve_http_requests", "HTTP requests answered by the gateway", ["route", "status"], registry=self.registry
+        )
+        gauge = prometheus_client.Gauge("radixserve_http_inflight", "HTTP completion requests in progress", registry=self.registry)
         gauge.set_function(lambda: float(inflight()))
 
     def count(self, route: str, status: int) -> None:
@@ -174,8 +173,7 @@ class GatewayMetrics:
 
     def snapshot(self) -> dict[tuple[str, int], float]:
         """Requests answered so far by (route, status)."""
-        return {(s.labels["route"], int(s.labels["status"])): s.value
-                for s in next(iter(self.requests.collect())).samples if s.name.endswith("_total")}
+        return {(s.labels["route"], int(s.labels["status"])): s.value for s in next(iter(self.requests.collect())).samples if s.name.endswith("_total")}
 
     def by_route(self) -> Mapping[tuple[str, int], float]:
         """A live read-only view of :meth:`snapshot` (each lookup reads the counter)."""

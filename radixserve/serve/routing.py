@@ -11,8 +11,8 @@ request ends (by then the worker's insert events have arrived: they are sent bef
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from radixserve.kv.radix import RadixCache, RadixNode
 

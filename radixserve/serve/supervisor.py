@@ -70,14 +70,12 @@ class Supervisor:
         return w
 
     def _spawn(self, w: LocalWorker) -> None:
-        w.proc = subprocess.Popen(w.cmd, env=w.env, cwd=self._cwd, stderr=subprocess.PIPE,
-                                  start_new_session=True)  # Ctrl-C reaches the router only
+        w.proc = subprocess.Popen(w.cmd, env=w.env, cwd=self._cwd, stderr=subprocess.PIPE, start_new_session=True)  # Ctrl-C reaches the router only
         w.proc.worker_name = w.name
         w.started_at = time.monotonic()
         w.registered = False
         w.restart_at = None
-        threading.Thread(target=self._pump_stderr, args=(w, w.proc), daemon=True,
-                         name=f"stderr-{w.name}").start()
+        threading.Thread(target=self._pump_stderr, args=(w, w.proc), daemon=True, name=f"stderr-{w.name}").start()
 
     def _pump_stderr(self, w: LocalWorker, proc) -> None:
         for raw in iter(proc.stderr.readline, b""):
@@ -114,14 +112,12 @@ class Supervisor:
                 w.last_error = self.error_of(w)
                 if not w.registered and not w.ever_registered:  # a restart that dies early is retried
                     w.failed_at_startup = True
-                    log.error("worker %s exited with status %s before it registered: %s", w.name,
-                              w.proc.returncode, w.last_error)
+                    log.error("worker %s exited with status %s before it registered: %s", w.name, w.proc.returncode, w.last_error)
                     continue
                 if now - w.started_at >= STABLE_S:
                     w.failures_in_row = 0
                 delay = self._backoff(w, now)
-                log.warning("worker %s exited with status %s; restarting it in %.1f s", w.name,
-                            w.proc.returncode, delay)
+                log.warning("worker %s exited with status %s; restarting it in %.1f s", w.name, w.proc.returncode, delay)
             if w.restart_at is not None and now >= w.restart_at and not shutting_down and self.restart:
                 try:
                     self._spawn(w)
@@ -137,7 +133,7 @@ class Supervisor:
     @staticmethod
     def _backoff(w: LocalWorker, now: float) -> float:
         """Schedule ``w``'s next start after the next backoff delay; returns the delay."""
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** w.failures_in_row)
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**w.failures_in_row)
         w.failures_in_row += 1
         w.restart_at = now + delay
         return delay
@@ -166,8 +162,7 @@ class Supervisor:
                 w.proc.wait()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {w.name: {"restarts": w.restarts, "failed_at_startup": w.failed_at_startup,
-                         "pid": w.proc.pid if w.proc else 0} for w in self.workers.values()}
+        return {w.name: {"restarts": w.restarts, "failed_at_startup": w.failed_at_startup, "pid": w.proc.pid if w.proc else 0} for w in self.workers.values()}
 
 
 def env_with_threads(env: dict[str, str], threads: int | None) -> dict[str, str]:

@@ -49,9 +49,18 @@ GRAMMAR_TIMEOUT_S = 10.0  # a grammar compile longer than this is stopped; its r
 
 
 class Worker:
-    def __init__(self, engine, router: str, name: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 router_timeout_s: float = ROUTER_TIMEOUT_S, parent_pid: int | None = None, secret: str,
-                 grammar_timeout_s: float | None = GRAMMAR_TIMEOUT_S):
+    def __init__(
+        self,
+        engine,
+        router: str,
+        name: str,
+        *,
+        heartbeat_s: float = HEARTBEAT_S,
+        router_timeout_s: float = ROUTER_TIMEOUT_S,
+        parent_pid: int | None = None,
+        secret: str,
+        grammar_timeout_s: float | None = GRAMMAR_TIMEOUT_S,
+    ):
         self.parent = parent_pid  # exit once this process is gone (None: never)
         self.engine = engine
         self.router = router
@@ -97,13 +106,18 @@ class Worker:
             return
         self.ttft.observe(out.ttft_s)
         self.e2e.observe(out.e2e_s)
-        self._send(P.Final(
-            id=work.id, token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason,
-            usage=P.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                          completion_tokens=len(out.token_ids)),
-            timings=P.Timings(queue_s=out.queue_s, ttft_s=out.ttft_s, e2e_s=out.e2e_s),
-            worker=self.name, logprobs=out.logprobs,
-        ))
+        self._send(
+            P.Final(
+                id=work.id,
+                token_ids=out.token_ids,
+                text=out.text,
+                finish_reason=out.finish_reason,
+                usage=P.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=len(out.token_ids)),
+                timings=P.Timings(queue_s=out.queue_s, ttft_s=out.ttft_s, e2e_s=out.e2e_s),
+                worker=self.name,
+                logprobs=out.logprobs,
+            )
+        )
 
     # -- socket --------------------------------------------------------------------------------
     def _send(self, msg) -> None:
@@ -116,10 +130,19 @@ class Worker:
 
     def _register(self) -> None:
         e = self.engine
-        self._send(P.Register(worker=self.name, pid=os.getpid(), host=socket.gethostname(),
-                              max_model_len=e.max_model_len, kv_total_tokens=e.pool.capacity_tokens,
-                              page_size=e.pool.page_size, active=list(self.active), fingerprint=self.fingerprint,
-                              session=self.session))
+        self._send(
+            P.Register(
+                worker=self.name,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                max_model_len=e.max_model_len,
+                kv_total_tokens=e.pool.capacity_tokens,
+                page_size=e.pool.page_size,
+                active=list(self.active),
+                fingerprint=self.fingerprint,
+                session=self.session,
+            )
+        )
         # The router starts this worker's cache mirror from scratch: send it the whole tree,
         # taken on the engine thread so no event is lost or counted twice around it.
         self.engine.call_soon(self._snapshot)
@@ -185,9 +208,17 @@ class Worker:
             req = await asyncio.get_running_loop().run_in_executor(None, self._make_request, work)
         except CompileAborted:  # aborted while its grammar compiled: never started, so answered here
             self.grammars.end(work.id)
-            self._send(P.Final(id=work.id, token_ids=[], text="", finish_reason="abort",
-                               usage=P.Usage(prompt_tokens=len(work.token_ids), cached_tokens=0, completion_tokens=0),
-                               timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0), worker=self.name))
+            self._send(
+                P.Final(
+                    id=work.id,
+                    token_ids=[],
+                    text="",
+                    finish_reason="abort",
+                    usage=P.Usage(prompt_tokens=len(work.token_ids), cached_tokens=0, completion_tokens=0),
+                    timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0),
+                    worker=self.name,
+                )
+            )
             return
         except Exception as exc:
             req = None
@@ -223,8 +254,16 @@ class Worker:
 
         try:
             job = self.engine.submit_choose(
-                work.token_ids, work.choices, on_done, normalize=work.normalize, temperature=work.temperature,
-                seed=work.seed, namespace=work.namespace, request_id=work.id, choice_ids=work.choice_ids)
+                work.token_ids,
+                work.choices,
+                on_done,
+                normalize=work.normalize,
+                temperature=work.temperature,
+                seed=work.seed,
+                namespace=work.namespace,
+                request_id=work.id,
+                choice_ids=work.choice_ids,
+            )
         except RadixServeError as exc:
             self._send(P.Error(id=work.id, code=exc.code, message=str(exc)))
             return
@@ -243,9 +282,17 @@ class Worker:
             return
         self.ttft.observe(result.ttft_s)
         self.e2e.observe(result.e2e_s)
-        self._send(P.ChoiceFinal(
-            id=work.id, best=result.best, index=result.index, ranked=result.ranked, usage=result.usage,
-            timings=P.Timings(queue_s=0.0, ttft_s=result.ttft_s, e2e_s=result.e2e_s), worker=self.name))
+        self._send(
+            P.ChoiceFinal(
+                id=work.id,
+                best=result.best,
+                index=result.index,
+                ranked=result.ranked,
+                usage=result.usage,
+                timings=P.Timings(queue_s=0.0, ttft_s=result.ttft_s, e2e_s=result.e2e_s),
+                worker=self.name,
+            )
+        )
 
     def _heartbeat(self) -> P.Heartbeat:
         try:
@@ -254,8 +301,14 @@ class Worker:
             stats = {}
         stats["ttft_s"] = self.ttft.to_dict()
         stats["e2e_s"] = self.e2e.to_dict()
-        return P.Heartbeat(worker=self.name, running=stats.get("running", 0), waiting=stats.get("waiting", 0),
-                           stats=stats, events_seq=self.events.seq, reset_seq=self.events.reset_seq)
+        return P.Heartbeat(
+            worker=self.name,
+            running=stats.get("running", 0),
+            waiting=stats.get("waiting", 0),
+            stats=stats,
+            events_seq=self.events.seq,
+            reset_seq=self.events.reset_seq,
+        )
 
     async def _heartbeats(self) -> None:
         while True:
@@ -353,15 +406,31 @@ class Worker:
                 log.exception("worker failed handling %s", type(msg).__name__)
 
 
-def run_worker(engine, router: str, name: str | None = None, *, parent_pid: int | None = None,
-               secret: str, heartbeat_s: float = HEARTBEAT_S, router_timeout_s: float = ROUTER_TIMEOUT_S,
-               grammar_timeout_s: float | None = GRAMMAR_TIMEOUT_S) -> int:
+def run_worker(
+    engine,
+    router: str,
+    name: str | None = None,
+    *,
+    parent_pid: int | None = None,
+    secret: str,
+    heartbeat_s: float = HEARTBEAT_S,
+    router_timeout_s: float = ROUTER_TIMEOUT_S,
+    grammar_timeout_s: float | None = GRAMMAR_TIMEOUT_S,
+) -> int:
     """Serve until told to stop; returns the exit status (3: the router refused this worker).
     ``parent_pid``: the process that started this one (read at process start, before the model
     loads: by the time the engine exists it may already be gone); the worker exits when it is."""
     name = name or f"{socket.gethostname()}-{os.getpid()}"
-    worker = Worker(engine, router, name, parent_pid=parent_pid, secret=secret,
-                    heartbeat_s=heartbeat_s, router_timeout_s=router_timeout_s, grammar_timeout_s=grammar_timeout_s)
+    worker = Worker(
+        engine,
+        router,
+        name,
+        parent_pid=parent_pid,
+        secret=secret,
+        heartbeat_s=heartbeat_s,
+        router_timeout_s=router_timeout_s,
+        grammar_timeout_s=grammar_timeout_s,
+    )
     try:
         import uvloop
 

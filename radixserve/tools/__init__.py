@@ -8,6 +8,21 @@ from radixserve.tools.formats import FORMATS, CallFormat, detect_format
 from radixserve.tools.parser import CallStream, ToolCall, parse_calls
 from radixserve.tools.spec import MAX_TOOLS, MAX_TOOLS_CHARS, Tool, ToolCallsSpec, ToolChoice, ToolSchema
 
-__all__ = ["FALLBACK_PROMPT", "FORMATS", "MAX_TOOLS", "MAX_TOOLS_CHARS", "CallFormat", "CallStream", "Tool",
-           "ToolCall", "ToolCallsSpec", "ToolChoice", "ToolRequest", "ToolSchema", "detect_format", "parse_calls",
-           "template_messages", "tool_request"]
+__all__ = [
+    "FALLBACK_PROMPT",
+    "FORMATS",
+    "MAX_TOOLS",
+    "MAX_TOOLS_CHARS",
+    "CallFormat",
+    "CallStream",
+    "Tool",
+    "ToolCall",
+    "ToolCallsSpec",
+    "ToolChoice",
+    "ToolRequest",
+    "ToolSchema",
+    "detect_format",
+    "parse_calls",
+    "template_messages",
+    "tool_request",
+]

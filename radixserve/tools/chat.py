@@ -26,8 +26,7 @@ from typing import Any
 from radixserve.errors import BadRequestError
 from radixserve.tools.formats import HERMES, CallFormat, detect_format, takes_tools
 from radixserve.tools.parser import CallStream, ToolCall, parse_calls
-from radixserve.tools.spec import (Tool, ToolCallsSpec, ToolChoice, check_tool_choice, check_tools, legacy_functions,
-                                   tool_calls_spec)
+from radixserve.tools.spec import Tool, ToolCallsSpec, ToolChoice, check_tool_choice, check_tools, legacy_functions, tool_calls_spec
 
 FALLBACK_PROMPT = """# Tools
 
@@ -76,8 +75,9 @@ class ToolRequest:
         return CallStream(self.fmt)
 
 
-def tool_request(template: str | None, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None,
-                 functions: Any = None, function_call: Any = None) -> ToolRequest | None:
+def tool_request(
+    template: str | None, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None, functions: Any = None, function_call: Any = None
+) -> ToolRequest | None:
     """The checked tools of a chat request (OpenAI's fields; ``functions`` / ``function_call`` are
     the deprecated spelling), or None without tools. :class:`BadRequestError` naming the field."""
     field = "tools"
@@ -96,8 +96,7 @@ def tool_request(template: str | None, tools: Any, tool_choice: Any = None, para
         raise BadRequestError("parallel_tool_calls", "must be true or false")
     checked = check_tools(tools, field)
     choice = check_tool_choice(tool_choice, checked, "function_call" if field == "functions" else "tool_choice")
-    return ToolRequest(detect_format(template), takes_tools(template), checked, choice,
-                       parallel_tool_calls is not False)
+    return ToolRequest(detect_format(template), takes_tools(template), checked, choice, parallel_tool_calls is not False)
 
 
 def check_history(messages: list[dict[str, Any]]) -> dict[str, str]:
@@ -113,8 +112,7 @@ def check_history(messages: list[dict[str, Any]]) -> dict[str, str]:
                 here = f"messages[{i}].tool_calls[{j}]"
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(c.get("id"), str) or not c["id"]:
-                    raise BadRequestError(here, "must be {\"id\": ..., \"type\": \"function\", \"function\": "
-                                                "{\"name\": ..., \"arguments\": \"{...}\"}}")
+                    raise BadRequestError(here, 'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}')
                 if not isinstance(fn.get("name"), str):
                     raise BadRequestError(f"{here}.function.name", "must be a string")
                 try:
@@ -125,8 +123,7 @@ def check_history(messages: list[dict[str, Any]]) -> dict[str, str]:
         if m["role"] == "tool":
             cid = m.get("tool_call_id")
             if not isinstance(cid, str) or cid not in names:
-                raise BadRequestError(f"messages[{i}].tool_call_id", f"{cid!r} answers no tool call of an earlier "
-                                                                     f"assistant message")
+                raise BadRequestError(f"messages[{i}].tool_call_id", f"{cid!r} answers no tool call of an earlier assistant message")
     return names
 
 
@@ -134,8 +131,7 @@ def _calls_of(m: dict[str, Any]) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or ()]
 
 
-def template_messages(messages: list[dict[str, Any]], template: str | None,
-                      tools: list[Tool] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], template: str | None, tools: list[Tool] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``(messages, apply_chat_template keyword arguments)`` for the chat template: the history's
     calls and results in the template's convention or the fallback's (module docstring). Messages
     are OpenAI's (``content`` a string or None); :func:`check_history` is applied first."""
@@ -145,10 +141,10 @@ def template_messages(messages: list[dict[str, Any]], template: str | None,
         for m in messages:
             m2: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
             if m.get("tool_calls"):
-                m2["tool_calls"] = [{"id": c["id"], "type": "function",
-                                     "function": {"name": c["function"]["name"],
-                                                  "arguments": json.loads(c["function"]["arguments"])}}
-                                    for c in m["tool_calls"]]
+                m2["tool_calls"] = [
+                    {"id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ]
             if m["role"] == "tool":
                 m2.update(tool_call_id=m["tool_call_id"], name=names[m["tool_call_id"]])
             out.append(m2)
@@ -182,8 +178,9 @@ def has_tool_history(messages: list[dict[str, Any]]) -> bool:
     return any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None,
-                parallel_tool_calls: Any = None) -> tuple[str, ToolRequest | None]:
+def render_chat(
+    tokenizer, messages: list[dict[str, Any]], tools: Any = None, tool_choice: Any = None, parallel_tool_calls: Any = None
+) -> tuple[str, ToolRequest | None]:
     """``(prompt text, tools)``: OpenAI-style ``messages`` (with ``tool_calls`` / ``tool`` messages)
     and ``tools`` through ``tokenizer``'s chat template, ready for the assistant's turn (the SDK's
     path; the gateway tokenizes the same messages itself)."""
@@ -191,7 +188,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: Any = None, to
     if not template:
         raise BadRequestError("messages", "this model has no chat template")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise BadRequestError("messages", "must be a non-empty list of {\"role\": ..., \"content\": ...}")
+        raise BadRequestError("messages", 'must be a non-empty list of {"role": ..., "content": ...}')
     req = tool_request(template, tools, tool_choice, parallel_tool_calls)
     if req is not None or has_tool_history(messages):
         msgs, kwargs = template_messages(messages, template, req.tools if req else None)

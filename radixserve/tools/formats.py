@@ -61,11 +61,9 @@ class CallFormat:
         return f"{self.group[0]}{body}{self.group[1]}" if self.group else body
 
 
-HERMES = CallFormat("hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n",
-                    opener="<tool_call>", close="</tool_call>")
+HERMES = CallFormat("hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n", opener="<tool_call>", close="</tool_call>")
 LLAMA3 = CallFormat("llama3", '{"name": ', '{"name": "', '", "parameters": ', "}", "; ")
-MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", '{"name": "', '", "arguments": ', "}", ", ", group=("[TOOL_CALLS] [", "]"),
-                     opener="[TOOL_CALLS]")
+MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", '{"name": "', '", "arguments": ', "}", ", ", group=("[TOOL_CALLS] [", "]"), opener="[TOOL_CALLS]")
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL)}
 
 
@@ -87,15 +85,17 @@ def detect_format(template: str | None) -> CallFormat:
         return MISTRAL
     if "<|python_tag|>" in template or '"parameters"' in template or "ipython" in template:
         return LLAMA3
-    raise BadRequestError("tools", "this model's chat template takes tools, but writes calls in none of the formats "
-                                   "radixserve parses: hermes (<tool_call>{\"name\", \"arguments\"}</tool_call>: Qwen, "
-                                   "Hermes), llama3 ({\"name\", \"parameters\"}: Llama 3.x), mistral ([TOOL_CALLS] [...])")
+    raise BadRequestError(
+        "tools",
+        "this model's chat template takes tools, but writes calls in none of the formats "
+        'radixserve parses: hermes (<tool_call>{"name", "arguments"}</tool_call>: Qwen, '
+        'Hermes), llama3 ({"name", "parameters"}: Llama 3.x), mistral ([TOOL_CALLS] [...])',
+    )
 
 
 def structural_tag(spec: ToolCallsSpec) -> str:
     """The xgrammar structural tag (its JSON) that admits what ``spec`` allows (module docstring)."""
-    from xgrammar.structural_tag import (AnyTextFormat, GrammarFormat, StructuralTag, TagFormat,
-                                         TagsWithSeparatorFormat, TriggeredTagsFormat)
+    from xgrammar.structural_tag import AnyTextFormat, GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
 
     from radixserve.ebnf import json_schema_ebnf
 
@@ -104,24 +104,23 @@ def structural_tag(spec: ToolCallsSpec) -> str:
         return StructuralTag(format=AnyTextFormat(excludes=[fmt.trigger])).model_dump_json()
     one = not spec.parallel
     if fmt.group is None:
-        tags = [TagFormat(begin=fmt.call_begin + t.name + fmt.name_end, end=fmt.call_end,
-                          content=GrammarFormat(grammar=json_schema_ebnf(_json(t.parameters))))
-                for t in spec.tools]
+        tags = [
+            TagFormat(begin=fmt.call_begin + t.name + fmt.name_end, end=fmt.call_end, content=GrammarFormat(grammar=json_schema_ebnf(_json(t.parameters))))
+            for t in spec.tools
+        ]
         if spec.mode == "required":
-            return StructuralTag(format=TagsWithSeparatorFormat(tags=tags, separator=fmt.separator, at_least_one=True,
-                                                                stop_after_first=one)).model_dump_json()
-        return StructuralTag(format=TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags,
-                                                        stop_after_first=one)).model_dump_json()
-    calls = [TagFormat(begin=fmt.call_begin + t.name + fmt.name_end, end=fmt.call_end,
-                       content=GrammarFormat(grammar=json_schema_ebnf(_json(t.parameters))))
-             for t in spec.tools]
-    group = TagFormat(begin=fmt.group[0], end=fmt.group[1],
-                      content=TagsWithSeparatorFormat(tags=calls, separator=fmt.separator, at_least_one=True,
-                                                      stop_after_first=one))
+            return StructuralTag(format=TagsWithSeparatorFormat(tags=tags, separator=fmt.separator, at_least_one=True, stop_after_first=one)).model_dump_json()
+        return StructuralTag(format=TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags, stop_after_first=one)).model_dump_json()
+    calls = [
+        TagFormat(begin=fmt.call_begin + t.name + fmt.name_end, end=fmt.call_end, content=GrammarFormat(grammar=json_schema_ebnf(_json(t.parameters))))
+        for t in spec.tools
+    ]
+    group = TagFormat(
+        begin=fmt.group[0], end=fmt.group[1], content=TagsWithSeparatorFormat(tags=calls, separator=fmt.separator, at_least_one=True, stop_after_first=one)
+    )
     if spec.mode == "required":
         return StructuralTag(format=group).model_dump_json()
-    return StructuralTag(format=TriggeredTagsFormat(triggers=[fmt.trigger], tags=[group],
-                                                    stop_after_first=True)).model_dump_json()
+    return StructuralTag(format=TriggeredTagsFormat(triggers=[fmt.trigger], tags=[group], stop_after_first=True)).model_dump_json()
 
 
 def _json(schema: dict) -> str:

@@ -80,12 +80,10 @@ def _read_call(fmt: CallFormat, text: str, pos: int, final: bool, calls: list[Sc
             obj, end = _DECODER.raw_decode(text, pos)
         except ValueError:
             return NOT_A_CALL if final else PENDING
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
-                and ("arguments" in obj or "parameters" in obj)):
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and ("arguments" in obj or "parameters" in obj)):
             return NOT_A_CALL
         args = obj.get("arguments", obj.get("parameters"))
-        calls.append(ScannedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-                                 True))
+        calls.append(ScannedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), True))
         return _after_close(fmt, text, end, final)
     start = head.end()
     try:
@@ -155,7 +153,7 @@ def scan(fmt: CallFormat, text: str, final: bool) -> tuple[str, list[ScannedCall
         i = text.find(fmt.trigger, pos)
         if i < 0:
             tail = text[start:]
-            add(tail if final else tail[:len(tail) - _held(tail, fmt.trigger)])
+            add(tail if final else tail[: len(tail) - _held(tail, fmt.trigger)])
             break
         before = len(calls)
         at = i + len(fmt.opener)
@@ -214,13 +212,12 @@ class CallStream:
                 content = scan(self.fmt, self.text, False)[0]
         delta = None
         if not _blank(self.fmt, content) and len(content) > self._content_sent:
-            delta, self._content_sent = content[self._content_sent:], len(content)
+            delta, self._content_sent = content[self._content_sent :], len(content)
         out: list[dict[str, Any]] = []
         for k, c in enumerate(calls):
             if k == len(self._sent):
                 self._sent.append((new_call_id(self.fmt), 0))
-                out.append({"index": k, "id": self._sent[k][0], "type": "function",
-                            "function": {"name": c.name, "arguments": ""}})
+                out.append({"index": k, "id": self._sent[k][0], "type": "function", "function": {"name": c.name, "arguments": ""}})
             cid, sent = self._sent[k]
             if len(c.arguments) > sent:
                 out.append({"index": k, "function": {"arguments": c.arguments[sent:]}})

@@ -61,8 +61,7 @@ def _check_parameters(params: Any, field: str) -> dict[str, Any]:
         raise BadRequestError(field, f"must be a JSON schema object, got {type(params).__name__}")
     kind = params.get("type", "object")
     if kind != "object":
-        raise BadRequestError(field, f"must be a JSON schema of type \"object\" (a tool's arguments are a JSON object), "
-                                     f"got type {kind!r}")
+        raise BadRequestError(field, f'must be a JSON schema of type "object" (a tool\'s arguments are a JSON object), got type {kind!r}')
     return params
 
 
@@ -70,7 +69,7 @@ def check_tools(tools: Any, field: str = "tools") -> list[Tool]:
     """The tools of a request in OpenAI's shape (``[{"type": "function", "function": {"name",
     "description", "parameters"}}]``); :class:`BadRequestError` naming the first bad field."""
     if not isinstance(tools, list) or not tools:
-        raise BadRequestError(field, "must be a non-empty list of {\"type\": \"function\", \"function\": {...}}")
+        raise BadRequestError(field, 'must be a non-empty list of {"type": "function", "function": {...}}')
     if len(tools) > MAX_TOOLS:
         raise BadRequestError(field, f"at most {MAX_TOOLS} tools, got {len(tools)}")
     chars = len(json.dumps(tools, separators=(",", ":")))
@@ -80,8 +79,7 @@ def check_tools(tools: Any, field: str = "tools") -> list[Tool]:
     for i, t in enumerate(tools):
         here = f"{field}[{i}]"
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise BadRequestError(here, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}"
-                                        " (only function tools are supported)")
+            raise BadRequestError(here, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}} (only function tools are supported)')
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -105,18 +103,16 @@ def check_tool_choice(choice: Any, tools: list[Tool], field: str = "tool_choice"
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise BadRequestError(field, "must be \"none\", \"auto\", \"required\" or "
-                                     "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise BadRequestError(field, 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if not any(t.name == name for t in tools):
-        raise BadRequestError(field, f"names function {name!r}, which is not in tools "
-                                     f"({', '.join(t.name for t in tools)})")
+        raise BadRequestError(field, f"names function {name!r}, which is not in tools ({', '.join(t.name for t in tools)})")
     return ToolChoice("required", name)
 
 
 def legacy_functions(functions: Any, function_call: Any) -> tuple[list[dict], Any]:
     """OpenAI's deprecated ``functions`` / ``function_call`` as ``tools`` / ``tool_choice``."""
     if not isinstance(functions, list):
-        raise BadRequestError("functions", "must be a list of {\"name\": ..., \"parameters\": {...}}")
+        raise BadRequestError("functions", 'must be a list of {"name": ..., "parameters": {...}}')
     tools = [{"type": "function", "function": f} for f in functions]
     choice = function_call
     if isinstance(function_call, dict):
@@ -165,5 +161,9 @@ class ToolCallsSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def tool_calls_spec(fmt: str, tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> ToolCallsSpec:
     """The grammar spec of a checked request (a named function keeps only that tool)."""
     chosen = [t for t in tools if choice.name is None or t.name == choice.name]
-    return ToolCallsSpec(format=fmt, tools=[ToolSchema(t.name, t.parameters) for t in chosen],  # type: ignore[arg-type]
-                         mode=choice.mode, parallel=parallel)
+    return ToolCallsSpec(
+        format=fmt,  # type: ignore[arg-type]
+        tools=[ToolSchema(t.name, t.parameters) for t in chosen],
+        mode=choice.mode,
+        parallel=parallel,
+    )

@@ -22,8 +22,7 @@ def test_prompt_tokens_equal_what_ideal_caching_computes():
 
 
 def test_visible_keys_match_a_brute_force_count():
-    args = _args(agents=2, system_tokens=5, private_tokens=3, turns=2, output_tokens=2,
-                 gsp_groups=1, gsp_prompts=2, gsp_prefix=4, gsp_question=2, gsp_output=3)
+    args = _args(agents=2, system_tokens=5, private_tokens=3, turns=2, output_tokens=2, gsp_groups=1, gsp_prompts=2, gsp_prefix=4, gsp_question=2, gsp_output=3)
     counts = floor.workload_counts(args)
     # gsp by hand: prefix 4 causal (1+2+3+4); each question sees 4 + its own causal part (5, 6),
     # then 2 decodes at contexts 7 and 8.
@@ -35,8 +34,7 @@ def test_visible_keys_match_a_brute_force_count():
 
 
 def test_flops_scale_with_the_model_shape():
-    cfg = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-               intermediate_size=16, vocab_size=10)
+    cfg = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16, vocab_size=10)
     shape = floor.Shape(cfg)
     # q 8x8, k/v 8x4, o 8x8, gate/up 8x16, down 16x8: 64+32+32+64+128+128+128 = 576 MACs per layer
     assert shape.linear_flops(3) == 2 * 3 * 2 * 576

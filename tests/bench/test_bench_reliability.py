@@ -22,11 +22,42 @@ pytestmark = pytest.mark.timeout(240)
 def test_reliability_kill_and_overload_tiny(tmp_path):
     model = make_tiny_model_dir(tmp_path / "m", "llama")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "bench", "reliability", "--scenario", "kill,overload", "--model",
-                           str(model), "--kills", "1", "--kill-agents", "2", "--kill-gap-s", "1", "--router-calls", "4",
-                           "--router-timeout", "2", "--max-inflight", "2", "--max-queue", "2", "--overload-factor", "5",
-                           "--overload-rounds", "1", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=220)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "reliability",
+            "--scenario",
+            "kill,overload",
+            "--model",
+            str(model),
+            "--kills",
+            "1",
+            "--kill-agents",
+            "2",
+            "--kill-gap-s",
+            "1",
+            "--router-calls",
+            "4",
+            "--router-timeout",
+            "2",
+            "--max-inflight",
+            "2",
+            "--max-queue",
+            "2",
+            "--overload-factor",
+            "5",
+            "--overload-rounds",
+            "1",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     assert res["ok"] == (proc.returncode == 0) == all(c["pass"] for c in res["criteria"])

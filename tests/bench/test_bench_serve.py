@@ -22,8 +22,7 @@ def tiny_model(tmp_path_factory) -> str:
 
 def _bench(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "bench", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "bench", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _check(res: dict, n: int) -> None:
@@ -37,8 +36,22 @@ def _check(res: dict, n: int) -> None:
     assert res["queue"]["max_queue_depth"] >= 0 and res["queue"]["max_inflight_client"] >= 1
 
 
-WORKLOAD = ("--groups", "2", "--per-group", "4", "--prefix-tokens", "64", "--question-tokens", "8",
-            "--output-tokens", "4", "--workers", "1", "--no-progress", "--json")
+WORKLOAD = (
+    "--groups",
+    "2",
+    "--per-group",
+    "4",
+    "--prefix-tokens",
+    "64",
+    "--question-tokens",
+    "8",
+    "--output-tokens",
+    "4",
+    "--workers",
+    "1",
+    "--no-progress",
+    "--json",
+)
 
 
 def test_serve_sdk_poisson_with_timeline(tiny_model, tmp_path):
@@ -70,11 +83,12 @@ def test_trace_items_rebuild_chained_prefixes(tmp_path):
     from bench.serve import trace_items
 
     trace = tmp_path / "t.jsonl"
-    rows = [{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [1, 2]},
-            {"timestamp": 1000, "input_length": 1024, "output_length": 3, "hash_ids": [1, 3]}]
+    rows = [
+        {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 1024, "output_length": 3, "hash_ids": [1, 3]},
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = argparse.Namespace(trace=str(trace), max_requests=None, block_tokens=512, seed=0, time_scale=0.5,
-                              max_output=None)
+    args = argparse.Namespace(trace=str(trace), max_requests=None, block_tokens=512, seed=0, time_scale=0.5, max_output=None)
     a, b = trace_items(args, 1000)
     assert len(a.prompt) == 700 and len(b.prompt) == 1024
     assert a.prompt[:512] == b.prompt[:512] and a.prompt[512:] != b.prompt[512:700]
@@ -84,20 +98,39 @@ def test_trace_items_rebuild_chained_prefixes(tmp_path):
 def test_plots_smoke(tmp_path):
     pytest.importorskip("matplotlib")
     timeline = tmp_path / "tl.jsonl"
-    timeline.write_text("".join(json.dumps({"t_s": s, "first_tokens": 1, "ttft_mean_s": 0.1 * s, "ttft_max_s": 0.2 * s,
-                                            "queue_depth_max": s % 3, "inflight_max": s % 4, "completed": 1}) + "\n"
-                                for s in range(5)))
+    timeline.write_text(
+        "".join(
+            json.dumps(
+                {"t_s": s, "first_tokens": 1, "ttft_mean_s": 0.1 * s, "ttft_max_s": 0.2 * s, "queue_depth_max": s % 3, "inflight_max": s % 4, "completed": 1}
+            )
+            + "\n"
+            for s in range(5)
+        )
+    )
     sim = tmp_path / "sim.json"
-    sim.write_text(json.dumps({"ideal": 0.37, "rows": [
-        {"policy": "ideal", "capacity": None, "workers": 1, "hit_rate": 0.37},
-        {"policy": "radix-lru", "capacity": 100, "workers": 1, "hit_rate": 0.14},
-        {"policy": "belady", "capacity": 100, "workers": 1, "hit_rate": 0.36}]}))
+    sim.write_text(
+        json.dumps(
+            {
+                "ideal": 0.37,
+                "rows": [
+                    {"policy": "ideal", "capacity": None, "workers": 1, "hit_rate": 0.37},
+                    {"policy": "radix-lru", "capacity": 100, "workers": 1, "hit_rate": 0.14},
+                    {"policy": "belady", "capacity": 100, "workers": 1, "hit_rate": 0.36},
+                ],
+            }
+        )
+    )
     thr = tmp_path / "thr.json"
-    thr.write_text(json.dumps({"config": {"prompt_len": 64, "gen_len": 32}, "engine": [
-        {"concurrency": c, "aggregate_tok_s": 20.0 * c ** 0.5, "per_stream_tok_s": 20.0 / c ** 0.5} for c in (1, 8, 64)]}))
+    thr.write_text(
+        json.dumps(
+            {
+                "config": {"prompt_len": 64, "gen_len": 32},
+                "engine": [{"concurrency": c, "aggregate_tok_s": 20.0 * c**0.5, "per_stream_tok_s": 20.0 / c**0.5} for c in (1, 8, 64)],
+            }
+        )
+    )
     out = tmp_path / "plots"
-    p = _bench("plots", "--timeline", str(timeline), "--simulate", str(sim), "--throughput", str(thr),
-               "--out", str(out), timeout=60)
+    p = _bench("plots", "--timeline", str(timeline), "--simulate", str(sim), "--throughput", str(thr), "--out", str(out), timeout=60)
     assert p.returncode == 0, p.stderr[-3000:]
     for name in ("serve_timeline.png", "simulate_hit_rate.png", "throughput.png"):
         png = out / name

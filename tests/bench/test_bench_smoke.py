@@ -23,8 +23,9 @@ def tiny_model(tmp_path_factory) -> str:
 
 def run_bench(*args: str, timeout: float = 300) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "bench", *args, "--json", "--threads", "1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", *args, "--json", "--threads", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, f"--json must print exactly one line on stdout, got {len(lines)}"
@@ -56,8 +57,7 @@ def test_fleet_quick(tiny_model):
     g = gsp["config"]
     assert set(gsp["runs"]) == {"lpm", "lpm_no_aging", "fcfs"}
     # Ideal: every prompt but each group's first hits the whole prefix.
-    ideal = g["groups"] * (g["prompts"] - 1) * g["prefix_tokens"] / (
-        g["groups"] * g["prompts"] * (g["prefix_tokens"] + g["question_tokens"]))
+    ideal = g["groups"] * (g["prompts"] - 1) * g["prefix_tokens"] / (g["groups"] * g["prompts"] * (g["prefix_tokens"] + g["question_tokens"]))
     for name, run in gsp["runs"].items():
         assert run["requests"] == g["groups"] * g["prompts"], name
         assert run["ideal_hit_rate"] == pytest.approx(ideal, abs=0.01), name
@@ -66,8 +66,7 @@ def test_fleet_quick(tiny_model):
 
 
 def test_throughput_tiny(tiny_model):
-    res = run_bench("throughput", "--concurrency", "1,4", "--gen-len", "4", "--prompt-len", "8",
-                    "--repeats", "1", "--no-hf", "--model", tiny_model)
+    res = run_bench("throughput", "--concurrency", "1,4", "--gen-len", "4", "--prompt-len", "8", "--repeats", "1", "--no-hf", "--model", tiny_model)
     assert res["command"] == "throughput" and res["serial"] is None
     rows = {r["concurrency"]: r for r in res["engine"]}
     assert set(rows) == {1, 4}
@@ -81,8 +80,7 @@ def test_throughput_tiny(tiny_model):
 
 
 def test_throughput_serial_baseline(tiny_model):
-    res = run_bench("throughput", "--concurrency", "1,2", "--gen-len", "3", "--prompt-len", "8",
-                    "--repeats", "1", "--hf-sample", "1", "--model", tiny_model)
+    res = run_bench("throughput", "--concurrency", "1,2", "--gen-len", "3", "--prompt-len", "8", "--repeats", "1", "--hf-sample", "1", "--model", tiny_model)
     serial = {s["concurrency"]: s for s in res["serial"]}
     assert set(serial) == {1, 2}
     assert serial[2]["extrapolated"] and serial[2]["prompts_timed"] == 1
@@ -91,16 +89,14 @@ def test_throughput_serial_baseline(tiny_model):
 
 
 def test_help_lists_commands():
-    proc = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "throughput" in proc.stdout and "fleet" in proc.stdout
 
 
 def test_kernels_cold_and_shuffled():
     # one decode case, the csrc/ kernel (or, where it does not build, the torch backend alone)
-    out = run_bench("kernels", "--cases", "decode1x2200", "--modes", "kernel,torch", "--repeats", "2",
-                    "--cold-mib", "8", "--shuffle-pages", "--page-size", "1")
+    out = run_bench("kernels", "--cases", "decode1x2200", "--modes", "kernel,torch", "--repeats", "2", "--cold-mib", "8", "--shuffle-pages", "--page-size", "1")
     assert out["cold_mib"] == 8 and out["shuffle_pages"] is True and out["page_size"] == 1
     case = out["cases"]["decode1x2200"]
     assert "torch" in case and set(case) <= {"kernel", "torch"}
@@ -109,8 +105,7 @@ def test_kernels_cold_and_shuffled():
 
 
 def test_cascade_with_its_floor():
-    out = run_bench("cascade", "--batch", "4", "--prefix", "64", "--suffix", "8", "--layers", "1", "--repeats", "1",
-                    "--floor")
+    out = run_bench("cascade", "--batch", "4", "--prefix", "64", "--suffix", "8", "--layers", "1", "--repeats", "1", "--floor")
     assert out["flat_s"] > 0 and out["cascade_s"] > 0 and out["gemm_gflop_per_s"] > 0
     assert out["gflop"] == pytest.approx(4 * 4 * (64 + 8 + 1) * 64 * 8 * 1 / 1e9)  # 4 x requests x keys x dim x heads x layers
     assert out["cascade_over_floor"] == pytest.approx(out["cascade_s"] / out["floor_s"])
@@ -130,8 +125,7 @@ def test_kernels_against_another_build():
 
     if attention_ops.ops() is None:
         pytest.skip("the csrc/ kernels do not build here")
-    out = run_bench("kernels", "--cases", "extend7x128/130", "--modes", "kernel,torch", "--repeats", "3",
-                    "--against", str(ROOT / "csrc"), timeout=600)
+    out = run_bench("kernels", "--cases", "extend7x128/130", "--modes", "kernel,torch", "--repeats", "3", "--against", str(ROOT / "csrc"), timeout=600)
     assert out["against"] == str(ROOT / "csrc")
     case = out["cases"]["extend7x128/130"]
     assert set(case) == {"kernel", "kernel@against", "torch"}
@@ -139,8 +133,7 @@ def test_kernels_against_another_build():
     assert "vs_against" not in case["torch"]
 
 
-@pytest.mark.parametrize("name, new_tokens, own_keys", [("cascade8x128/1024+128", 128, 128),
-                                                      ("cascade8x1/1024+136", 1, 136)])
+@pytest.mark.parametrize("name, new_tokens, own_keys", [("cascade8x128/1024+128", 128, 128), ("cascade8x1/1024+136", 1, 136)])
 def test_kernels_cascade_case_is_planned_as_one_group(name, new_tokens, own_keys):
     # the cascade cases run the engine's shared-prefix path (level 0 against the prefix, level 1
     # against each member's own keys, merged), and the GEMM path computes what the torch backend does
@@ -169,8 +162,7 @@ def test_kernels_cascade_case_is_planned_as_one_group(name, new_tokens, own_keys
 
 def test_kernels_rejects_unknown_case():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bench", "kernels", "--cases", "nope"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "bench", "kernels", "--cases", "nope"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown case or mode nope" in proc.stderr
 
 
@@ -186,14 +178,17 @@ def test_peers_rounds_alternate_and_report_medians(monkeypatch):
     def fake_child(python, engine, spec, timeout):
         k = sum(e == engine for e in calls)
         calls.append(engine)
-        reqs = {f"r{i}": {"tokens": [1, 2] if engine == "vllm" or i else [1, 3], "prompt": 10, "cached": 4,
-                          "ttft_s": walls[engine][k] / 10} for i in range(2)}
+        reqs = {f"r{i}": {"tokens": [1, 2] if engine == "vllm" or i else [1, 3], "prompt": 10, "cached": 4, "ttft_s": walls[engine][k] / 10} for i in range(2)}
         return {"requests": reqs, "wall_s": walls[engine][k], "backend": engine, "page_faults": 1, "system_s": 0.0}
 
     monkeypatch.setattr(peers, "run_child", fake_child)
-    monkeypatch.setattr(peers, "specs", lambda args, model: {"gsp": {"workload": "gsp", "groups": 1, "prompts": 2,
-                                                                     "prefix_tokens": 4, "question_tokens": 2,
-                                                                     "output_tokens": 2, "max_running": 2}})
+    monkeypatch.setattr(
+        peers,
+        "specs",
+        lambda args, model: {
+            "gsp": {"workload": "gsp", "groups": 1, "prompts": 2, "prefix_tokens": 4, "question_tokens": 2, "output_tokens": 2, "max_running": 2}
+        },
+    )
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "0.32.0\n", ""))
     out = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: out.append(" ".join(map(str, a))))
@@ -228,13 +223,13 @@ def test_peers_rounds_alternate_and_report_medians(monkeypatch):
     entry = json.loads(out[-1])["workloads"]["gsp"]
     assert [r["floor"]["radixserve_over_floor"] for r in entry["rounds"]] == [1.5, 2.25, 2.0]
     assert [r["floor"]["floor_over_vllm"] for r in entry["rounds"]] == [pytest.approx(1 / 3), 0.4, 0.4]
-    assert entry["floor"] == {"floor_s": 2.0, "gemm_gflop_per_s": 100.0, "radixserve_over_floor": 2.0,
-                              "vllm_over_floor": 2.5, "floor_over_vllm": 0.4}
+    assert entry["floor"] == {"floor_s": 2.0, "gemm_gflop_per_s": 100.0, "radixserve_over_floor": 2.0, "vllm_over_floor": 2.5, "floor_over_vllm": 0.4}
     table = peers.render(json.loads(out[-1]))
-    assert "round 2: radixserve 9.00 s, vllm 10.00 s; wall 0.90x, TTFT p50 0.90x, equal tokens 1/2; floor 4.00 s, " \
-           "floor / vLLM 0.40x" in table
-    assert ("compute floor (bench floor, medians: 100 GFLOP/s GEMM rate): 2.00 s; radixserve / floor 2.00x, "
-            "vllm / floor 2.50x; floor / vLLM 0.40x (the 0.67x target is 1.68x the floor)") in table
+    assert "round 2: radixserve 9.00 s, vllm 10.00 s; wall 0.90x, TTFT p50 0.90x, equal tokens 1/2; floor 4.00 s, floor / vLLM 0.40x" in table
+    assert (
+        "compute floor (bench floor, medians: 100 GFLOP/s GEMM rate): 2.00 s; radixserve / floor 2.00x, "
+        "vllm / floor 2.50x; floor / vLLM 0.40x (the 0.67x target is 1.68x the floor)"
+    ) in table
 
 
 def test_peers_radixserve_alone(tiny_model):
@@ -244,10 +239,47 @@ def test_peers_radixserve_alone(tiny_model):
     token (each prompt token not cached, and every output token but the last of each request)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "peers", "--engines", "radixserve", "--model", tiny_model, "--threads", "1",
-         "--agents", "2", "--turns", "2", "--system-tokens", "48", "--private-tokens", "8", "--output-tokens", "3",
-         "--gsp-groups", "2", "--gsp-prompts", "2", "--gsp-prefix", "40", "--gsp-question", "6", "--gsp-output", "2",
-         "--breakdown", "--floor", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "peers",
+            "--engines",
+            "radixserve",
+            "--model",
+            tiny_model,
+            "--threads",
+            "1",
+            "--agents",
+            "2",
+            "--turns",
+            "2",
+            "--system-tokens",
+            "48",
+            "--private-tokens",
+            "8",
+            "--output-tokens",
+            "3",
+            "--gsp-groups",
+            "2",
+            "--gsp-prompts",
+            "2",
+            "--gsp-prefix",
+            "40",
+            "--gsp-question",
+            "6",
+            "--gsp-output",
+            "2",
+            "--breakdown",
+            "--floor",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     assert res["command"] == "peers" and "vllm_version" not in res
@@ -280,8 +312,7 @@ def test_peers_radixserve_alone(tiny_model):
 
 
 def test_bigmodel_on_a_tiny_shape(tmp_path):
-    res = run_bench("bigmodel", "--shape", "tiny", "--mix", "q4_k_m", "--dir", str(tmp_path), "--tokens", "6",
-                    "--kv-cache-tokens", "256")
+    res = run_bench("bigmodel", "--shape", "tiny", "--mix", "q4_k_m", "--dir", str(tmp_path), "--tokens", "6", "--kv-cache-tokens", "256")
     assert Path(res["file"]).is_file() and res["file_bytes"] > 0
     assert res["plan_weight_bytes"] == res["held_weight_bytes"]  # plan counts what the engine holds
     assert len(res["load_s"]) == 2 and all(s > 0 for s in res["load_s"])
@@ -291,9 +322,35 @@ def test_bigmodel_on_a_tiny_shape(tmp_path):
 
 # -- bench peers --peer llamacpp, against fake servers (CI has no llama-server) ----------------------
 FAKE_SERVER = ROOT / "tests" / "fake_llama_server.py"
-SMALL = ["--threads", "1", "--agents", "2", "--turns", "2", "--system-tokens", "24", "--private-tokens", "4",
-         "--output-tokens", "3", "--max-running", "2", "--gsp-groups", "2", "--gsp-prompts", "2", "--gsp-prefix", "20",
-         "--gsp-question", "5", "--gsp-output", "2", "--gsp-max-running", "3", "--json"]
+SMALL = [
+    "--threads",
+    "1",
+    "--agents",
+    "2",
+    "--turns",
+    "2",
+    "--system-tokens",
+    "24",
+    "--private-tokens",
+    "4",
+    "--output-tokens",
+    "3",
+    "--max-running",
+    "2",
+    "--gsp-groups",
+    "2",
+    "--gsp-prompts",
+    "2",
+    "--gsp-prefix",
+    "20",
+    "--gsp-question",
+    "5",
+    "--gsp-output",
+    "2",
+    "--gsp-max-running",
+    "3",
+    "--json",
+]
 
 
 @pytest.fixture(scope="module")
@@ -303,9 +360,15 @@ def header_gguf(tmp_path_factory) -> str:
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for add, value in (("add_context_length", 512), ("add_embedding_length", 64), ("add_block_count", 2),
-                       ("add_feed_forward_length", 128), ("add_head_count", 4), ("add_head_count_kv", 2),
-                       ("add_vocab_size", 120)):
+    for add, value in (
+        ("add_context_length", 512),
+        ("add_embedding_length", 64),
+        ("add_block_count", 2),
+        ("add_feed_forward_length", 128),
+        ("add_head_count", 4),
+        ("add_head_count_kv", 2),
+        ("add_vocab_size", 120),
+    ):
         getattr(w, add)(value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -334,21 +397,22 @@ def test_peers_llamacpp_needs_a_runnable_llama_server(tmp_path, header_gguf, cap
     base = ["--peer", "llamacpp", "--model", header_gguf]
     plain = tmp_path / "llama-server"
     plain.write_text("#!/bin/sh\n")
-    for extra, words in (([], "needs --llama-server PATH"),
-                         (["--llama-server", str(tmp_path / "nope")], f"--llama-server {tmp_path / 'nope'}: no such file"),
-                         (["--llama-server", str(plain)], "not executable"),
-                         (["--llama-server", str(plain), "--model", str(plain)], "not a GGUF file"),
-                         (["--llama-server", str(plain), "--breakdown"], "--breakdown times radixserve in-process"),
-                         (["--llama-server", str(plain), "--engines", "radixserve,vllm"], "give radixserve and/or llamacpp")):
+    for extra, words in (
+        ([], "needs --llama-server PATH"),
+        (["--llama-server", str(tmp_path / "nope")], f"--llama-server {tmp_path / 'nope'}: no such file"),
+        (["--llama-server", str(plain)], "not executable"),
+        (["--llama-server", str(plain), "--model", str(plain)], "not a GGUF file"),
+        (["--llama-server", str(plain), "--breakdown"], "--breakdown times radixserve in-process"),
+        (["--llama-server", str(plain), "--engines", "radixserve,vllm"], "give radixserve and/or llamacpp"),
+    ):
         code, out, err = _peers(base + extra, capsys)
         assert code == 2 and out == "", extra
         assert words in err and len(err.strip().splitlines()) == 1, (extra, err)
 
 
 def test_peers_llamacpp_server_that_does_not_start(tmp_path, header_gguf, capsys):
-    binary = _script(tmp_path / "llama-server", "#!/bin/sh\necho \"llama_model_load: error loading model: bad magic\"\nexit 1\n")
-    code, out, err = _peers(["--peer", "llamacpp", "--llama-server", binary, "--model", header_gguf, "--engines", "llamacpp",
-                             *SMALL], capsys)
+    binary = _script(tmp_path / "llama-server", '#!/bin/sh\necho "llama_model_load: error loading model: bad magic"\nexit 1\n')
+    code, out, err = _peers(["--peer", "llamacpp", "--llama-server", binary, "--model", header_gguf, "--engines", "llamacpp", *SMALL], capsys)
     assert code == 2 and out == ""
     assert "llama-server did not start: it exited with status 1" in err
     assert "error loading model: bad magic" in err  # the tail of its log
@@ -364,15 +428,16 @@ def test_peers_llamacpp_against_fake_servers(tmp_path, header_gguf, capsys, monk
 
     log = tmp_path / "llama.jsonl"
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
-    binary = _script(tmp_path / "llama-server", f"#!/bin/sh\nexec {sys.executable} {FAKE_SERVER} \"$@\"\n")
+    binary = _script(tmp_path / "llama-server", f'#!/bin/sh\nexec {sys.executable} {FAKE_SERVER} "$@"\n')
     gateway_flags = []
 
     class FakeGateway:  # what radixserve.testing.spawn_server returns, for the fake in gateway mode
         def __init__(self, model, *flags, **kw):
             gateway_flags.append((model, flags, kw["http"]))
             self.port = llamacpp.free_port()
-            self.proc = sp.Popen([sys.executable, str(FAKE_SERVER), "--port", str(self.port)],
-                                 env={**os.environ, "FAKE_LLAMA_LOG": str(tmp_path / "gateway.jsonl")})
+            self.proc = sp.Popen(
+                [sys.executable, str(FAKE_SERVER), "--port", str(self.port)], env={**os.environ, "FAKE_LLAMA_LOG": str(tmp_path / "gateway.jsonl")}
+            )
             self.pid, self.http_url = self.proc.pid, f"http://127.0.0.1:{self.port}/v1"
             assert llamacpp.wait_healthy("127.0.0.1", self.port, self.proc, 30) is None
 
@@ -397,7 +462,7 @@ def test_peers_llamacpp_against_fake_servers(tmp_path, header_gguf, capsys, monk
         assert int(flag["-c"]) == cfg["max_running"] * cfg["max_model_len"]
         llama, radix = entry["engines"]["llamacpp"], entry["engines"]["radixserve"]
         assert llama["command"].endswith(" ".join(argv)) and "--max-running" in radix["command"]
-        timed = runs[start + 3:end]  # (after the two warm-up requests)
+        timed = runs[start + 3 : end]  # (after the two warm-up requests)
         for r in timed:
             body = r["body"]
             assert body["cache_prompt"] and body["ignore_eos"] and body["return_tokens"] and not body["stream"]
@@ -408,11 +473,11 @@ def test_peers_llamacpp_against_fake_servers(tmp_path, header_gguf, capsys, monk
         assert 0 < llama["ttft_p50_ms"] <= llama["ttft_p99_ms"] and llama["page_faults"] >= 0
         assert entry["equal_requests"] == f"{len(timed)}/{len(timed)}"
         assert entry["ratios"]["wall"] > 0 and entry["ratios"]["computed_prompt_tokens"] == 1.0
-    fleet = runs[starts[0] + 3:starts[1]]
+    fleet = runs[starts[0] + 3 : starts[1]]
     for first in fleet[:2]:  # each agent's second turn extends its first prompt by what was streamed
-        later = [r for r in fleet if r is not first and r["body"]["prompt"][:len(first["body"]["prompt"])] == first["body"]["prompt"]]
-        assert len(later) == 1 and later[0]["body"]["prompt"][len(first["body"]["prompt"]):][:3] == first["out"]
-    (model, flags, http), = gateway_flags[:1]
+        later = [r for r in fleet if r is not first and r["body"]["prompt"][: len(first["body"]["prompt"])] == first["body"]["prompt"]]
+        assert len(later) == 1 and later[0]["body"]["prompt"][len(first["body"]["prompt"]) :][:3] == first["out"]
+    ((model, flags, http),) = gateway_flags[:1]
     assert model == header_gguf and http and flags[flags.index("--max-running") + 1] == "2"
     table = peers_render(res)
     print(table)
@@ -436,10 +501,40 @@ def test_peers_fleet_through_the_gateway_completes(tmp_path):
     hf = make_tiny_model_dir(tmp_path / "hf", "llama", seed=1, max_position_embeddings=4096)
     model = write_gguf(tmp_path / "tiny.gguf", hf, "llama", lambda name: 8)  # Q8_0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "bench", "peers", "--peer", "llamacpp", "--llama-server", "/bin/true",
-                           "--engines", "radixserve", "--workloads", "fleet", "--model", str(model), "--threads", "2",
-                           "--agents", "32", "--max-running", "32", "--system-tokens", "1024", "--rounds", "1", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "peers",
+            "--peer",
+            "llamacpp",
+            "--llama-server",
+            "/bin/true",
+            "--engines",
+            "radixserve",
+            "--workloads",
+            "fleet",
+            "--model",
+            str(model),
+            "--threads",
+            "2",
+            "--agents",
+            "32",
+            "--max-running",
+            "32",
+            "--system-tokens",
+            "1024",
+            "--rounds",
+            "1",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout)["workloads"]["fleet"]["engines"]["radixserve"]
     assert run["requests"] == 32 * 4 and run["backend"] == "http gateway"

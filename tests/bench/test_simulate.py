@@ -172,9 +172,13 @@ def test_bounds_dominate_policies():
         for cap in (3, 8, 20, 60):
             b = P.belady(w, cap)
             assert b <= ideal
-            for name, got in [("lru", P.radix(w, cap, "lru")), ("lfu", P.radix(w, cap, "lfu")),
-                              ("vllm4", P.block_hash(w, cap, 4)), ("vllm2", P.block_hash(w, cap, 2)),
-                              ("slots", P.slots(w, cap, 2))]:
+            for name, got in [
+                ("lru", P.radix(w, cap, "lru")),
+                ("lfu", P.radix(w, cap, "lfu")),
+                ("vllm4", P.block_hash(w, cap, 4)),
+                ("vllm2", P.block_hash(w, cap, 2)),
+                ("slots", P.slots(w, cap, 2)),
+            ]:
                 # token units: every unit is worth one token, so Belady is the exact optimum
                 assert got <= b, (seed, cap, name, got, b)
             order: list[int] = []
@@ -214,9 +218,14 @@ def test_generated_workloads():
 
 
 def test_weka_sessions_share_nothing(tmp_path):
-    sess = {"block_size": 64, "hash_id_scope": "local",
-            "requests": [{"t": 0.0, "type": "n", "in": 200, "out": 5, "hash_ids": [1, 2, 3]},
-                         {"t": 5.0, "type": "n", "in": 300, "out": 5, "hash_ids": [1, 2, 3, 4]}]}
+    sess = {
+        "block_size": 64,
+        "hash_id_scope": "local",
+        "requests": [
+            {"t": 0.0, "type": "n", "in": 200, "out": 5, "hash_ids": [1, 2, 3]},
+            {"t": 5.0, "type": "n", "in": 300, "out": 5, "hash_ids": [1, 2, 3, 4]},
+        ],
+    }
     for name in ("a.json", "b.json"):
         (tmp_path / name).write_text(json.dumps(sess))
     w = load_trace(str(tmp_path))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts
 from radixserve import Engine
 from radixserve.errors import BadRequestError
+
+from conftest import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +101,9 @@ def test_choose_sampling_and_errors(llama_dir):
 
 def test_choose_over_the_sdk(llama_dir):
     """Router + worker path: the same scores as the offline engine; bad input answered with a code."""
-    from serve_cluster import Cluster
-
     from radixserve.client import Client
+
+    from serve_cluster import Cluster
 
     engine = Engine(llama_dir, kv_cache_tokens=4096)
     prompt = "You play White. Legal moves: e2e4 d2d4 g1f3. Your move:" * 4

@@ -7,8 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from conftest import random_prompts
 from radixserve import BadRequestError, Engine, ModelLoadError, SamplingParams, TooLongError
+
+from conftest import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +47,18 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(llama_dir):
 def test_top_k_1_and_tiny_top_p_are_greedy(engine):
     prompt = random_prompts((25,), seed=5)[0]
     greedy = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
-    for params in (SamplingParams(max_tokens=6, top_k=1, seed=1), SamplingParams(max_tokens=6, top_p=1e-6, seed=1),
-                   SamplingParams(max_tokens=6, min_p=1.0, seed=1)):
+    for params in (
+        SamplingParams(max_tokens=6, top_k=1, seed=1),
+        SamplingParams(max_tokens=6, top_p=1e-6, seed=1),
+        SamplingParams(max_tokens=6, min_p=1.0, seed=1),
+    ):
         assert engine.generate([prompt], params)[0].token_ids == greedy
 
 
 def test_penalties_change_greedy_choice(engine):
     prompt = random_prompts((8,), seed=6)[0]
     plain = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0].token_ids
-    penalised = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, frequency_penalty=2.0,
-                                                         repetition_penalty=1.5))[0].token_ids
+    penalised = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, frequency_penalty=2.0, repetition_penalty=1.5))[0].token_ids
     assert penalised != plain
     assert len(set(penalised)) >= len(set(plain))
 
@@ -93,8 +96,7 @@ def test_stop_strings_cut_the_text(engine):
     out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == free.text[: free.text.index(stop)]
-    kept = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop],
-                                                     include_stop_str_in_output=True))[0]
+    kept = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))[0]
     assert kept.text == free.text[: free.text.index(stop) + len(stop)]
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
-from radixserve.testing import TINY_ARCHS
 from radixserve.model.llama import ForwardBatch, head_dim_of
+from radixserve.testing import TINY_ARCHS
+
+from conftest import hf_greedy, random_prompts
 
 LENGTHS = (1, 2, 9, 37, 64, 130, 300)
 NEW = 10
@@ -90,8 +91,7 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
     "overrides",
     [
         dict(tie_word_embeddings=True),
-        dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                               high_freq_factor=4.0, original_max_position_embeddings=128)),
+        dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128)),
         dict(rope_theta=500000.0, num_key_value_heads=1),
     ],
     ids=["tied", "llama3-rope", "theta-mqa"],

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.errors import InvariantError
+
+from conftest import random_prompts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,8 +92,7 @@ def test_scattered_free_pages_come_back_lowest_first():
 
     from radixserve.kv.pool import KVPool
 
-    pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
-                  device="cpu")
+    pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
     pages = pool.alloc(64)
     random.Random(0).shuffle(pages)
     freed = pages[:32]
@@ -109,8 +109,7 @@ def test_fresh_pages_come_in_ascending_runs():
 
     from radixserve.kv.pool import KVPool
 
-    pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
-                  device="cpu")
+    pool = KVPool(num_layers=1, num_pages=64, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
     first = pool.alloc(10)
     assert first == list(range(10))
     assert first + pool.alloc(1) + pool.alloc(3) == list(range(14))  # a growing sequence continues its run
@@ -130,8 +129,9 @@ def test_a_cpu_pool_costs_the_memory_of_the_pages_written(kv_dtype):
 
     me = psutil.Process()
     before = me.memory_info().rss
-    pool = KVPool(num_layers=4, num_pages=16384, page_size=4, num_kv_heads=4, head_dim=256, dtype=torch.float32,
-                  device="cpu", kv_dtype=kv_dtype)  # 512 MiB of K and V as float32
+    pool = KVPool(
+        num_layers=4, num_pages=16384, page_size=4, num_kv_heads=4, head_dim=256, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype
+    )  # 512 MiB of K and V as float32
     assert me.memory_info().rss - before < 64 << 20
     slots = torch.arange(40, 48)
     assert pool.k_slots(3).index_select(0, slots).abs().sum() == 0  # fresh pages read as zeros

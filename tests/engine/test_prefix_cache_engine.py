@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_prompts
 from radixserve import BadRequestError, Engine, SamplingParams
+
+from conftest import random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

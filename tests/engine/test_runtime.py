@@ -25,7 +25,9 @@ def test_default_omp_wait_sets_a_short_spin_only_where_the_user_chose_nothing(mo
             monkeypatch.setenv(key, value)
         runtime.default_omp_wait()
         assert {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} == {
-            "OMP_WAIT_POLICY": user.get("OMP_WAIT_POLICY"), "GOMP_SPINCOUNT": user.get("GOMP_SPINCOUNT")}
+            "OMP_WAIT_POLICY": user.get("OMP_WAIT_POLICY"),
+            "GOMP_SPINCOUNT": user.get("GOMP_SPINCOUNT"),
+        }
         assert runtime.defaulted_env() == {}  # the user's choice: passed on to every child
 
 
@@ -50,8 +52,7 @@ def test_default_malloc_keeps_freed_memory_mapped_unless_the_user_chose(monkeypa
     monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: libc)
     assert runtime.default_malloc() is True
     # M_MMAP_THRESHOLD (-3), M_TRIM_THRESHOLD (-1), M_TOP_PAD (-2) of glibc's malloc.h
-    assert dict(libc.calls) == {-3: runtime.MALLOC_MMAP_THRESHOLD, -1: runtime.MALLOC_TRIM_THRESHOLD,
-                                -2: runtime.MALLOC_TOP_PAD}
+    assert dict(libc.calls) == {-3: runtime.MALLOC_MMAP_THRESHOLD, -1: runtime.MALLOC_TRIM_THRESHOLD, -2: runtime.MALLOC_TOP_PAD}
     assert runtime.MALLOC_MMAP_THRESHOLD <= 32 << 20  # glibc refuses more (half its 64 MiB heap)
     refused = _FakeLibc(result=0)
     monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: refused)
@@ -77,6 +78,7 @@ def test_default_malloc_applies_on_this_glibc():
 
         pytest.skip("not a glibc system")
     env = {k: v for k, v in os.environ.items() if k not in runtime._MALLOC_ENV}
-    proc = subprocess.run([sys.executable, "-c", "from radixserve.runtime import default_malloc; print(default_malloc())"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from radixserve.runtime import default_malloc; print(default_malloc())"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr

@@ -88,9 +88,12 @@ def test_seeded_rows_ignore_their_batch_mates():
 
     def run(rows):
         s = sampler_mod.Sampler(0, torch.device("cpu"))
-        reqs = [R(generator=torch.Generator().manual_seed(42), temperature=1.0, top_p=0.95) if i == 2
-                else R(generator=torch.Generator().manual_seed(i) if i % 2 else None, temperature=1.0)
-                for i in rows]
+        reqs = [
+            R(generator=torch.Generator().manual_seed(42), temperature=1.0, top_p=0.95)
+            if i == 2
+            else R(generator=torch.Generator().manual_seed(i) if i % 2 else None, temperature=1.0)
+            for i in rows
+        ]
         return [s(step[rows], reqs)[0][rows.index(2)] for step in steps]
 
     alone = run([2])

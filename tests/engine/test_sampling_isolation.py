@@ -17,12 +17,23 @@ from conftest import random_prompts
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", 1e300), ("temperature", math.inf), ("temperature", math.nan), ("temperature", 101.0),
-    ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("repetition_penalty", math.nan),
-    ("top_p", math.nan), ("min_p", math.nan), ("presence_penalty", math.inf), ("seed", 10**30),
-    ("seed", -(2**64)),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 1e300),
+        ("temperature", math.inf),
+        ("temperature", math.nan),
+        ("temperature", 101.0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e300),
+        ("repetition_penalty", math.nan),
+        ("top_p", math.nan),
+        ("min_p", math.nan),
+        ("presence_penalty", math.inf),
+        ("seed", 10**30),
+        ("seed", -(2**64)),
+    ],
+)
 def test_insane_values_are_rejected(field, value):
     with pytest.raises(BadRequestError) as info:
         SamplingParams(**{field: value}).validate(vocab_size=512)
@@ -30,9 +41,14 @@ def test_insane_values_are_rejected(field, value):
 
 
 def test_sane_edges_are_accepted():
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1e-300),  # tiny is greedy-like
-                   SamplingParams(temperature=100.0), SamplingParams(repetition_penalty=0.01),
-                   SamplingParams(repetition_penalty=100.0), SamplingParams(seed=2**64 - 1)):
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1e-300),  # tiny is greedy-like
+        SamplingParams(temperature=100.0),
+        SamplingParams(repetition_penalty=0.01),
+        SamplingParams(repetition_penalty=100.0),
+        SamplingParams(seed=2**64 - 1),
+    ):
         params.validate(vocab_size=512)
 
 

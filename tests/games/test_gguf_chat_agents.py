@@ -21,14 +21,14 @@ class FakeClient:
 
     async def generate(self, prompt, **_):
         self.prompts.append(prompt)
-        return SimpleNamespace(text=self.answers.pop(0), token_ids=[1], timings=SimpleNamespace(ttft_s=0.01),
-                               usage=SimpleNamespace(prompt_tokens=10, cached_tokens=5))
+        return SimpleNamespace(
+            text=self.answers.pop(0), token_ids=[1], timings=SimpleNamespace(ttft_s=0.01), usage=SimpleNamespace(prompt_tokens=10, cached_tokens=5)
+        )
 
     async def choose(self, prompt, choices, **_):
         self.prompts.append(prompt)
         self.choices = list(choices)
-        return SimpleNamespace(index=choices.index("d2d4"), timings=SimpleNamespace(ttft_s=0.01),
-                               usage=SimpleNamespace(query_tokens=10, cached_tokens=5))
+        return SimpleNamespace(index=choices.index("d2d4"), timings=SimpleNamespace(ttft_s=0.01), usage=SimpleNamespace(query_tokens=10, cached_tokens=5))
 
 
 def test_generate_mode_with_chat_template_parses_and_reprompts_as_a_conversation():

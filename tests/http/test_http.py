@@ -16,15 +16,14 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import random_prompts  # noqa: E402
-from serve_cluster import Cluster  # noqa: E402
-
 from radixserve import TooLongError  # noqa: E402
 from radixserve import protocol as P  # noqa: E402
 from radixserve.client import Client  # noqa: E402
-from radixserve.serve.openai import (DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants,  # noqa: E402
-                                   load_keys_file)
+from radixserve.serve.openai import DEFAULT_TENANT, Gateway, GatewayConfig, GatewayServer, Tenants, load_keys_file  # noqa: E402
 from radixserve.serve.openai.errors import APIError  # noqa: E402
+
+from conftest import random_prompts  # noqa: E402
+from serve_cluster import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,8 +36,21 @@ def server(llama_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     # 1 worker, tiny admission limits so overload is easy to provoke (at most 2 running + 2 queued)
-    c = Cluster(llama_dir, 1, "--api-keys-file", str(keys), "--api-key", "key-cli",
-                "--max-inflight", "2", "--max-queue", "2", "--max-frame-bytes", str(MAX_BODY), http=True)
+    c = Cluster(
+        llama_dir,
+        1,
+        "--api-keys-file",
+        str(keys),
+        "--api-key",
+        "key-cli",
+        "--max-inflight",
+        "2",
+        "--max-queue",
+        "2",
+        "--max-frame-bytes",
+        str(MAX_BODY),
+        http=True,
+    )
     yield c
     c.stop()
 
@@ -51,8 +63,7 @@ def _raw(server, method: str, path: str, body: bytes | None = None, headers: dic
     u = urllib.parse.urlparse(server.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     try:
-        conn.request(method, path, body=body, headers={"Authorization": "Bearer key-main",
-                                                       "Content-Type": "application/json", **(headers or {})})
+        conn.request(method, path, body=body, headers={"Authorization": "Bearer key-main", "Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
         data = r.read()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, data
@@ -92,14 +103,12 @@ def test_completion_text_ids_and_batch(server):
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
     assert out.usage.prompt_tokens_details.cached_tokens >= 0  # always present
     ids = random_prompts([20], seed=3)[0]
-    out = c.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0,
-                               extra_body={"ignore_eos": True})
+    out = c.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.prompt_tokens == 20 and out.usage.completion_tokens == 4
     out = c.completions.create(model="llama", prompt=["one", "two", "three"], max_tokens=2, temperature=0)
     assert sorted(ch.index for ch in out.choices) == [0, 1, 2]
     # streaming completion
-    chunks = list(c.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True}))
+    chunks = list(c.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0, stream=True, extra_body={"ignore_eos": True}))
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -114,8 +123,7 @@ def test_return_token_ids(server):
     out = c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
     got = out.choices[0].model_extra["token_ids"]
     assert len(got) == 6 and all(isinstance(t, int) for t in got)
-    chunks = list(c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}},
-                                       stream=True))
+    chunks = list(c.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}}, stream=True))
     streamed = [t for ch in chunks if ch.choices for t in (ch.choices[0].model_extra or {}).get("token_ids") or []]
     assert streamed == got
     assert sum(1 for ch in chunks if ch.choices and (ch.choices[0].model_extra or {}).get("token_ids")) >= 1
@@ -123,16 +131,15 @@ def test_return_token_ids(server):
 
 def test_chat_and_streaming_chat_agree(server):
     c = _client(server)
-    messages = [{"role": "system", "content": "You are a chess agent."},
-                {"role": "user", "content": "Play e2e4 or d2d4?"}]
-    out = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    messages = [{"role": "system", "content": "You are a chess agent."}, {"role": "user", "content": "Play e2e4 or d2d4?"}]
+    out = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     assert out.object == "chat.completion"
     msg = out.choices[0].message
     assert msg.role == "assistant" and isinstance(msg.content, str)
     assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens_details is not None
-    stream = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = c.chat.completions.create(
+        model="llama", messages=messages, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -144,14 +151,12 @@ def test_chat_and_streaming_chat_agree(server):
     # the second call of the same conversation hit the cache (the whole prompt but its last token)
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
     # n=2 streamed: both choices finish, each once
-    chunks = list(c.chat.completions.create(model="llama", messages=messages, max_tokens=3, n=2, stream=True,
-                                            seed=5))
+    chunks = list(c.chat.completions.create(model="llama", messages=messages, max_tokens=3, n=2, stream=True, seed=5))
     assert sorted(ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason) == [0, 1]
 
 
 def test_raw_sse_ends_with_done(server):
-    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                       "stream": True}).encode()
+    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}).encode()
     status, headers, data = _raw(server, "POST", "/v1/chat/completions", body)
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     events = [e for e in data.decode().split("\n\n") if e]
@@ -166,24 +171,19 @@ def test_n_seed_and_stop(server):
     a = c.completions.create(n=2, seed=1234, **kw)
     b = c.completions.create(n=2, seed=1234, **kw)
     assert sorted(ch.index for ch in a.choices) == [0, 1]
-    assert [ch.text for ch in sorted(a.choices, key=lambda ch: ch.index)] == \
-           [ch.text for ch in sorted(b.choices, key=lambda ch: ch.index)]
+    assert [ch.text for ch in sorted(a.choices, key=lambda ch: ch.index)] == [ch.text for ch in sorted(b.choices, key=lambda ch: ch.index)]
     single = c.completions.create(seed=1234, **kw)
     assert single.choices[0].text == sorted(a.choices, key=lambda ch: ch.index)[0].text  # choice i: seed + i
     assert a.usage.completion_tokens == 16
     # chat n=2
-    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": prompt}], n=2,
-                                     max_tokens=3, seed=7)
+    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": prompt}], n=2, max_tokens=3, seed=7)
     assert sorted(ch.index for ch in chat.choices) == [0, 1]
     # stop strings: greedy output, then stop at a substring of it
-    g = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0,
-                             extra_body={"ignore_eos": True}).choices[0].text
-    stop = next(g[i:i + 2] for i in range(1, len(g) - 1) if "\ufffd" not in g[i:i + 2] and g[i:i + 2].strip())
-    s = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
-                             extra_body={"ignore_eos": True}).choices[0]
-    assert s.finish_reason == "stop" and s.text == g[:g.find(stop)]
-    s2 = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0, stop=stop,
-                              extra_body={"ignore_eos": True}).choices[0]
+    g = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(g[i : i + 2] for i in range(1, len(g) - 1) if "\ufffd" not in g[i : i + 2] and g[i : i + 2].strip())
+    s = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert s.finish_reason == "stop" and s.text == g[: g.find(stop)]
+    s2 = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0, stop=stop, extra_body={"ignore_eos": True}).choices[0]
     assert s2.text == s.text
 
 
@@ -203,23 +203,20 @@ def test_tenant_isolation(server):
     first = alice.completions.create(model="llama", prompt=text + "A", max_tokens=2, temperature=0)
     again = alice.completions.create(model="llama", prompt=text + "B", max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 3
-    same_tenant = _client(server, "key-a2").completions.create(model="llama", prompt=text + "C", max_tokens=2,
-                                                                temperature=0)
+    same_tenant = _client(server, "key-a2").completions.create(model="llama", prompt=text + "C", max_tokens=2, temperature=0)
     assert same_tenant.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 3
-    bob = _client(server, "key-b").completions.create(model="llama", prompt=text + "D", max_tokens=2,
-                                                      temperature=0)
+    bob = _client(server, "key-b").completions.create(model="llama", prompt=text + "D", max_tokens=2, temperature=0)
     assert bob.usage.prompt_tokens_details.cached_tokens == 0
     # and a client cannot pick a namespace: a `user` (or unknown `namespace` field) changes nothing
-    cli = _client(server, "key-cli").completions.create(model="llama", prompt=text + "E", max_tokens=2,
-                                                        temperature=0, user="alice",
-                                                        extra_body={"namespace": None})
+    cli = _client(server, "key-cli").completions.create(
+        model="llama", prompt=text + "E", max_tokens=2, temperature=0, user="alice", extra_body={"namespace": None}
+    )
     assert cli.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_unknown_fields_are_ignored_and_listed(server):
     c = _client(server)
-    raw = c.completions.with_raw_response.create(model="llama", prompt="hi", max_tokens=2,
-                                                 extra_body={"frobnicate": 1, "zzz": "x"})
+    raw = c.completions.with_raw_response.create(model="llama", prompt="hi", max_tokens=2, extra_body={"frobnicate": 1, "zzz": "x"})
     assert raw.status_code == 200
     assert raw.headers["x-radixserve-ignored-fields"] == "frobnicate,zzz"
     assert raw.parse().usage.completion_tokens >= 1
@@ -252,8 +249,7 @@ def test_400_names_the_field(server):
         c.chat.completions.create(model="llama", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
     assert e.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as e:  # the router's cap, named as the body named it
-        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
-                                  max_completion_tokens=P.DEFAULT_LIMITS.max_tokens + 1)
+        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=P.DEFAULT_LIMITS.max_tokens + 1)
     assert e.value.body["param"] == "max_completion_tokens" and e.value.body["code"] is None
     with pytest.raises(openai.BadRequestError) as e:  # longer than the tiny model's 1024-token context
         c.completions.create(model="llama", prompt=[7] * 1500, max_tokens=2)
@@ -281,8 +277,7 @@ def test_max_tokens_past_the_context_is_refused_at_once(server):
     assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
     assert "1015 + 10 prompt tokens exceeds the model's context (1024 tokens); at most 1014 fit" in body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
-                                  max_completion_tokens=1024, extra_body={"ignore_eos": True})
+        c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=1024, extra_body={"ignore_eos": True})
     assert e.value.body["code"] == "context_length_exceeded"
     with Client(server.address, timeout=30, api_key=server.api_key) as sdk, pytest.raises(TooLongError, match="exceeds the model's context"):
         sdk.generate([9] * 10, max_tokens=1015, ignore_eos=True)
@@ -331,9 +326,13 @@ def test_413_body_too_large(server):
     u = urllib.parse.urlparse(server.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     try:
-        conn.request("POST", "/v1/completions", body=iter([b"{\"prompt\": \"" + b"a" * 65536] * 20),
-                     headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"},
-                     encode_chunked=True)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=iter([b'{"prompt": "' + b"a" * 65536] * 20),
+            headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"},
+            encode_chunked=True,
+        )
         r = conn.getresponse()
         assert r.status == 413 and _error(r.read())["code"] == "request_too_large"
     finally:
@@ -349,10 +348,12 @@ def test_503_when_overloaded_with_retry_after(server):
 
     async def main():
         async with _client(server, cls=openai.AsyncOpenAI) as c:
+
             async def one(i):
                 return await c.completions.with_raw_response.create(
-                    model="llama", prompt=[7 + i] * 8, max_tokens=300, temperature=0,
-                    extra_body={"ignore_eos": True})
+                    model="llama", prompt=[7 + i] * 8, max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+                )
+
             tasks = [asyncio.ensure_future(one(i)) for i in range(8)]
             os.kill(worker, signal.SIGSTOP)
             try:
@@ -395,11 +396,9 @@ class _FakeRouter:
             ident, frame = self.sock.recv_multipart()
             msg = P.decode(frame)
             if isinstance(msg, P.Generate):
-                self.sock.send_multipart([ident, P.encode(P.Error(id=msg.id, code="internal",
-                                                                  message="engine step failed"))])
+                self.sock.send_multipart([ident, P.encode(P.Error(id=msg.id, code="internal", message="engine step failed"))])
             elif isinstance(msg, P.Health):
-                self.sock.send_multipart([ident, P.encode(P.HealthReply(id=msg.id, status="degraded",
-                                                                        workers=1, workers_alive=0))])
+                self.sock.send_multipart([ident, P.encode(P.HealthReply(id=msg.id, status="degraded", workers=1, workers_alive=0))])
 
     def close(self):
         self.stopped = True
@@ -456,8 +455,7 @@ def _gateway_inflight(server) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     _, _, body = _raw(server, "GET", "/metrics")
-    return next(s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
-                if s.name == "radixserve_http_inflight")
+    return next(s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples if s.name == "radixserve_http_inflight")
 
 
 def test_client_disconnect_aborts_the_request(server):
@@ -465,6 +463,7 @@ def test_client_disconnect_aborts_the_request(server):
     requests. The worker is paused while they leave: on the tiny model a request's ~1000 tokens
     take a fraction of a second, so an unpaused worker can finish one before its client is gone,
     and the test would not be testing an abort."""
+
     def counters():
         with Client(server.address, api_key=server.api_key) as sdk:
             return sdk.stats()["router"]
@@ -478,8 +477,7 @@ def test_client_disconnect_aborts_the_request(server):
     before = counters()["counters"]["aborted"]
     worker = server.pids["w0"]
     c = _client(server)
-    stream = c.completions.create(model="llama", prompt=[9] * 10, max_tokens=1000, temperature=0, stream=True,
-                                  extra_body={"ignore_eos": True})
+    stream = c.completions.create(model="llama", prompt=[9] * 10, max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     os.kill(worker, signal.SIGSTOP)  # under the 3 s heartbeat timeout: the router keeps it
     try:
@@ -487,9 +485,12 @@ def test_client_disconnect_aborts_the_request(server):
         # and a non-streaming request whose client goes away once the router has dispatched it
         u = urllib.parse.urlparse(server.url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [8] * 10, "max_tokens": 1000,
-                                                                 "ignore_eos": True}).encode(),
-                     headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps({"prompt": [8] * 10, "max_tokens": 1000, "ignore_eos": True}).encode(),
+            headers={"Authorization": "Bearer key-main", "Content-Type": "application/json"},
+        )
         wait(lambda: counters()["gauges"]["inflight"] == 2, "the router never dispatched the request", 1.0)
         conn.close()
         wait(lambda: _gateway_inflight(server) == 0, "the gateway never saw the clients leave", 1.0)
@@ -520,15 +521,11 @@ def test_logprobs_end_to_end(server, llama_dir):
 
     ids = random_prompts([16], seed=41)[0]
     c = _client(server)
-    out = c.completions.create(model="llama", prompt=ids, max_tokens=3, temperature=0, logprobs=2,
-                               extra_body={"ignore_eos": True})
+    out = c.completions.create(model="llama", prompt=ids, max_tokens=3, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
-    reference = Engine(llama_dir, kv_cache_tokens=1024).generate(
-        [ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))[0]
+    reference = Engine(llama_dir, kv_cache_tokens=1024).generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))[0]
     assert lp.token_logprobs == pytest.approx([t.logprob for t in reference.logprobs], abs=1e-4)
     assert [len(t) for t in lp.top_logprobs] == [2, 2, 2]
-    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "e2e4?"}],
-                                     max_tokens=3, temperature=0, logprobs=True, top_logprobs=3)
+    chat = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "e2e4?"}], max_tokens=3, temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
-

@@ -17,6 +17,7 @@ import zmq
 from radixserve import protocol as P
 from radixserve.serve.openai import Gateway, GatewayConfig, GatewayServer
 from radixserve.serve.router import RouterConfig
+
 from serve_cluster import running_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,8 +61,9 @@ def test_deep_msgpack_gets_an_error_reply_and_the_router_stays_up(router):
 
 @pytest.fixture(scope="module")
 def gateway(router):
-    gw = GatewayServer(Gateway(GatewayConfig(router=router.address, model_names=["m"])), "127.0.0.1", 0,
-                       header_timeout_s=1.0, body_timeout_s=1.0, max_connections=40).start()
+    gw = GatewayServer(
+        Gateway(GatewayConfig(router=router.address, model_names=["m"])), "127.0.0.1", 0, header_timeout_s=1.0, body_timeout_s=1.0, max_connections=40
+    ).start()
     yield gw
     gw.stop()
 
@@ -193,8 +195,7 @@ def test_idle_connections_do_not_hold_the_connection_cap(gateway):
 def test_client_leaving_a_non_streaming_request_is_not_a_500(gateway):
     """No worker here: the request waits in the router until the client hangs up."""
     conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode(),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode(), headers={"Content-Type": "application/json"})
     time.sleep(1.0)
     conn.close()
     deadline = time.monotonic() + 15
@@ -267,8 +268,7 @@ def test_a_reply_flood_does_not_stall_the_client_loop():
             time.sleep(0.3)  # the loop stalls; meanwhile 50,000 stray replies queue up
             for _ in range(50_000):
                 fake.send_multipart([identity, frame])
-            fake.send_multipart([identity, P.encode(P.HealthReply(id=P.decode(req).id, status="ok", workers=0,
-                                                                  workers_alive=0))])
+            fake.send_multipart([identity, P.encode(P.HealthReply(id=P.decode(req).id, status="ok", workers=0, workers_alive=0))])
             lag = await _max_lag(0.5)
             assert (await call)["status"] == "ok"
             return lag
@@ -299,8 +299,7 @@ class _SlowTokenizer:
 def _chat(port: int, content: str, timeout: float = 30.0) -> tuple[int, dict, float]:
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": [{"role": "user", "content": content}],
-                                                                  "max_tokens": 2}).encode())
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2}).encode())
     r = conn.getresponse()
     data = json.loads(r.read() or b"{}")
     conn.close()
@@ -362,15 +361,20 @@ class _LogprobsClient:
     20 alternatives; health and stats answer at once."""
 
     def __init__(self, tokens: int):
-        self.lps = [P.TokenLogprob(token_id=i % 500, logprob=-1.0, top=[((i + k) % 500, -2.0) for k in range(20)])
-                    for i in range(tokens)]
+        self.lps = [P.TokenLogprob(token_id=i % 500, logprob=-1.0, top=[((i + k) % 500, -2.0) for k in range(20)]) for i in range(tokens)]
 
     async def generate(self, prompt, **_):
         from radixserve.client import Completion
 
-        return Completion(request_id="x", text="", token_ids=[lp.token_id for lp in self.lps], finish_reason="length",
-                          usage=P.Usage(prompt_tokens=len(prompt), cached_tokens=0, completion_tokens=len(self.lps)),
-                          timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0), logprobs=self.lps)
+        return Completion(
+            request_id="x",
+            text="",
+            token_ids=[lp.token_id for lp in self.lps],
+            finish_reason="length",
+            usage=P.Usage(prompt_tokens=len(prompt), cached_tokens=0, completion_tokens=len(self.lps)),
+            timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0),
+            logprobs=self.lps,
+        )
 
     async def health(self, timeout=None):
         return {"status": "ok", "workers": 1, "workers_alive": 1}
@@ -388,10 +392,10 @@ def test_logprobs_do_not_stall_other_requests(llama_dir):
     large response is built off the loop."""
     from radixserve.serve.router import load_tokenizer
 
-    gw = GatewayServer(Gateway(GatewayConfig(router="tcp://127.0.0.1:1", model_names=["m"]), load_tokenizer(llama_dir),
-                               client=_LogprobsClient(1500)), "127.0.0.1", 0).start()
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 8, "logprobs": True, "top_logprobs": 20,
-                       "max_tokens": 1500}).encode()
+    gw = GatewayServer(
+        Gateway(GatewayConfig(router="tcp://127.0.0.1:1", model_names=["m"]), load_tokenizer(llama_dir), client=_LogprobsClient(1500)), "127.0.0.1", 0
+    ).start()
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 8, "logprobs": True, "top_logprobs": 20, "max_tokens": 1500}).encode()
     result = {}
 
     def heavy():
@@ -418,6 +422,5 @@ def test_logprobs_do_not_stall_other_requests(llama_dir):
         gw.stop()
     choices = json.loads(result["body"])["choices"]
     assert result["status"] == 200 and len(choices) == 8
-    assert all(len(c["logprobs"]["content"]) == 1500 and len(c["logprobs"]["content"][0]["top_logprobs"]) == 20
-               for c in choices)
+    assert all(len(c["logprobs"]["content"]) == 1500 and len(c["logprobs"]["content"][0]["top_logprobs"]) == 20 for c in choices)
     assert worst < 0.3, f"/health took {worst:.2f} s while a logprobs response was built"

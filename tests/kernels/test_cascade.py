@@ -7,12 +7,13 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cascade import attend_with_lse, merge_states
 from radixserve.attention.metadata import build_metadata
 from radixserve.attention.torch_backend import TorchAttention
 from radixserve.kv.pool import KVPool
+
+from conftest import hf_greedy, random_prompts
 
 
 def run_attention(pool, q, k, v, tables, kv_lens, page_size, groups=(), qo_lens=None):
@@ -30,8 +31,7 @@ def test_cascade_equals_flat(page_size, seed, extends):
     # the shared prefix, each attending to the prefix and to its own suffix causally
     rng = random.Random(seed)
     heads, kv_heads, dim = rng.choice([(4, 2, 16), (8, 8, 8), (6, 1, 16)])
-    pool = KVPool(num_layers=1, num_pages=4096 // page_size, page_size=page_size,
-                  num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, device="cpu")
+    pool = KVPool(num_layers=1, num_pages=4096 // page_size, page_size=page_size, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32, device="cpu")
     g = torch.Generator().manual_seed(seed)
     pool.k[0].normal_(generator=g)
     pool.v[0].normal_(generator=g)
@@ -160,6 +160,5 @@ def test_out_slots_are_each_new_tokens_slot(page_size):
         kv_lens.append(kv)
         qo_lens.append(qo)
     meta = build_metadata(tables, kv_lens, qo_lens, page_size)
-    want = [t[pos // page_size] * page_size + pos % page_size
-            for t, kv, qo in zip(tables, kv_lens, qo_lens) for pos in range(kv - qo, kv)]
+    want = [t[pos // page_size] * page_size + pos % page_size for t, kv, qo in zip(tables, kv_lens, qo_lens) for pos in range(kv - qo, kv)]
     assert meta.out_slots.dtype == torch.int64 and meta.out_slots.tolist() == want

@@ -23,8 +23,7 @@ from radixserve.kv.pool import KVPool
 ext = attention_ops.ops()
 # Skip only where the kernels cannot be built at all; with a compiler, a broken build must fail here.
 TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
-pytestmark = pytest.mark.skipif(ext is None and not TOOLCHAIN,
-                                reason="no C++ compiler (or RADIXSERVE_NO_EXT set): the CPU kernels cannot build")
+pytestmark = pytest.mark.skipif(ext is None and not TOOLCHAIN, reason="no C++ compiler (or RADIXSERVE_NO_EXT set): the CPU kernels cannot build")
 
 
 def test_the_extension_builds_where_a_compiler_exists():
@@ -47,13 +46,17 @@ def test_the_sources_compile_for_a_cpu_without_avx512():
         pytest.skip("needs an x86-64 C++ compiler")
     csrc = cpu_build.csrc_dir()
     flags = [f for f in cpu_build.CFLAGS if not f.startswith(("-march", "-O"))]  # the build's own, another target
-    flags += ["-march=x86-64-v3", "-fsyntax-only", f"-I{csrc}", f"-I{sysconfig.get_paths()['include']}",
-              *(f"-I{path}" for path in cpp_extension.include_paths())]
+    flags += [
+        "-march=x86-64-v3",
+        "-fsyntax-only",
+        f"-I{csrc}",
+        f"-I{sysconfig.get_paths()['include']}",
+        *(f"-I{path}" for path in cpp_extension.include_paths()),
+    ]
     from concurrent.futures import ThreadPoolExecutor
 
     def check(name: str) -> tuple[int, str]:
-        run = subprocess.run([cxx, *flags, str(csrc / name)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, timeout=600)
+        run = subprocess.run([cxx, *flags, str(csrc / name)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
         return run.returncode, run.stdout
 
     with ThreadPoolExecutor(2) as pool:
@@ -61,8 +64,8 @@ def test_the_sources_compile_for_a_cpu_without_avx512():
     failed = {name: out for name, (code, out) in results.items() if code != 0}
     assert not failed, "\n".join(f"{name}:\n{out[-3000:]}" for name, out in failed.items())
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (6, 1)}
 
 
@@ -73,8 +76,7 @@ def make_case(seed, page_size, heads, kv_heads, dtype, *, qo_kv, groups=(), head
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     need = sum(-(-kv // page_size) for _, kv in qo_kv) + 4
-    pool = KVPool(num_layers=layers, num_pages=need, page_size=page_size, num_kv_heads=kv_heads,
-                  head_dim=head_dim, dtype=dtype, device="cpu")
+    pool = KVPool(num_layers=layers, num_pages=need, page_size=page_size, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device="cpu")
     for layer in range(layers):
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=g))
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=g))
@@ -119,8 +121,15 @@ def both(pool, meta, q, k, v, layer=1, dense_min_tokens=None, dense_path=None, s
     if q.dtype == torch.float32:
         want = ref_backend.forward(q, k, v, layer)
     else:  # the oracle in fp32 over the same (rounded) values
-        f32 = KVPool(num_layers=len(pool.k), num_pages=pool.num_pages, page_size=pool.page_size,
-                     num_kv_heads=pool.k[0].shape[2], head_dim=pool.k[0].shape[3], dtype=torch.float32, device="cpu")
+        f32 = KVPool(
+            num_layers=len(pool.k),
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            num_kv_heads=pool.k[0].shape[2],
+            head_dim=pool.k[0].shape[3],
+            dtype=torch.float32,
+            device="cpu",
+        )
         for i in range(len(pool.k)):
             f32.k[i].copy_(pool.k[i])
             f32.v[i].copy_(pool.v[i])
@@ -227,8 +236,7 @@ def test_many_row_products_every_head_dim_equal_torch(head_dim):
     register tiles) at head dims that leave partial blocks and tiles: 37 grouped decodes x 4 heads
     per KV head over a 300-key prefix (a partial key tile), and a 45-token extend."""
     qo_kv = [(1, 333)] * 37 + [(45, 290)]
-    pool, meta, q, k, v = make_case(head_dim, 1, 8, 2, torch.float32, qo_kv=qo_kv, groups=((0, 37, 300),),
-                                    head_dim=head_dim)
+    pool, meta, q, k, v = make_case(head_dim, 1, 8, 2, torch.float32, qo_kv=qo_kv, groups=((0, 37, 300),), head_dim=head_dim)
     got, want = both(pool, meta, q, k, v, dense_path="gemm")
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
@@ -380,8 +388,8 @@ def test_unsupported_kv_dtype_falls_back_to_torch(llama_dir):
 
 
 def test_engine_picks_cpu_kernels_and_greedy_matches_transformers(llama_dir):
-    from radixserve import Engine
-    from radixserve import SamplingParams
+    from radixserve import Engine, SamplingParams
+
     from conftest import hf_greedy, random_prompts
 
     prompts = random_prompts([40, 9, 70, 40], seed=3)
@@ -513,10 +521,16 @@ def test_the_build_lock_admits_one_builder_at_a_time(tmp_path):
     import sys
     import time
 
-    holder = subprocess.Popen([sys.executable, "-c",
-                               "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
-                               "print('held', flush=True); time.sleep(1.5)", str(tmp_path / "radixserve.flock")],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.5)",
+            str(tmp_path / "radixserve.flock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
@@ -569,8 +583,7 @@ def test_strided_q_k_v_from_a_fused_qkv_equal_contiguous(dtype):
     qo_kv = [(1, 300), (33, 300), (1, 290), (17, 17), (1, 60)]
     groups = ((0, 3, 256),)
     for grouped in (False, True):
-        pool, meta, q, k, v = make_case(11, 16, heads, kv_heads, dtype, qo_kv=qo_kv,
-                                        groups=groups if grouped else ())
+        pool, meta, q, k, v = make_case(11, 16, heads, kv_heads, dtype, qo_kv=qo_kv, groups=groups if grouped else ())
         fused_qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
         qs, ks, vs = fused_qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
         qs, ks, vs = qs.view(-1, heads, dim), ks.view(-1, kv_heads, dim), vs.view(-1, kv_heads, dim)

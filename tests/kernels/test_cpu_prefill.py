@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve.attention.cascade import attend_with_lse
+
 from test_cpu_kernels import HEADS, TOL, both, ext, make_case, pytestmark  # noqa: F401 (the skip mark)
 
 # decodes, a one-token context, a fresh prefill, short and long (2-4k) contexts with and without a
@@ -24,8 +25,7 @@ def test_prefill_kernel_in_the_backend_equals_torch(layout, page_size, dtype):
     # one ascending run (read in place), each order with both page sizes and both dtypes.
     heads, kv_heads = HEADS[layout]
     order = "ascending" if (page_size == 16) != (dtype == torch.bfloat16) else "shuffled"
-    pool, meta, q, k, v = make_case(page_size * 13 + heads, page_size, heads, kv_heads, dtype, qo_kv=CHUNKS,
-                                    order=order)
+    pool, meta, q, k, v = make_case(page_size * 13 + heads, page_size, heads, kv_heads, dtype, qo_kv=CHUNKS, order=order)
     for least in (1, None):
         got, want = both(pool, meta, q, k, v, dense_min_tokens=least, dense_path="gemm")
         assert got.dtype == dtype and got.shape == q.shape
@@ -38,8 +38,7 @@ def test_prefill_kernel_in_the_backend_equals_torch(layout, page_size, dtype):
 def test_prefill_kernel_equals_decode_kernel_with_lse(dtype, order, causal):
     # the two csrc/ kernels on the same call, outputs and base-2 LSEs (fp16 runs widened to fp32)
     pool, meta, q, _, _ = make_case(21, 16, 8, 2, dtype, qo_kv=CHUNKS, order=order)
-    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-            0.125, causal)
+    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.125, causal)
     out, lse = ext.prefill_attention(*args)
     ref_out, ref_lse = ext.paged_attention(*args)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -60,8 +59,7 @@ def test_prefill_kernel_empty_context_and_lse_against_torch():
     keys, vals = pool.k_slots(0)[: 2 * 16 + 9], pool.v_slots(0)[: 2 * 16 + 9]
     qg = q[2:].view(4, 2, 2, 64).permute(1, 0, 2, 3).reshape(2, 8, 64)
     ref_out, ref_lse = attend_with_lse(qg, keys.transpose(0, 1), vals.transpose(0, 1), 0.125)
-    torch.testing.assert_close(out[2:], ref_out.view(2, 4, 2, 64).permute(1, 0, 2, 3).reshape(4, 4, 64),
-                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[2:], ref_out.view(2, 4, 2, 64).permute(1, 0, 2, 3).reshape(4, 4, 64), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse[2:], ref_lse.view(2, 4, 2).permute(1, 0, 2).reshape(4, 4), atol=2e-5, rtol=1e-5)
 
 
@@ -82,8 +80,7 @@ def test_prefill_kernel_bf16_empty_context_after_another_sequence(gemm):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (one thread: the empty sequence's items run after the other's)
     try:
-        out, lse = ext.prefill_attention(q, pool.k[0], pool.v[0], qo_indptr, kv_indptr, pages, last, 0.125, False,
-                                         gemm)
+        out, lse = ext.prefill_attention(q, pool.k[0], pool.v[0], qo_indptr, kv_indptr, pages, last, 0.125, False, gemm)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out[4:], torch.zeros_like(out[4:])) and torch.isinf(lse[4:]).all() and (lse[4:] < 0).all()
@@ -101,11 +98,10 @@ def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim, order):
         pytest.skip("no AMX: brgemm is not available on this CPU")
     if gemm == "dpbf16" and not ext.bf16_dpbf16():
         pytest.skip("no AVX512-BF16 here: the vdpbf16ps kernels are not built")
-    pool, meta, q, _, _ = make_case(head_dim, 1, 4, 2, torch.bfloat16,
-                                    qo_kv=[(150, 700), (3, 65), (40, 40), (1, 1), (77, 333), (9, 2500)],
-                                    head_dim=head_dim, order=order)
-    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-            0.1, True)
+    pool, meta, q, _, _ = make_case(
+        head_dim, 1, 4, 2, torch.bfloat16, qo_kv=[(150, 700), (3, 65), (40, 40), (1, 1), (77, 333), (9, 2500)], head_dim=head_dim, order=order
+    )
+    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.1, True)
     out, lse = ext.prefill_attention(*args, bf16_gemm=gemm)
     ref_out, ref_lse = ext.paged_attention(*args)
     torch.testing.assert_close(out.float(), ref_out.float(), **TOL[torch.bfloat16])
@@ -115,8 +111,7 @@ def test_prefill_kernel_bf16_gemms_equal_decode_kernel(gemm, head_dim, order):
 def test_prefill_kernel_threads_agree():
     # work items are split across threads differently with 1 and 2 threads; results agree
     pool, meta, q, _, _ = make_case(8, 1, 8, 2, torch.float32, qo_kv=[(700, 900), (2, 3)])
-    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-            0.125, True)
+    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, 0.125, True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -141,8 +136,17 @@ def test_prefill_kernel_rejects_bad_input():
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             ext.prefill_attention(q.bfloat16(), pool.k[0].bfloat16(), pool.v[0].bfloat16(), *args, bf16_gemm="dpbf16")
     with pytest.raises(RuntimeError, match="qo_len <= kv_len"):
-        ext.prefill_attention(q, pool.k[0], pool.v[0], meta.qo_indptr, torch.tensor([0, 1], dtype=torch.int32),
-                              meta.kv_indices[:1], torch.tensor([1], dtype=torch.int32), 0.1, True)
+        ext.prefill_attention(
+            q,
+            pool.k[0],
+            pool.v[0],
+            meta.qo_indptr,
+            torch.tensor([0, 1], dtype=torch.int32),
+            meta.kv_indices[:1],
+            torch.tensor([1], dtype=torch.int32),
+            0.1,
+            True,
+        )
 
 
 @pytest.mark.parametrize("dtype, gemm", [(torch.bfloat16, "auto"), (torch.bfloat16, "dpbf16"), (torch.float32, "auto")])
@@ -159,17 +163,16 @@ def test_prefill_kernel_scores_rising_past_the_running_max(dtype, gemm):
     u = torch.nn.functional.normalize(torch.randn(64, generator=torch.Generator().manual_seed(1)), dim=0)
     q = (q.float() * 0.3 + 8 * u).to(dtype)
     for seq in range(2):
-        pages = meta.kv_indices[meta.kv_indptr[seq]:meta.kv_indptr[seq + 1]].long()
+        pages = meta.kv_indices[meta.kv_indptr[seq] : meta.kv_indptr[seq + 1]].long()
         kv_len = (len(pages) - 1) * 16 + int(meta.kv_last_page_len[seq])
         pos = torch.arange(kv_len)
         keys = pool.k[0][pages].flatten(0, 1)[:kv_len].float() * 0.3 + (pos * 0.12)[:, None, None] * u
         for i, page in enumerate(pages.tolist()):
-            rows = keys[i * 16:(i + 1) * 16]
+            rows = keys[i * 16 : (i + 1) * 16]
             pool.k[0][page, : len(rows)] = rows.to(dtype)
     rise = (8 * u @ (256 * 0.12 * u)) * scale * 1.4426950408889634
     assert rise > 32  # each tile's scores top the previous tile's by this much (base 2), far past the headroom
-    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-            scale, True)
+    args = (q, pool.k[0], pool.v[0], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, True)
     out, lse = ext.prefill_attention(*args, bf16_gemm=gemm)
     ref_out, ref_lse = ext.paged_attention(*args)
     torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.kernels import fused_decode
-from radixserve.kernels import gemm
+from radixserve.kernels import fused_decode, gemm
 from radixserve.kernels import linear as lin
 from radixserve.testing import make_tiny_model_dir
+
 from conftest import random_prompts
 
 TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
@@ -45,8 +45,7 @@ def _randomize_vectors(engine: Engine) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
 
 
-def _run(model_dir: str, dtype: str, prompts, monkeypatch, fused: bool, *, cached: list[int] | None = None,
-         **options) -> tuple[list, list, Engine]:
+def _run(model_dir: str, dtype: str, prompts, monkeypatch, fused: bool, *, cached: list[int] | None = None, **options) -> tuple[list, list, Engine]:
     """Token ids and every step's logits of a greedy run, with the fused path on or off;
     ``cached``: a prompt prefilled first, so that prompts starting with it hit the cache."""
     if fused:
@@ -71,8 +70,7 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch, name, dtype):
     model_dir = str(make_tiny_model_dir(tmp_path / name, arch, seed=3, **overrides))
     # batch 1 and 2 on the small-M kernel; 6 on oneDNN where it is the GEMM for that batch (more
     # rows than the kernel takes in fp32 and in bf16 without AMX), else layer by layer
-    for prompts in (random_prompts((9,), seed=1), random_prompts((5, 40), seed=2),
-                    random_prompts((3, 8, 13, 21, 34, 55), seed=3)):
+    for prompts in (random_prompts((9,), seed=1), random_prompts((5, 40), seed=2), random_prompts((3, 8, 13, 21, 34, 55), seed=3)):
         tokens, logits, engine = _run(model_dir, dtype, prompts, monkeypatch, fused=True)
         want_tokens, want_logits, reference = _run(model_dir, dtype, prompts, monkeypatch, fused=False)
         qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
@@ -193,8 +191,9 @@ def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
 
     parser = argparse.ArgumentParser()
     roofline.add_arguments(parser)
-    args = parser.parse_args(["--model", llama_dir, "--dtype", dtype, "--batch", "6", "--context", "8", "--steps", "3",
-                              "--buffer-mib", "8", "--fragment", "--json"])
+    args = parser.parse_args(
+        ["--model", llama_dir, "--dtype", dtype, "--batch", "6", "--context", "8", "--steps", "3", "--buffer-mib", "8", "--fragment", "--json"]
+    )
     assert roofline.run(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["batch"] == 6 and result["decode_step_ms"] > 0 and result["fragment"]

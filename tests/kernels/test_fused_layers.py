@@ -64,8 +64,9 @@ def test_add_rms_norm_epsilon_and_strided_rows():
     x = torch.zeros(4, 16)  # all-zero rows: the result is 0, not NaN, thanks to eps
     assert torch.equal(fused.add_rms_norm(x, None, torch.ones(16), 1e-6), torch.zeros(4, 16))
     tiny = torch.full((2, 8), 1e-3)
-    torch.testing.assert_close(fused.add_rms_norm(tiny, None, torch.ones(8), 1.0),
-                               fused.add_rms_norm_reference(tiny.clone(), None, torch.ones(8), 1.0), atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(
+        fused.add_rms_norm(tiny, None, torch.ones(8), 1.0), fused.add_rms_norm_reference(tiny.clone(), None, torch.ones(8), 1.0), atol=1e-7, rtol=1e-6
+    )
     base = randn(6, 3, 10, seed=4)
     view = base[:, 1]  # rows with a stride of 30: normed without a copy, the residual added in place
     res = randn(6, 10, seed=5)
@@ -75,8 +76,9 @@ def test_add_rms_norm_epsilon_and_strided_rows():
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     assert torch.equal(base, want_base)  # only the viewed rows changed
     heads = randn(5, 3, 8, seed=6)[:, :2]  # Qwen3's q-norm over a strided [T, H, D] view
-    torch.testing.assert_close(fused.add_rms_norm(heads, None, torch.ones(8), 1e-6),
-                               fused.add_rms_norm_reference(heads.clone(), None, torch.ones(8), 1e-6), **TOL[torch.float32])
+    torch.testing.assert_close(
+        fused.add_rms_norm(heads, None, torch.ones(8), 1e-6), fused.add_rms_norm_reference(heads.clone(), None, torch.ones(8), 1e-6), **TOL[torch.float32]
+    )
 
 
 def _qkv(tokens, hq, hk, dim, dtype, seed):
@@ -111,8 +113,7 @@ def test_rope_fp32_is_bit_identical_and_matches_transformers():
 
     qkv, q, k, _ = _qkv(9, 4, 2, 64, torch.float32, seed=9)
     cos, sin = _tables(9, 64, torch.float32, seed=10)
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                      torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None])
     fused.rope_(q, k, cos, sin)
     assert torch.equal(q, hf_q[0].transpose(0, 1)) and torch.equal(k, hf_k[0].transpose(0, 1))
 
@@ -229,8 +230,7 @@ def test_tp_shards_take_each_ranks_heads_of_q_k_v_and_halves_of_gate_up(tiny_mod
             want = torch.cat([q[rank * nq : (rank + 1) * nq], k[rank * nk : (rank + 1) * nk], v[rank * nk : (rank + 1) * nk]])
             assert torch.equal(getattr(attn.qkv_proj, leaf), want)
         gate, up = hf[f"{p}mlp.gate_proj.weight"], hf[f"{p}mlp.up_proj.weight"]
-        assert torch.equal(mlp.gate_up_proj.weight,
-                           torch.cat([gate[rank * inter : (rank + 1) * inter], up[rank * inter : (rank + 1) * inter]]))
+        assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[rank * inter : (rank + 1) * inter], up[rank * inter : (rank + 1) * inter]]))
         assert attn.qkv_sizes() == [nq, nk, nk] and mlp.gate_up_proj.out_features == 2 * inter
 
 
@@ -240,9 +240,35 @@ def test_bench_layers_runs_and_the_modes_agree():
     import sys
     from pathlib import Path
 
-    proc = subprocess.run([sys.executable, "-m", "bench", "layers", "--tokens", "1,5", "--repeats", "1", "--hidden", "48",
-                           "--heads", "4", "--kv-heads", "2", "--head-dim", "12", "--intermediate", "40", "--threads", "1",
-                           "--json"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "layers",
+            "--tokens",
+            "1,5",
+            "--repeats",
+            "1",
+            "--hidden",
+            "48",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "12",
+            "--intermediate",
+            "40",
+            "--threads",
+            "1",
+            "--json",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout)
     assert set(res["ms"]) == {"1", "5"} and all(v > 0 for r in res["ms"].values() for v in r.values())
@@ -258,12 +284,18 @@ def _prefill_logits(loaded, ids: list[int]) -> torch.Tensor:
     from radixserve.model.llama import ForwardBatch, head_dim_of
 
     cfg, page, n = loaded.config, 4, len(ids)
-    pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=-(-n // page) + 1, page_size=page,
-                  num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim_of(cfg), dtype=loaded.dtype, device="cpu")
+    pool = KVPool(
+        num_layers=cfg.num_hidden_layers,
+        num_pages=-(-n // page) + 1,
+        page_size=page,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim_of(cfg),
+        dtype=loaded.dtype,
+        device="cpu",
+    )
     attention = TorchAttention(pool, head_dim_of(cfg) ** -0.5)
     attention.plan(build_metadata([list(range(-(-n // page)))], [n], [n], page))
-    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), attention=attention,
-                         logits_rows=torch.arange(n))
+    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n), attention=attention, logits_rows=torch.arange(n))
     return loaded.model(batch)
 
 

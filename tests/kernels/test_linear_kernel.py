@@ -10,15 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels import build
-from radixserve.kernels import gemm
+from radixserve.kernels import build, gemm
 from radixserve.kernels import linear as lin
 from radixserve.kernels import packed as packing
 
 ext = build.load()
 TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and not os.environ.get("RADIXSERVE_NO_EXT")
-needs_ext = pytest.mark.skipif(ext is None and not TOOLCHAIN,
-                               reason="no C++ compiler (or RADIXSERVE_NO_EXT set): the CPU kernels cannot build")
+needs_ext = pytest.mark.skipif(ext is None and not TOOLCHAIN, reason="no C++ compiler (or RADIXSERVE_NO_EXT set): the CPU kernels cannot build")
 
 
 def op():
@@ -242,9 +240,9 @@ def test_bf16_engine_tokens_mostly_equal_the_f_linear_path(llama_dir, monkeypatc
     with F.linear everywhere: the sums are added in another order, so near-ties may flip; most
     requests must agree token for token (measured: 10 of 12 here, before the logits were rounded
     alike on both paths)."""
-    from conftest import random_prompts
-
     from radixserve import Engine, SamplingParams
+
+    from conftest import random_prompts
 
     prompts = random_prompts([40, 9, 70, 25, 13, 55, 31, 18, 60, 5, 44, 21], seed=3)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -288,15 +286,34 @@ def test_roofline_bench_runs_the_ab_and_the_gemv_table(llama_dir, capsys, dtype)
 
     parser = argparse.ArgumentParser()
     roofline.add_arguments(parser)
-    args = parser.parse_args(["--model", llama_dir, "--dtype", dtype, "--context", "8", "--steps", "3",
-                              "--buffer-mib", "8", "--gemv", "--gemv-rows", "1,3", "--gemv-mib", "1", "--json"])
+    args = parser.parse_args(
+        [
+            "--model",
+            llama_dir,
+            "--dtype",
+            dtype,
+            "--context",
+            "8",
+            "--steps",
+            "3",
+            "--buffer-mib",
+            "8",
+            "--gemv",
+            "--gemv-rows",
+            "1,3",
+            "--gemv-mib",
+            "1",
+            "--json",
+        ]
+    )
     assert roofline.run(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["decode_step_ms"] > 0 and result["floor_ms"] > 0
     assert len(result["gemv"]) == 7 * 2 and all(r["torch_ms"] > 0 and r["torch_fp32_gb_s"] > 0 for r in result["gemv"])
     if lin.kernel() is not None:
-        amx = dtype == "bfloat16" and gemm.gemm_backend(torch.bfloat16) == "amx" and \
-            torch.ops.radixserve_linear.supports_amx_gemm()  # (the tiny model's sizes are multiples of 32)
+        amx = (
+            dtype == "bfloat16" and gemm.gemm_backend(torch.bfloat16) == "amx" and torch.ops.radixserve_linear.supports_amx_gemm()
+        )  # (the tiny model's sizes are multiples of 32)
         assert result["linear"] == ("amx" if amx else "kernel") and result["decode_step_fallback_ms"] > 0
         assert result["fallback"] == "F.linear"
         assert all(r["kernel_ms"] > 0 and r["dispatched"] for r in result["gemv"])
@@ -333,6 +350,7 @@ def test_roofline_bench_fp32_ab_names_the_path_without_the_kernel(llama_dir, cap
 
 # ---- fp32: MKL's packed GEMM (torch.ops.radixserve_linear.pack_fp32 / packed_linear) ----
 
+
 def packed():
     ns = gemm.packed_ops()
     assert ns is not None, "the extension built but torch.ops.radixserve_linear.pack_fp32 is missing"
@@ -349,8 +367,7 @@ def mkl_backends(monkeypatch) -> None:
     widened to it (without AMX) or on AMX, whatever this CPU would choose."""
     pin_gemm(monkeypatch, torch.float32, "mkl")
     amx = ext is not None and torch.ops.radixserve_linear.supports_amx()
-    monkeypatch.setitem(gemm._state, ("gemm", torch.bfloat16),
-                        ("amx" if gemm.has_onednn_ops(torch.bfloat16) else "none") if amx else "widen")
+    monkeypatch.setitem(gemm._state, ("gemm", torch.bfloat16), ("amx" if gemm.has_onednn_ops(torch.bfloat16) else "none") if amx else "widen")
 
 
 @pytest.fixture
@@ -397,8 +414,7 @@ def test_packed_op_any_pack_rows_computes_any_row_count(fresh_state):
             for m in (1, 16, 100, 600):
                 x = torch.randn(m, k, generator=g)
                 ref = F.linear(x, w)
-                torch.testing.assert_close(packed().packed_linear(x, p, n, k, None), ref, rtol=1e-5,
-                                           atol=1e-5 * float(ref.abs().max()))
+                torch.testing.assert_close(packed().packed_linear(x, p, n, k, None), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 @needs_ext
@@ -633,8 +649,7 @@ def test_exact_policy_probe_agrees_with_the_real_comparison(fresh_state):
     for n, k in [(40, 512), (512, 1408)]:
         w = torch.randn(n, k, generator=g)
         p = packed().pack_fp32(w)
-        same = all(torch.equal(packed().packed_linear(x, p, n, k, None), F.linear(x, w))
-                   for x in (torch.randn(m, k, generator=g) for m in (16, 33, 300)))
+        same = all(torch.equal(packed().packed_linear(x, p, n, k, None), F.linear(x, w)) for x in (torch.randn(m, k, generator=g) for m in (16, 33, 300)))
         assert packing._bit_identical(w, p, packed()) == same, (n, k)
         layer = lin.Linear(k, n, bias=False)
         with torch.no_grad():
@@ -688,9 +703,9 @@ def test_packed_logits_and_nothing_new_in_state_dict(spy, llama_dir, monkeypatch
 def test_fp32_engine_tokens_equal_with_and_without_packing(llama_dir, spy, monkeypatch):
     """The fp32 engine prefills through the packed path and its greedy tokens are the same as with
     F.linear everywhere (the tiny model's shapes are bit-identical here)."""
-    from conftest import random_prompts
-
     from radixserve import Engine, SamplingParams
+
+    from conftest import random_prompts
 
     prompts = random_prompts([40, 9, 70, 25, 3], seed=4)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -729,9 +744,9 @@ def test_packed_copies_stay_within_the_memory_budget(spy, monkeypatch):
 def test_engine_prepacks_every_fp32_weight_at_load(llama_dir, spy, monkeypatch):
     """The model runner packs every linear weight and the output embedding when it is made, so no
     served step pays for packing; serving then packs nothing more."""
-    from conftest import random_prompts
-
     from radixserve import Engine, SamplingParams
+
+    from conftest import random_prompts
 
     monkeypatch.setitem(gemm._state, "policy", "all")  # (the default: no copy dropped by a probe)
 
@@ -786,12 +801,10 @@ def test_bf16_on_amx_runs_on_a_prepacked_copy(fresh_state, shape, kind):
             x = torch.randn(rows, k, generator=g).bfloat16()
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
             assert _packed_kind(layer) == (kind if rows >= lo else None), rows  # made at the first batch in range
-            assert (lin.prepacked_weight(rows, layer.weight, layer.bias, layer.packed) is not None) == (
-                lo <= rows <= hi), rows
+            assert (lin.prepacked_weight(rows, layer.weight, layer.bias, layer.packed) is not None) == (lo <= rows <= hi), rows
         sums = lin.linear(x, layer.weight, layer.bias, fp32_out=True, packed=layer.packed)
         assert sums.dtype == torch.float32  # (the AMX GEMM's unrounded sums; the others' cast)
-        torch.testing.assert_close(sums, F.linear(x.float(), layer.weight.float(), layer.bias.float()),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(sums, F.linear(x.float(), layer.weight.float(), layer.bias.float()), atol=2e-2, rtol=2e-2)
         x3 = torch.randn(2, 40, k, generator=g).bfloat16()  # 80 rows in a 3-D batch
         torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
         old = layer.packed._entry[2]
@@ -803,8 +816,7 @@ def test_bf16_on_amx_runs_on_a_prepacked_copy(fresh_state, shape, kind):
         assert layer.packed._entry[2] is not old
 
 
-needs_amx_gemm = pytest.mark.skipif(ext is None or not torch.ops.radixserve_linear.supports_amx_gemm(),
-                                    reason="no AMX GEMM here (the CPU or the build)")
+needs_amx_gemm = pytest.mark.skipif(ext is None or not torch.ops.radixserve_linear.supports_amx_gemm(), reason="no AMX GEMM here (the CPU or the build)")
 
 
 @needs_amx_gemm
@@ -821,7 +833,7 @@ def test_amx_gemm_equals_a_float64_product(n, k):
     assert packed.shape == (n // 16, k // 32, 16, 32) and packed.dtype == torch.bfloat16
     for rows in (1, 15, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 600):
         wide = torch.randn(rows, k + 16, generator=g).bfloat16()
-        x = wide[:, 3:3 + k]  # strided rows (and not 64-byte aligned)
+        x = wide[:, 3 : 3 + k]  # strided rows (and not 64-byte aligned)
         for bias in (None, torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g)):
             want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
             got = ops.amx_linear(x, packed, bias, True)
@@ -873,10 +885,10 @@ def test_amx_gemm_with_silu_and_mul_equals_the_two_steps(n, k):
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
     packed = ops.pack_amx(w)
     for rows in (1, 16, 17, 33, 100, 257):
-        x = torch.randn(rows, k + 16, generator=g).bfloat16()[:, 5:5 + k]
+        x = torch.randn(rows, k + 16, generator=g).bfloat16()[:, 5 : 5 + k]
         for bias in (None, torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g)):
             sums = ops.amx_linear(x, packed, bias, True).double()
-            want = F.silu(sums[:, : n // 2]) * sums[:, n // 2:]
+            want = F.silu(sums[:, : n // 2]) * sums[:, n // 2 :]
             got = ops.amx_linear_silu(x, packed, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n // 2)
             torch.testing.assert_close(got.double(), want, rtol=4e-3, atol=1e-5)
@@ -890,12 +902,12 @@ def test_mlp_takes_the_gemm_with_silu_on_amx(fresh_state):
     would take the AMX GEMM, and matches the product-then-activation path within bf16's rounding;
     without the packed copy it is exactly that path."""
     from radixserve.kernels import layers as fused
+
     g = torch.Generator().manual_seed(3)
     layer = lin.Linear(512, 2816, bias=False).to(torch.bfloat16).requires_grad_(False)
     layer.weight.copy_(torch.randn(2816, 512, generator=g) * 0.05)
     x = torch.randn(300, 512, generator=g).bfloat16()
-    assert torch.equal(lin.linear_silu_and_mul(x, layer.weight, None),
-                       fused.silu_and_mul(lin.linear(x, layer.weight, None)))
+    assert torch.equal(lin.linear_silu_and_mul(x, layer.weight, None), fused.silu_and_mul(lin.linear(x, layer.weight, None)))
     two_steps = fused.silu_and_mul(layer(x))  # (the AMX GEMM, its sums rounded to bf16, then the op)
     got = lin.linear_silu_and_mul(x, layer.weight, None, packed=layer.packed)
     buf = layer.packed.get(layer.weight, gemm.packed_ops())
@@ -926,8 +938,7 @@ def test_amx_gemm_refuses_bad_input():
 
 
 needs_onednn = pytest.mark.skipif(not gemm.has_onednn_ops(), reason="torch lacks the mkldnn linear ops")
-needs_onednn_bf16 = pytest.mark.skipif(not gemm.has_onednn_ops(torch.bfloat16),
-                                       reason="no oneDNN bf16 GEMM here (torch or the CPU: AVX2 only)")
+needs_onednn_bf16 = pytest.mark.skipif(not gemm.has_onednn_ops(torch.bfloat16), reason="no oneDNN bf16 GEMM here (torch or the CPU: AVX2 only)")
 
 
 @needs_ext
@@ -940,9 +951,13 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     up to max_rows(fp32) rows (where the kernel has an fp32 path) go to the kernel instead."""
     pin_gemm(monkeypatch, torch.float32, "onednn")
     few = lin.max_rows(torch.float32)
-    assert few == (0 if not torch.ops.radixserve_linear.supports_fp32() else
-                   gemm.MAX_ROWS_FP32_AVX512 if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-                   else gemm.MAX_ROWS_FP32)
+    assert few == (
+        0
+        if not torch.ops.radixserve_linear.supports_fp32()
+        else gemm.MAX_ROWS_FP32_AVX512
+        if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        else gemm.MAX_ROWS_FP32
+    )
     monkeypatch.setitem(gemm._state, "policy", "all")
     monkeypatch.delitem(gemm._state, "packed", raising=False)
     real = gemm.onednn_linear
@@ -976,8 +991,7 @@ def test_fp32_on_onednn_from_one_row(monkeypatch):
     w = torch.randn(40, 512, generator=g)
     p = torch.ops.mkldnn._reorder_linear_weight(w)
     monkeypatch.setattr(gemm, "onednn_linear", real)
-    same = all(torch.equal(real(x_, p, None), F.linear(x_, w))
-               for x_ in (torch.randn(m, 512, generator=g) for m in (*gemm.PROBE_ROWS, 33, 300)))
+    same = all(torch.equal(real(x_, p, None), F.linear(x_, w)) for x_ in (torch.randn(m, 512, generator=g) for m in (*gemm.PROBE_ROWS, 33, 300)))
     assert packing._bit_identical(w, p, packed()) == same
 
 
@@ -1023,8 +1037,11 @@ def test_prepacked_weight_names_the_batches_linear_sends_to_a_prepacked_copy(mon
     monkeypatch.delitem(gemm._state, "packed", raising=False)
     rows_seen = spy_onednn(monkeypatch)
     g = torch.Generator().manual_seed(33)
-    layers = {"plain": lin.Linear(40, 24, bias=True).to(dtype), "f64 bias": lin.Linear(40, 24, bias=True).to(dtype),
-              "grad": lin.Linear(40, 24, bias=False).to(dtype)}
+    layers = {
+        "plain": lin.Linear(40, 24, bias=True).to(dtype),
+        "f64 bias": lin.Linear(40, 24, bias=True).to(dtype),
+        "grad": lin.Linear(40, 24, bias=False).to(dtype),
+    }
     layers["f64 bias"].bias.data = layers["f64 bias"].bias.data.double()
     with torch.inference_mode():
         frozen = lin.Linear(40, 24, bias=False).to(dtype)  # an inference tensor: never packed
@@ -1044,8 +1061,7 @@ def test_prepacked_weight_names_the_batches_linear_sends_to_a_prepacked_copy(mon
                 assert buf is layer.packed._entry[2]
     # the kernel's rows and the weights linear() never packs: None; the plain layer beyond them: a copy
     with torch.inference_mode():
-        assert lin.prepacked_weight(lin.max_rows(dtype) + 5, layers["plain"].weight, layers["plain"].bias,
-                                 layers["plain"].packed) is not None
+        assert lin.prepacked_weight(lin.max_rows(dtype) + 5, layers["plain"].weight, layers["plain"].bias, layers["plain"].packed) is not None
 
 
 @needs_ext
@@ -1063,9 +1079,13 @@ def test_gemm_backend_is_measured_or_chosen(monkeypatch, caplog):
         return {c: rates[c] for c in candidates}
 
     monkeypatch.setattr(gemm, "measure", fake_measure)
-    for env, onednn_rate, fp32, bf16 in [("auto", 105.0, "mkl", "widen"), ("", 120.0, "onednn", "onednn"),
-                                         ("mkl", 500.0, "mkl", "widen"), ("onednn", 1.0, "onednn", "onednn"),
-                                         ("fast", 300.0, "onednn", "onednn")]:
+    for env, onednn_rate, fp32, bf16 in [
+        ("auto", 105.0, "mkl", "widen"),
+        ("", 120.0, "onednn", "onednn"),
+        ("mkl", 500.0, "mkl", "widen"),
+        ("onednn", 1.0, "onednn", "onednn"),
+        ("fast", 300.0, "onednn", "onednn"),
+    ]:
         monkeypatch.setattr(lin, "_state", {})
         monkeypatch.setattr(gemm, "_state", {})
         monkeypatch.setattr(packing, "_state", {})
@@ -1157,9 +1177,9 @@ def test_fp32_engine_greedy_tokens_equal_transformers_on_each_gemm(llama_dir, mo
     would choose (the other correctness tests run the chosen one)."""
     if backend == "onednn" and not gemm.has_onednn_ops():
         pytest.skip("torch lacks the mkldnn linear ops")
-    from conftest import hf_greedy, random_prompts
-
     from radixserve import Engine, SamplingParams
+
+    from conftest import hf_greedy, random_prompts
 
     pin_gemm(monkeypatch, torch.float32, backend)
     kernel_rows: list[int] = []

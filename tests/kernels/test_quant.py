@@ -102,8 +102,7 @@ def group_offsets(raw: np.ndarray, qtype: int, k: int) -> np.ndarray:
         b = raw.reshape(n, k // 256, 144)
         dmin = b[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float64)
         s = b[:, :, 4:16].astype(np.int64)
-        mins = np.stack([s[:, :, j + 4] & 63 if j < 4 else (s[:, :, j + 4] >> 4) | ((s[:, :, j] >> 6) << 4)
-                         for j in range(8)], axis=-1)
+        mins = np.stack([s[:, :, j + 4] & 63 if j < 4 else (s[:, :, j + 4] >> 4) | ((s[:, :, j] >> 6) << 4) for j in range(8)], axis=-1)
         return np.repeat(-dmin[:, :, None] * mins, 32, axis=2).reshape(n, k)
     return np.zeros((n, k))
 
@@ -146,8 +145,9 @@ def test_int8_products_equal_their_reference(qtype):
             alone = ops.qlinear(x[-1:], [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4)
             assert torch.equal(y[-1:], alone), (QTYPES[qtype], n, k, m)
         x = torch.randn(13, k, generator=g)
-        assert torch.equal(ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4),
-                           ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 3))
+        assert torch.equal(
+            ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 4), ops.qlinear(x, [torch.from_numpy(raw)], [qtype], [NO_MAP], None, 3)
+        )
 
 
 @needs_int8
@@ -164,8 +164,15 @@ def test_int8_parts_of_mixed_types_row_maps_bias_and_strided_rows():
         x = x_all[:m, :k]  # rows strided (ldx = 2K)
         y = ops.qlinear(x, [torch.from_numpy(r) for r in raws], types, [perm, NO_MAP, NO_MAP, NO_MAP], bias, 4)
         xc = x.contiguous()
-        want = torch.cat([int8_reference(raws[0], 12, xc)[:, perm.long()], int8_reference(raws[1], 14, xc),
-                          xc.double() @ reference(raws[2], 6).double().T, int8_reference(raws[3], 2, xc)], dim=1)
+        want = torch.cat(
+            [
+                int8_reference(raws[0], 12, xc)[:, perm.long()],
+                int8_reference(raws[1], 14, xc),
+                xc.double() @ reference(raws[2], 6).double().T,
+                int8_reference(raws[3], 2, xc),
+            ],
+            dim=1,
+        )
         assert relative_error(y, want + bias.double()) < 2e-6, m
 
 
@@ -234,9 +241,21 @@ def test_an_avx2_build_computes_the_same(tmp_path):
     flags = [f for f in cpu_build.CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-shared", "-fPIC"]
     includes = [f"-I{csrc}", f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in cpp_extension.include_paths())]
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    cmd = [cxx, *flags, *includes, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", str(csrc / "quant.cpp"),
-           str(csrc / "quant_int8.cpp"), "-o", str(lib),
-           f"-L{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
+    cmd = [
+        cxx,
+        *flags,
+        *includes,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        str(csrc / "quant.cpp"),
+        str(csrc / "quant_int8.cpp"),
+        "-o",
+        str(lib),
+        f"-L{libdir}",
+        "-lc10",
+        "-ltorch",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{libdir}",
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     script = tmp_path / "check.py"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts
-
 from radixserve import Engine, SamplingParams
 from radixserve.attention.torch_backend import TorchAttention
 from radixserve.errors import BadRequestError
 from radixserve.kv.pool import KVPool, QuantizedSlots, dequantize_int8, quantize_int8
+
+from conftest import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,8 +38,7 @@ def test_quantize_dequantize_error_bound(dtype):
 
 
 def test_pool_quantized_view_stores_and_reads():
-    pool = KVPool(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-                  device="cpu", kv_dtype="int8")
+    pool = KVPool(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", kv_dtype="int8")
     assert pool.k[0].dtype == torch.int8 and pool.k_scale[1].shape == (8, 4, 2)
     k = torch.randn(5, 2, 16)
     slots = torch.tensor([0, 3, 9, 17, 31])
@@ -108,5 +107,4 @@ def test_cli_has_kv_dtype():
     args = build_parser().parse_args(["generate", "--kv-dtype", "int8", "hi"])
     assert args.kv_dtype == "int8"
     # ...and it reaches the workers serve starts (their config travels as JSON)
-    assert json.loads(worker_command(WorkerConfig(engine=_engine_config(args), router="tcp://127.0.0.1:1"))[-1])[
-        "engine"]["kv_dtype"] == "int8"
+    assert json.loads(worker_command(WorkerConfig(engine=_engine_config(args), router="tcp://127.0.0.1:1"))[-1])["engine"]["kv_dtype"] == "int8"

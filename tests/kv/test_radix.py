@@ -24,7 +24,7 @@ class Pool:
 
     def alloc(self, k: int) -> list[int]:
         assert k <= len(self.free_list)
-        out, self.free_list = self.free_list[len(self.free_list) - k:], self.free_list[:len(self.free_list) - k]
+        out, self.free_list = self.free_list[len(self.free_list) - k :], self.free_list[: len(self.free_list) - k]
         return out
 
     def free(self, pages: list[int]) -> None:
@@ -68,8 +68,7 @@ def snapshot(tree: RadixCache) -> list[tuple]:
     out, stack = [], [tree.root]
     while stack:
         n = stack.pop()
-        out.append((id(n), id(n.parent), tuple(n.key), tuple(n.pages), n.lock_ref, n.last_access,
-                    n.hit_count, tuple(n.children)))
+        out.append((id(n), id(n.parent), tuple(n.key), tuple(n.pages), n.lock_ref, n.last_access, n.hit_count, tuple(n.children)))
         stack.extend(n.children.values())
     return out
 
@@ -281,8 +280,7 @@ def test_leaf_paths_list_every_leaf_with_its_namespace():
     tree.insert([1, 2, 3, 4], [10, 11])
     tree.insert([1, 2, 5, 6], [10, 12])  # shares the first page: splits, two leaves
     tree.insert([1, 2], [20], namespace="t")
-    assert sorted(tree.leaf_paths(), key=repr) == sorted(
-        [(None, [1, 2, 3, 4]), (None, [1, 2, 5, 6]), ("t", [1, 2])], key=repr)
+    assert sorted(tree.leaf_paths(), key=repr) == sorted([(None, [1, 2, 3, 4]), (None, [1, 2, 5, 6]), ("t", [1, 2])], key=repr)
 
 
 def test_drop_subtree_removes_the_node_and_everything_below_it():
@@ -325,16 +323,15 @@ class Req:
     node: RadixNode
 
     def owned(self, P: int) -> list[int]:
-        return self.table[self.prefix // P:]
+        return self.table[self.prefix // P :]
 
     def locked(self, P: int) -> list[int]:
-        return self.table[:self.prefix // P]
+        return self.table[: self.prefix // P]
 
 
 # Prompts share prefixes the way agent calls do: a few system prompts, cut anywhere, plus a tail.
 BASES = [list(range(10, 22)), list(range(10, 16)) + list(range(30, 36)), list(range(40, 52))]
-tokens_st = st.builds(lambda b, cut, tail: BASES[b][:cut] + tail, st.integers(0, 2),
-                      st.integers(0, 12), st.lists(st.integers(0, 2), max_size=5)).filter(bool)
+tokens_st = st.builds(lambda b, cut, tail: BASES[b][:cut] + tail, st.integers(0, 2), st.integers(0, 12), st.lists(st.integers(0, 2), max_size=5)).filter(bool)
 ns_st = st.sampled_from([None, "tenant"])
 
 
@@ -363,7 +360,7 @@ class RadixMachine(RuleBasedStateMachine):
                     n += 1
                 n -= n % self.P
                 if n > best:
-                    best, pages = n, pgs[:n // self.P]
+                    best, pages = n, pgs[: n // self.P]
             stack.extend((c, key + c.key, pgs + c.pages) for c in node.children.values())
         return best, pages
 
@@ -384,16 +381,16 @@ class RadixMachine(RuleBasedStateMachine):
         """Insert r.tokens[:k] (k page-aligned, >= r.prefix) the way the engine must."""
         P = self.P
         self.clock.now += 1
-        already = self.tree.insert(r.tokens[:k], r.table[:k // P], r.ns)
+        already = self.tree.insert(r.tokens[:k], r.table[: k // P], r.ns)
         assert r.prefix <= already <= k and already % P == 0
-        self.pool.give_back(r.table[r.prefix // P:already // P])  # our duplicates
+        self.pool.give_back(r.table[r.prefix // P : already // P])  # our duplicates
         res = self.tree.match(r.tokens, r.ns, max_len=k)
         assert res.length == k
-        assert res.pages[:r.prefix // P] == r.table[:r.prefix // P]
-        assert res.pages[already // P:] == r.table[already // P:k // P]  # the tree took ours
+        assert res.pages[: r.prefix // P] == r.table[: r.prefix // P]
+        assert res.pages[already // P :] == r.table[already // P : k // P]  # the tree took ours
         self.tree.lock(res.node)
         self.tree.unlock(r.node)
-        r.table[:k // P], r.prefix, r.node = res.pages, k, res.node
+        r.table[: k // P], r.prefix, r.node = res.pages, k, res.node
 
     def release(self, r: Req):
         self.tree.unlock(r.node)

@@ -53,8 +53,7 @@ def tokenizer(default_dir):
 
 def test_default_model_dir_layout(default_dir):
     assert default_dir.name == BUILTIN_VERSION
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-              "generation_config.json"):
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (default_dir / f).is_file(), f
     # no temp dirs left next to it
     assert [p.name for p in default_dir.parent.iterdir()] == [BUILTIN_VERSION]
@@ -105,8 +104,7 @@ def test_default_model_is_deterministic(default_dir, tmp_path, caplog):
     assert "creating the built-in stand-in model" in caplog.text
     assert str(other) in caplog.text
     assert other != default_dir
-    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
-              "generation_config.json"):
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
         assert (other / f).read_bytes() == (default_dir / f).read_bytes(), f
 
 
@@ -186,8 +184,7 @@ def test_every_id_decodes(tokenizer):
     assert isinstance(text, str) and text
     assert tokenizer.convert_ids_to_tokens(len(tokenizer) - 1).startswith("<|extra_")
     # padding tokens are ordinary added tokens: visible even with skip_special_tokens
-    assert "<|extra_0|>" in tokenizer.decode([tokenizer.convert_tokens_to_ids("<|extra_0|>")],
-                                             skip_special_tokens=True)
+    assert "<|extra_0|>" in tokenizer.decode([tokenizer.convert_tokens_to_ids("<|extra_0|>")], skip_special_tokens=True)
 
 
 def test_chat_template(tokenizer):
@@ -198,10 +195,7 @@ def test_chat_template(tokenizer):
         {"role": "user", "content": "And now?"},
     ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == (
-        "<|system|>You play janggi.<|end|><|user|>Your move?<|end|>"
-        "<|assistant|>c4c5<|end|><|user|>And now?<|end|><|assistant|>"
-    )
+    assert text == ("<|system|>You play janggi.<|end|><|user|>Your move?<|end|><|assistant|>c4c5<|end|><|user|>And now?<|end|><|assistant|>")
     assert tokenizer.apply_chat_template(messages, tokenize=False).endswith("<|end|>")
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = out["input_ids"] if not isinstance(out, list) else out  # v5 returns a BatchEncoding
@@ -226,9 +220,16 @@ def test_tiny_model_each_arch(tmp_path, arch):
     path = make_tiny_model_dir(tmp_path / arch, arch)
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == arch
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, config.intermediate_size,
-            config.vocab_size, config.max_position_embeddings) == (64, 2, 4, 2, 16, 128, 512, 1024)
+    assert (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.max_position_embeddings,
+    ) == (64, 2, 4, 2, 16, 128, 512, 1024)
     tok = AutoTokenizer.from_pretrained(path)
     assert len(tok) == config.vocab_size
     assert tok.unk_token is None
@@ -251,10 +252,8 @@ def test_tiny_model_each_arch(tmp_path, arch):
 
 
 def test_tiny_model_overrides(tmp_path):
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256}
-    path = make_tiny_model_dir(tmp_path / "m", "llama", seed=3, tie_word_embeddings=True,
-                               rope_theta=500000.0, rope_scaling=rope, dtype=torch.bfloat16)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    path = make_tiny_model_dir(tmp_path / "m", "llama", seed=3, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=rope, dtype=torch.bfloat16)
     config = AutoConfig.from_pretrained(path)
     assert config.tie_word_embeddings is True
     params = getattr(config, "rope_parameters", None) or {**config.rope_scaling, "rope_theta": config.rope_theta}
@@ -290,8 +289,7 @@ def test_tiny_model_bad_arch(tmp_path):
 
 def test_save_model_dir_concurrent_and_idempotent(tmp_path):
     tok = build_tokenizer(512)
-    config = builtin_config(512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    config = builtin_config(512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
     target = tmp_path / "m"
     results, errors = [], []
 
@@ -320,8 +318,7 @@ def test_save_model_dir_replaces_stale_non_model_dir(tmp_path):
     target = tmp_path / "m"
     target.mkdir()
     (target / "junk.txt").write_text("half-written by something else")
-    config = builtin_config(512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    config = builtin_config(512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
     assert save_model_dir(target, config, seed=0) == target
     assert (target / "config.json").is_file() and not (target / "junk.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
@@ -336,8 +333,15 @@ def test_bench_config_and_reexport():
     models = pytest.importorskip("bench.models")
     assert models.make_tiny_model_dir is make_tiny_model_dir
     c = models.bench_config()
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.head_dim, c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (
-        512, 8, 8, 4, 64, 1408, 32000, 8192)
+    assert (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.vocab_size,
+        c.max_position_embeddings,
+    ) == (512, 8, 8, 4, 64, 1408, 32000, 8192)
     assert c.tie_word_embeddings is True
     assert len(getattr(c, "layer_types", None) or [None] * 8) == 8

@@ -58,7 +58,7 @@ def _manual(raw: np.ndarray, qtype) -> np.ndarray | None:
         size = 18 if qtype == T.Q4_0 else 20
         b = raw.reshape(ROWS, -1, size)
         d = b[..., :2].copy().view(np.float16).astype(np.float32)
-        qs = b[..., size - 16:]
+        qs = b[..., size - 16 :]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles first
         if qtype == T.Q4_0:
             return ((q - 8) * d).reshape(ROWS, COLS)
@@ -143,8 +143,18 @@ def test_tiny_gguf_loads_the_original_weights(tiny_ggufs, arch):
                 assert torch.equal(loaded[name], t), name
     cfg = json.loads((out / "config.json").read_text())
     ref = json.loads((hf_dir / "config.json").read_text())
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert cfg[key] == ref[key], key
     assert cfg["architectures"] == ref["architectures"]
     tc = json.loads((out / "tokenizer_config.json").read_text())
@@ -160,9 +170,10 @@ def test_tiny_gguf_greedy_equals_transformers(tiny_ggufs, arch, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     expected = []
     for p in prompts:
-        ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(ids[0, len(p):].tolist())
+        ids = hf.generate(
+            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        expected.append(ids[0, len(p) :].tolist())
     monkeypatch.setenv("RADIXSERVE_CACHE", str(cache))  # Engine("file.gguf") converts into the cache folder
     # chunked prefill; fp32 products (quant_compute's int8 is checked against its own reference: test_quant*)
     engine = Engine(str(path), kv_cache_tokens=4096, max_prefill_chunk=16, quant_compute="fp32")
@@ -223,9 +234,15 @@ def smollm2():
     hf = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32).eval()
     expected = []
     for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2)
-        expected.append(out[0, len(p):].tolist())
+        out = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+        expected.append(out[0, len(p) :].tolist())
     return tok, prompts, expected
 
 

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as T
 
 from radixserve import Engine, SamplingParams
 from radixserve.kernels import quant
-from radixserve.model.default import INSTALL_HINT, smollm2_gguf
 from radixserve.kernels.quant import QuantEmbedding, QuantLinear
+from radixserve.model.default import INSTALL_HINT, smollm2_gguf
 from radixserve.testing import make_tiny_model_dir
 from radixserve.testing_gguf import write_gguf
 
@@ -38,8 +38,16 @@ def q4_k_m(name: str):
 
 
 def legacy(name: str):
-    for part, qtype in (("attn_q", T.Q4_0), ("attn_k", T.Q4_0), ("attn_v", T.Q4_1), ("attn_output", T.Q5_0),
-                        ("ffn_gate", T.Q5_1), ("ffn_up", T.Q5_1), ("ffn_down", T.Q8_0), ("token_embd", T.Q4_1)):
+    for part, qtype in (
+        ("attn_q", T.Q4_0),
+        ("attn_k", T.Q4_0),
+        ("attn_v", T.Q4_1),
+        ("attn_output", T.Q5_0),
+        ("ffn_gate", T.Q5_1),
+        ("ffn_up", T.Q5_1),
+        ("ffn_down", T.Q8_0),
+        ("token_embd", T.Q4_1),
+    ):
         if f"{part}.weight" in name:
             return qtype
     return None
@@ -127,8 +135,7 @@ def test_quantized_weights_are_views_of_the_mapped_file(quant_ggufs, tmp_path, m
 def test_other_types_are_dequantized_with_a_log_line(quant_ggufs, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
     hf_dir = make_tiny_model_dir(tmp_path / "hf", "llama", seed=3)
-    path = write_gguf(tmp_path / "mixed.gguf", hf_dir, "llama",
-                      lambda name: T.Q8_0 if "ffn" in name else T.F16 if "attn_output" in name else None)
+    path = write_gguf(tmp_path / "mixed.gguf", hf_dir, "llama", lambda name: T.Q8_0 if "ffn" in name else T.F16 if "attn_output" in name else None)
     with caplog.at_level("INFO", logger="radixserve"):
         engine = Engine(str(path), weights="quantized", kv_cache_tokens=256)
     assert "no native kernel for F16" in caplog.text
@@ -170,13 +177,29 @@ def smollm2_reference():
     """16 chat prompts and the dequantized model's greedy outputs for them (with logprobs)."""
     from transformers import AutoTokenizer
 
-    topics = ["chess openings", "the game of janggi", "Paris", "photosynthesis", "prime numbers", "the moon",
-              "a good breakfast", "learning Python", "rivers", "the piano", "winter", "volcanoes", "bees",
-              "sorting algorithms", "the ocean", "friendship"]
+    topics = [
+        "chess openings",
+        "the game of janggi",
+        "Paris",
+        "photosynthesis",
+        "prime numbers",
+        "the moon",
+        "a good breakfast",
+        "learning Python",
+        "rivers",
+        "the piano",
+        "winter",
+        "volcanoes",
+        "bees",
+        "sorting algorithms",
+        "the ocean",
+        "friendship",
+    ]
     engine = Engine(weights="dequantize", max_prefill_chunk=64, kv_cache_tokens=8192)
     tok = AutoTokenizer.from_pretrained(str(engine.loaded.path))
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Tell me one fact about {t}."}],
-                                       add_generation_prompt=True, tokenize=False) for t in topics]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": f"Tell me one fact about {t}."}], add_generation_prompt=True, tokenize=False) for t in topics
+    ]
     return prompts, engine.generate(prompts, SamplingParams(**SMOLLM2_PARAMS, logprobs=2))
 
 

@@ -107,10 +107,13 @@ def test_busy_http_or_worker_port_exits_at_once_with_one_line(llama_dir, flag):
     assert len(lines) == 1 and "in use" in lines[0].lower(), out.stderr
 
 
-@pytest.mark.parametrize("secret, mode, expected", [
-    ("0" * 64, 0o600, "the worker secret is weak"),
-    (None, 0o644, "(mode 0644); whoever reads it can pose as a worker: run chmod 600"),
-])
+@pytest.mark.parametrize(
+    "secret, mode, expected",
+    [
+        ("0" * 64, 0o600, "the worker secret is weak"),
+        (None, 0o644, "(mode 0644); whoever reads it can pose as a worker: run chmod 600"),
+    ],
+)
 def test_weak_or_readable_secret_file_is_refused_in_one_line(llama_dir, tmp_path, secret, mode, expected):
     """Issue 49 item 14: an all-zero secret was accepted and a 0644 secret file only warned."""
     from radixserve.serve.auth import new_secret
@@ -151,24 +154,27 @@ def _model_dir_with(llama_dir, tmp_path, config):
     return path
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("truncated.gguf", "not a readable GGUF file"),
-    ("head_count_0.gguf", "llama.attention.head_count is 0"),
-    ("empty_config", "unsupported architecture"),
-    ("huge_context", "RoPE tables of a 1099511627776-token context"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("truncated.gguf", "not a readable GGUF file"),
+        ("head_count_0.gguf", "llama.attention.head_count is 0"),
+        ("empty_config", "unsupported architecture"),
+        ("huge_context", "RoPE tables of a 1099511627776-token context"),
+    ],
+)
 def test_bad_model_files_fail_serve_at_once_with_one_line(llama_dir, tmp_path, case, expected):
     """Issue 49 item 15: each of these hung serve in Context.term() after its error, or died in
     every worker with a traceback (a ZeroDivisionError, a 4 TiB RoPE table)."""
     config = json.loads((Path(llama_dir) / "config.json").read_text())
-    model = {"truncated.gguf": lambda: _llama_gguf(tmp_path / case, truncate=2048),
-             "head_count_0.gguf": lambda: _llama_gguf(tmp_path / case, head_count=0),
-             "empty_config": lambda: _model_dir_with(llama_dir, tmp_path, {}),
-             "huge_context": lambda: _model_dir_with(llama_dir, tmp_path, {**config, "max_position_embeddings": 2**40}),
-             }[case]()
+    model = {
+        "truncated.gguf": lambda: _llama_gguf(tmp_path / case, truncate=2048),
+        "head_count_0.gguf": lambda: _llama_gguf(tmp_path / case, head_count=0),
+        "empty_config": lambda: _model_dir_with(llama_dir, tmp_path, {}),
+        "huge_context": lambda: _model_dir_with(llama_dir, tmp_path, {**config, "max_position_embeddings": 2**40}),
+    }[case]()
     env = dict(ENV, RADIXSERVE_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run(CLI + ["serve", "--model", str(model), "--port", "0"], capture_output=True, text=True,
-                         timeout=60, env=env)
+    out = subprocess.run(CLI + ["serve", "--model", str(model), "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = _error_lines(out.stderr)
     assert len(lines) == 1 and expected in lines[0], out.stderr[-3000:]
@@ -178,12 +184,14 @@ def test_rope_tables_are_checked_against_the_memory_available(llama_dir, tmp_pat
     from radixserve.model import checks
     from radixserve.model.loader import check_model
 
-    model = _model_dir_with(llama_dir, tmp_path, {**json.loads((Path(llama_dir) / "config.json").read_text()),
-                                                  "max_position_embeddings": 2**20})
+    model = _model_dir_with(llama_dir, tmp_path, {**json.loads((Path(llama_dir) / "config.json").read_text()), "max_position_embeddings": 2**20})
     monkeypatch.setattr(checks, "available_memory", lambda: 2**30)
     assert check_model(model)[1] == 2**20  # 16 dims x 2**20 positions: 256 MiB to build
-    with pytest.raises(ModelLoadError, match=r"in each of 8 workers\) need 2\.0 GiB, more than the 1\.0 GiB .*"
-                                             r"--max-model-len N"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"in each of 8 workers\) need 2\.0 GiB, more than the 1\.0 GiB .*"
+        r"--max-model-len N",
+    ):
         check_model(model, processes=8)
     monkeypatch.setattr(checks, "available_memory", lambda: 2**27)
     with pytest.raises(ModelLoadError, match=r"RoPE tables of a 1048576-token context need 0\.\d GiB"):
@@ -197,8 +205,7 @@ def test_every_worker_dying_at_start_up_exits_nonzero_with_its_error(llama_dir, 
     broken = tmp_path / "broken"
     shutil.copytree(llama_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    out = _run(["--log-level", "WARNING", "serve", "--model", str(broken), "--port", "0", "--workers", "2",
-                "--worker-threads", "1"], timeout=150)
+    out = _run(["--log-level", "WARNING", "serve", "--model", str(broken), "--port", "0", "--workers", "2", "--worker-threads", "1"], timeout=150)
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("radixserve: error: every local worker failed at start-up"), last
@@ -211,10 +218,30 @@ def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
     shadow = tmp_path / "radixserve"
     shadow.mkdir()
     (shadow / "__init__.py").write_text("raise ImportError('shadowed by the working directory')\n")
-    proc = subprocess.Popen(CLI + ["--log-level", "WARNING", "serve", "--model", llama_dir, "--port", "0",
-                                   "--workers", "1", "--worker-threads", "1", "--drain-timeout", "120",
-                                   "--heartbeat-timeout", "60"],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        CLI
+        + [
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--model",
+            llama_dir,
+            "--port",
+            "0",
+            "--workers",
+            "1",
+            "--worker-threads",
+            "1",
+            "--drain-timeout",
+            "120",
+            "--heartbeat-timeout",
+            "60",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     worker_pid = None
     try:
         lines: list[str] = []
@@ -274,11 +301,13 @@ def test_a_process_that_ran_an_engine_exits_without_leak_warnings(llama_dir):
 def test_the_gc_freeze_is_undone_at_exit():
     # the mechanism behind the test above, which needs no triton to fail: atexit runs handlers
     # last in, first out, so this report runs after the engine's own exit handler
-    code = ("import atexit, gc\n"
-            "atexit.register(lambda: print('at exit', gc.get_freeze_count()))\n"
-            "from radixserve.engine.model_runner import _freeze_gc_once\n"
-            "_freeze_gc_once()\n"
-            "print('frozen', gc.get_freeze_count() > 0)\n")
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('at exit', gc.get_freeze_count()))\n"
+        "from radixserve.engine.model_runner import _freeze_gc_once\n"
+        "_freeze_gc_once()\n"
+        "print('frozen', gc.get_freeze_count() > 0)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["frozen True", "at exit 0"], out.stdout

@@ -6,16 +6,15 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from radixserve.model.default import INSTALL_HINT, smollm2_gguf
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "traces" / "README.md",
-        *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "traces" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def test_no_reference_outside_the_repository():
@@ -62,12 +61,13 @@ def test_readme_python_api_example_prints_what_readme_shows():
     answers (it printed blank lines when it sent a bare prompt to the instruct model), and they
     are the lines README shows under it, its times aside."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## Python API"):]
+    section = text[text.index("## Python API") :]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     shown = re.search(r"```console\n(.*?)```", section, re.S)
     assert code and shown and shown.start() < section.index("\n- `Engine(")
-    run = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, timeout=300,
-                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    run = subprocess.run(
+        [sys.executable, "-c", code.group(1)], capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO))
+    )
     assert run.returncode == 0, run.stderr[-2000:]
 
     def untimed(lines: str) -> list[str]:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from radixserve.client import Client
+
 from serve_cluster import ENV, Cluster
 
 REQUESTS, MAX_TOKENS = 48, 32
@@ -31,8 +32,7 @@ def busy_cluster(llama_dir, tmp_path):
     def load():
         with Client(cluster.address, timeout=120) as c, ThreadPoolExecutor(REQUESTS) as pool:
             prompts = [[(5 * i + j) % 400 + 1 for j in range(64)] for i in range(REQUESTS)]
-            results.extend(pool.map(lambda p: c.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-                                    prompts))
+            results.extend(pool.map(lambda p: c.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), prompts))
 
     thread = threading.Thread(target=load)
     thread.start()
@@ -44,8 +44,7 @@ def busy_cluster(llama_dir, tmp_path):
 
 
 def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "radixserve.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    return subprocess.run([sys.executable, "-m", "radixserve.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
 def test_top_and_report_on_a_live_server(busy_cluster):

@@ -14,9 +14,19 @@ from radixserve.errors import BadRequestError, ModelLoadError
 from radixserve.ops.model_shape import read_model_shape
 from radixserve.ops.plan import format_plan, kv_bytes_per_token, plan
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
-        "intermediate_size": 64, "vocab_size": 100, "torch_dtype": "float32"}
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+    "intermediate_size": 64,
+    "vocab_size": 100,
+    "torch_dtype": "float32",
+}
 
 
 @pytest.fixture()
@@ -83,10 +93,23 @@ def test_explicit_reserve_and_weights_that_do_not_fit(tiny_dir):
 def test_config_alone_estimates_weights_like_llama_3_8b(tmp_path):
     d = tmp_path / "cfg"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 128256,
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     s = read_model_shape(str(d))
     assert s.weights_bytes == 8_030_261_248 * 2  # Llama-3.1-8B: 8,030,261,248 parameters
     assert kv_bytes_per_token(s, "bfloat16") == 131072  # the well-known 128 KiB per token
@@ -133,17 +156,38 @@ def test_gguf_header_counts_the_weights_as_serve_holds_them(tmp_path):
 
 
 def test_cli_plan_json_and_text(tiny_dir):
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plan", "--model", str(tiny_dir), "--context", "101",
-                          "--concurrency", "4", "--memory-gb", "0.001", "--page-size", "4", "--kv-dtype", "int8",
-                          "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixserve.cli",
+            "plan",
+            "--model",
+            str(tiny_dir),
+            "--context",
+            "101",
+            "--concurrency",
+            "4",
+            "--memory-gb",
+            "0.001",
+            "--page-size",
+            "4",
+            "--kv-dtype",
+            "int8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     p = json.loads(out.stdout)
     assert p["kv_bytes_per_token"] == 144 and p["kv_tokens"] == 6332
-    text = subprocess.run([sys.executable, "-m", "radixserve.cli", "plan", "--model", str(tiny_dir)],
-                          capture_output=True, text=True, timeout=120)
+    text = subprocess.run([sys.executable, "-m", "radixserve.cli", "plan", "--model", str(tiny_dir)], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "= 384 B/token" in text.stdout and "comfort table" in text.stdout
-    bad = subprocess.run([sys.executable, "-m", "radixserve.cli", "plan", "--model", str(tiny_dir), "--concurrency", "0"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plan", "--model", str(tiny_dir), "--concurrency", "0"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "concurrency" in bad.stderr
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.errors import BadRequestError
-from radixserve.ops.report import (drain_cycles, format_report, read_metrics_log, rent_vs_buy, report, verdict,
-                                   windows_of)
+from radixserve.ops.report import drain_cycles, format_report, read_metrics_log, rent_vs_buy, report, verdict, windows_of
 from radixserve.serve.metrics import Histogram
 
 RECORDED = Path(__file__).parents[1] / "data" / "metrics_bursts.jsonl"
@@ -27,12 +26,28 @@ def synthetic_log(intervals, *, step_s: float = 60.0, t0: float = 1.7e9) -> list
         for v in ttfts:
             hist.observe(v)
         gen += tokens
-        docs.append({"time": t0 + i * step_s, "router": {
-            "uptime_s": 5.0 + i * step_s, "gauges": {"queue_depth": queued, "inflight": 4},
-            "histograms": {"ttft_s": hist.to_dict()}},
-            "workers": {"w0": {"alive": True, "inflight": 4, "engine": {
-                "generated_tokens": gen, "running": 4 if tokens else 0, "waiting": 0, "preemptions": 0,
-                "kv_total_tokens": 1000, "kv_used_tokens": 10, "prefix_query_tokens": 0, "prefix_hit_tokens": 0}}}})
+        docs.append(
+            {
+                "time": t0 + i * step_s,
+                "router": {"uptime_s": 5.0 + i * step_s, "gauges": {"queue_depth": queued, "inflight": 4}, "histograms": {"ttft_s": hist.to_dict()}},
+                "workers": {
+                    "w0": {
+                        "alive": True,
+                        "inflight": 4,
+                        "engine": {
+                            "generated_tokens": gen,
+                            "running": 4 if tokens else 0,
+                            "waiting": 0,
+                            "preemptions": 0,
+                            "kv_total_tokens": 1000,
+                            "kv_used_tokens": 10,
+                            "prefix_query_tokens": 0,
+                            "prefix_hit_tokens": 0,
+                        },
+                    }
+                },
+            }
+        )
     return docs
 
 
@@ -47,8 +62,7 @@ def rising(n: int = 60) -> list[dict]:
 
 def sawtooth(n: int = 60) -> list[dict]:
     rng = random.Random(2)
-    return synthetic_log([(_ttfts(0.05 + 0.3 * (i % 10), rng), [0, 5, 10, 15, 20, 15, 10, 5, 2, 0][i % 10], 600)
-                          for i in range(n)])
+    return synthetic_log([(_ttfts(0.05 + 0.3 * (i % 10), rng), [0, 5, 10, 15, 20, 15, 10, 5, 2, 0][i % 10], 600) for i in range(n)])
 
 
 def flat(n: int = 60) -> list[dict]:
@@ -152,8 +166,12 @@ def test_cli_report_json_plot_and_a_cut_line(tmp_path):
     log = tmp_path / "m.jsonl"
     lines = [json.dumps(d) for d in rising()]
     log.write_text("\n".join(lines) + "\n" + lines[-1][: len(lines[-1]) // 2])  # killed mid-write
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(log), "--json",
-                          "--rent-per-hour", "0.5", "--buy-price", "400"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "report", str(log), "--json", "--rent-per-hour", "0.5", "--buy-price", "400"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep["verdict"]["verdict"] == "capacity"
@@ -161,18 +179,15 @@ def test_cli_report_json_plot_and_a_cut_line(tmp_path):
     assert rep["rent_vs_buy"]["breakeven_generation_hours"] == pytest.approx(800)
     png = Path(rep["plot"])
     assert png == tmp_path / "m.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    text = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(RECORDED), "--no-plot"],
-                          capture_output=True, text=True, timeout=120)
+    text = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(RECORDED), "--no-plot"], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "BURSTS" in text.stdout and "break-even after 500 h" in text.stdout
 
 
 def test_cli_report_missing_or_empty_file(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(tmp_path / "nope.jsonl")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(tmp_path / "nope.jsonl")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "does not exist" in out.stderr
     (tmp_path / "e.jsonl").write_text("not json\n")
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(tmp_path / "e.jsonl")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "report", str(tmp_path / "e.jsonl")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "need at least 2" in out.stderr
 
 

@@ -82,15 +82,26 @@ def test_quantile_of_the_observations_between_two_histograms():
 
 
 def _doc(gen, running, q, h, pre, queue, ttfts, kv_used=100):
-    eng = {"generated_tokens": gen, "running": running, "waiting": 1, "preemptions": pre, "prefix_query_tokens": q,
-           "prefix_hit_tokens": h, "kv_total_tokens": 1000, "kv_used_tokens": kv_used, "kv_evictable_tokens": 40,
-           "kv_locked_tokens": 50}
-    return {"router": {"uptime_s": 10.0, "gauges": {"queue_depth": queue, "inflight": 3},
-                       "histograms": {"ttft_s": _hist(ttfts)}},
-            "workers": {"w0": {"alive": True, "inflight": 2, "engine": eng, "histograms": {"router_ttft_s": _hist(ttfts)}},
-                        "w1": {"alive": True, "inflight": 1, "engine": dict(eng, generated_tokens=gen // 2),
-                               "histograms": {}},
-                        "dead": {"alive": False, "engine": dict(eng, generated_tokens=10**9)}}}
+    eng = {
+        "generated_tokens": gen,
+        "running": running,
+        "waiting": 1,
+        "preemptions": pre,
+        "prefix_query_tokens": q,
+        "prefix_hit_tokens": h,
+        "kv_total_tokens": 1000,
+        "kv_used_tokens": kv_used,
+        "kv_evictable_tokens": 40,
+        "kv_locked_tokens": 50,
+    }
+    return {
+        "router": {"uptime_s": 10.0, "gauges": {"queue_depth": queue, "inflight": 3}, "histograms": {"ttft_s": _hist(ttfts)}},
+        "workers": {
+            "w0": {"alive": True, "inflight": 2, "engine": eng, "histograms": {"router_ttft_s": _hist(ttfts)}},
+            "w1": {"alive": True, "inflight": 1, "engine": dict(eng, generated_tokens=gen // 2), "histograms": {}},
+            "dead": {"alive": False, "engine": dict(eng, generated_tokens=10**9)},
+        },
+    }
 
 
 def test_window_between_two_stats_documents():
@@ -146,11 +157,22 @@ class _IdleRouter:
 
     def stats(self, timeout=None):
         self.polls += 1
-        eng = {"generated_tokens": 0, "running": 0, "waiting": 0, "preemptions": 0, "prefix_query_tokens": 0,
-               "prefix_hit_tokens": 0, "kv_total_tokens": 23300, "kv_used_tokens": 23300,
-               "kv_evictable_tokens": 23300, "kv_locked_tokens": 0}
-        return {"router": {"uptime_s": 10.0 + self.polls, "gauges": {"queue_depth": 0, "inflight": 0}, "histograms": {}},
-                "workers": {"w0": {"alive": True, "inflight": 0, "engine": eng, "histograms": {}}}}
+        eng = {
+            "generated_tokens": 0,
+            "running": 0,
+            "waiting": 0,
+            "preemptions": 0,
+            "prefix_query_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "kv_total_tokens": 23300,
+            "kv_used_tokens": 23300,
+            "kv_evictable_tokens": 23300,
+            "kv_locked_tokens": 0,
+        }
+        return {
+            "router": {"uptime_s": 10.0 + self.polls, "gauges": {"queue_depth": 0, "inflight": 0}, "histograms": {}},
+            "workers": {"w0": {"alive": True, "inflight": 0, "engine": eng, "histograms": {}}},
+        }
 
 
 def _top_once(monkeypatch, capsys) -> str:

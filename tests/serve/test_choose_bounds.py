@@ -12,6 +12,7 @@ from radixserve import protocol as P
 from radixserve.client import AsyncClient
 from radixserve.errors import TooLongError
 from radixserve.serve.router import RouterConfig
+
 from serve_cluster import running_router
 
 pytestmark = pytest.mark.timeout(60)

@@ -37,8 +37,7 @@ class _SilentRouter:
             msg = P.decode(frame)
             if isinstance(msg, P.Health):
                 self.health_probes += 1
-                self.sock.send_multipart([ident, P.encode(P.HealthReply(id=msg.id, status="ok", workers=1,
-                                                                        workers_alive=1))])
+                self.sock.send_multipart([ident, P.encode(P.HealthReply(id=msg.id, status="ok", workers=1, workers_alive=1))])
         self.sock.close(linger=0)
         self.ctx.term()
 

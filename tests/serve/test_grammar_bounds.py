@@ -12,10 +12,12 @@ import time
 import pytest
 import zmq
 
-from radixserve import SamplingParams, protocol as P
+from radixserve import SamplingParams
+from radixserve import protocol as P
 from radixserve.errors import BadRequestError
 from radixserve.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutput, json_depth
 from radixserve.serve.router import RouterConfig
+
 from serve_cluster import running_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,8 +38,7 @@ def _slow_schema(levels: int) -> dict:
     """A schema whose grammar takes seconds to compile (each level doubles it)."""
     schema: dict = {"type": "string"}
     for _ in range(levels):
-        schema = {"anyOf": [{"type": "object", "properties": {"a": schema, "b": schema}, "required": ["a", "b"]},
-                            {"type": "array", "items": schema}]}
+        schema = {"anyOf": [{"type": "object", "properties": {"a": schema, "b": schema}, "required": ["a", "b"]}, {"type": "array", "items": schema}]}
     return schema
 
 
@@ -66,8 +67,12 @@ def test_every_malformed_structured_request_gets_a_reply_over_zmq():
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(5000)
     try:
-        frames = {f"d{d}": P.encode(P.Generate(id=f"d{d}", token_ids=[1, 2, 3], params=SamplingParams(
-            max_tokens=4, structured=StructuredOutput(json_schema=_deep(d))))) for d in range(960, 992, 2)}
+        frames = {
+            f"d{d}": P.encode(
+                P.Generate(id=f"d{d}", token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, structured=StructuredOutput(json_schema=_deep(d))))
+            )
+            for d in range(960, 992, 2)
+        }
     finally:
         sys.setrecursionlimit(limit)
     with running_router(RouterConfig(port=0)) as router:
@@ -119,8 +124,7 @@ def test_a_compile_past_the_limit_is_stopped_and_others_go_on(info):
                     order.append(wid)
 
             t0 = time.monotonic()
-            hog = [asyncio.ensure_future(run(StructuredOutput(json_schema=_slow_schema(8 + (i % 2)) | {"x": i}),
-                                             "hog", f"h{i}")) for i in range(3)]
+            hog = [asyncio.ensure_future(run(StructuredOutput(json_schema=_slow_schema(8 + (i % 2)) | {"x": i}), "hog", f"h{i}")) for i in range(3)]
             await asyncio.sleep(0.05)
             victim = asyncio.ensure_future(run(StructuredOutput(choice=["a", "b", "c"]), "victim", "v"))
             results = await asyncio.gather(*hog, victim, return_exceptions=True)

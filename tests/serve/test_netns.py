@@ -29,8 +29,7 @@ import pytest
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-           PYTHONPATH=str(ROOT), RADIXSERVE_API_KEY="netns-key")
+ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), RADIXSERVE_API_KEY="netns-key")
 ROUTER_IP = "10.231.0.1"
 CUT_AT, CUT_FOR, LOAD_FOR = 4.0, 7.0, 20.0  # seconds from the start of the load
 
@@ -97,27 +96,77 @@ def test_link_cut_and_rejoin_across_hosts(hosts, llama_dir, tmp_path):
     started = time.time()
     secret = tmp_path / "worker.secret"
     py = [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING"]
-    router = _in(ns["r"], *py, "serve", "--model", llama_dir, "--workers", "0", "--host", ROUTER_IP,
-                 "--port", "7700", "--worker-secret-file", str(secret), "--api-key", "netns-key",
-                 stdout=subprocess.PIPE, text=True)
+    router = _in(
+        ns["r"],
+        *py,
+        "serve",
+        "--model",
+        llama_dir,
+        "--workers",
+        "0",
+        "--host",
+        ROUTER_IP,
+        "--port",
+        "7700",
+        "--worker-secret-file",
+        str(secret),
+        "--api-key",
+        "netns-key",
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs.append(router)
     line = router.stdout.readline()
     assert f"tcp://{ROUTER_IP}:7700" in line, line
     for name in ("w1", "w2"):
-        procs.append(_in(ns[name], *py, "worker", "--router", f"tcp://{ROUTER_IP}:7701", "--secret-file", str(secret),
-                         "--model", llama_dir, "--worker-id", name, "--threads", "1", "--kv-cache-tokens", "4096"))
+        procs.append(
+            _in(
+                ns[name],
+                *py,
+                "worker",
+                "--router",
+                f"tcp://{ROUTER_IP}:7701",
+                "--secret-file",
+                str(secret),
+                "--model",
+                llama_dir,
+                "--worker-id",
+                name,
+                "--threads",
+                "1",
+                "--kv-cache-tokens",
+                "4096",
+            )
+        )
     # Both workers joined (the SDK, from the router's namespace).
-    ready = _in(ns["r"], sys.executable, "-c",
-                "import sys; from radixserve.client import Client; "
-                f"c = Client('tcp://{ROUTER_IP}:7700', timeout=10); c.wait_ready(2, timeout=120); print('ready')",
-                stdout=subprocess.PIPE, text=True)
+    ready = _in(
+        ns["r"],
+        sys.executable,
+        "-c",
+        f"import sys; from radixserve.client import Client; c = Client('tcp://{ROUTER_IP}:7700', timeout=10); c.wait_ready(2, timeout=120); print('ready')",
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs.append(ready)
     assert ready.communicate(timeout=130)[0].strip() == "ready"
 
     print(f"\nrouter and 2 workers ready in {time.time() - started:.1f} s")
     out = tmp_path / "load.json"
-    driver = _in(ns["r"], sys.executable, str(ROOT / "tests" / "netns_load.py"), "--address", f"tcp://{ROUTER_IP}:7700",
-                 "--duration", str(LOAD_FOR), "--concurrency", "6", "--deadline", "20", "--out", str(out))
+    driver = _in(
+        ns["r"],
+        sys.executable,
+        str(ROOT / "tests" / "netns_load.py"),
+        "--address",
+        f"tcp://{ROUTER_IP}:7700",
+        "--duration",
+        str(LOAD_FOR),
+        "--concurrency",
+        "6",
+        "--deadline",
+        "20",
+        "--out",
+        str(out),
+    )
     procs.append(driver)
     t0 = time.time()
     time.sleep(CUT_AT)
@@ -142,10 +191,12 @@ def test_link_cut_and_rejoin_across_hosts(hosts, llama_dir, tmp_path):
     during = [r for r in ok if cut + 4.5 <= r["sent"] <= restored]
     after = [r for r in ok if r["sent"] >= restored + 5.0]
     w1_after = [r for r in after if r["worker"] == "w1"]
-    print(f"\nnetns link cut: {len(reqs)} requests: ok {len(ok)}, coded {len(coded)} {codes}, hung {len(hung)}, "
-          f"duplicated {len(dup)}; during the cut {len(during)} ok, "
-          f"{sum(r['worker'] == 'w2' for r in during)} on w2; after the rejoin {len(after)} ok, {len(w1_after)} on w1 "
-          f"(load {LOAD_FOR:.0f} s, cut at {cut - t0:.1f} s for {restored - cut:.1f} s)")
+    print(
+        f"\nnetns link cut: {len(reqs)} requests: ok {len(ok)}, coded {len(coded)} {codes}, hung {len(hung)}, "
+        f"duplicated {len(dup)}; during the cut {len(during)} ok, "
+        f"{sum(r['worker'] == 'w2' for r in during)} on w2; after the rejoin {len(after)} ok, {len(w1_after)} on w1 "
+        f"(load {LOAD_FOR:.0f} s, cut at {cut - t0:.1f} s for {restored - cut:.1f} s)"
+    )
     assert not hung, hung[:3]
     assert not dup, dup[:3]
     assert set(codes) <= {"worker_lost"}, codes
@@ -167,10 +218,15 @@ def test_link_cut_and_rejoin_across_hosts(hosts, llama_dir, tmp_path):
     # A worker that is stopped leaves at once: the router does not wait for a heartbeat timeout.
     procs[1].terminate()
     assert procs[1].wait(timeout=20) == 0
-    probe = _in(ns["r"], sys.executable, "-c",
-                "from radixserve.client import Client; "
-                f"s = Client('tcp://{ROUTER_IP}:7700', timeout=10).stats(); "
-                "print(s['workers']['w1']['alive'], s['router']['counters']['workers_left'])",
-                stdout=subprocess.PIPE, text=True)
+    probe = _in(
+        ns["r"],
+        sys.executable,
+        "-c",
+        "from radixserve.client import Client; "
+        f"s = Client('tcp://{ROUTER_IP}:7700', timeout=10).stats(); "
+        "print(s['workers']['w1']['alive'], s['router']['counters']['workers_left'])",
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs.append(probe)
     assert probe.communicate(timeout=30)[0].split() == ["False", "1"]

@@ -12,6 +12,7 @@ import pytest
 
 from radixserve.client import Client
 from radixserve.testing import spawn_server
+
 from serve_cluster import ENV
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,9 +31,28 @@ def test_worker_rejoins_a_restarted_router_with_its_cache(llama_dir, tmp_path):
         router, address, worker_address = _serve(llama_dir, secret)
         procs.append(router)
         worker = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "worker", "--router", worker_address,
-             "--secret-file", secret, "--model", llama_dir, "--worker-id", "wx", "--threads", "1",
-             "--kv-cache-tokens", "2048"], env=ENV)
+            [
+                sys.executable,
+                "-m",
+                "radixserve.cli",
+                "--log-level",
+                "WARNING",
+                "worker",
+                "--router",
+                worker_address,
+                "--secret-file",
+                secret,
+                "--model",
+                llama_dir,
+                "--worker-id",
+                "wx",
+                "--threads",
+                "1",
+                "--kv-cache-tokens",
+                "2048",
+            ],
+            env=ENV,
+        )
         procs.append(worker)
         prompt = list(range(10, 70))
         with Client(address, timeout=30) as c:

@@ -17,6 +17,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.serve.router import Router, RouterConfig
 from radixserve.serve.router.sockets import Transport
 from radixserve.serve.worker import Worker
+
 from test_serve_units import _paths, _Pool
 
 ID = b"w1"
@@ -29,8 +30,13 @@ class _Loop:
 
 def _worker(tree: RadixCache, tmp_path) -> tuple[Worker, list]:
     engine = SimpleNamespace(
-        cache=SimpleNamespace(tree=tree), info=lambda: {"model": str(tmp_path)}, tokenizer=[0] * 512,
-        max_model_len=4096, pool=SimpleNamespace(capacity_tokens=8192, page_size=1), stats=dict)
+        cache=SimpleNamespace(tree=tree),
+        info=lambda: {"model": str(tmp_path)},
+        tokenizer=[0] * 512,
+        max_model_len=4096,
+        pool=SimpleNamespace(capacity_tokens=8192, page_size=1),
+        stats=dict,
+    )
     engine.call_soon = lambda fn: fn()  # the engine thread, between steps
     engine.cache_leaves = lambda: list(tree.leaf_paths())  # Engine.cache_leaves: the snapshot's source
     worker = Worker(engine, "tcp://x", "w1", secret="0" * 64)

@@ -14,6 +14,7 @@ import zmq
 from radixserve.client import Client
 from radixserve.serve.router import RouterConfig
 from radixserve.testing import spawn_server
+
 from serve_cluster import ENV, running_router
 
 pytestmark = pytest.mark.timeout(240)
@@ -48,8 +49,7 @@ def test_idle_client_flood_then_a_worker_kill_the_worker_comes_back(llama_dir):
     """The repro, made small: under a low open-file limit, idle client connections past it made
     libzmq spin on accept() and the restart's Popen fail with EMFILE, which ended the ticker: the
     killed worker was never restarted and nothing was pinged again."""
-    server = spawn_server(llama_dir, "--kv-cache-tokens", "8192", "--worker-threads", "1", env=ENV,
-                          preexec_fn=_limit_open_files)
+    server = spawn_server(llama_dir, "--kv-cache-tokens", "8192", "--worker-threads", "1", env=ENV, preexec_fn=_limit_open_files)
     flood = zmq.Context()
     try:
         with Client(server.address, timeout=30) as c:  # connected before the flood
@@ -81,7 +81,6 @@ def test_idle_client_flood_then_a_worker_kill_the_worker_comes_back(llama_dir):
     finally:
         flood.destroy(linger=0)
         server.stop()
-
 
 
 def _rss_mb() -> float:

@@ -72,6 +72,7 @@ def test_sync_client_from_threads_stream_and_batch(cluster):
     prompts = random_prompts([12, 20, 30, 16, 25, 9], seed=5)
     results: dict[int, tuple] = {}
     with Client(cluster.address, timeout=60) as client:
+
         def run(i):
             chunks = list(client.stream(prompts[i], **GREEDY))
             results[i] = (chunks, client.generate(prompts[i], **GREEDY))
@@ -156,8 +157,7 @@ def test_malformed_and_oversized_frames_get_error_replies(cluster):
 def test_stats_command_prints_json_and_prometheus(cluster):
     deadline = time.monotonic() + 10
     while True:  # a worker's engine stats come with its heartbeats (every 0.5 s): wait for each one's first
-        out = subprocess.run([sys.executable, "-m", "radixserve.cli", "stats", cluster.address],
-                             capture_output=True, text=True, timeout=60, env=ENV)
+        out = subprocess.run([sys.executable, "-m", "radixserve.cli", "stats", cluster.address], capture_output=True, text=True, timeout=60, env=ENV)
         assert out.returncode == 0, out.stderr
         stats = json.loads(out.stdout)
         if all(w["engine"] for w in stats["workers"].values()) or time.monotonic() > deadline:
@@ -169,11 +169,11 @@ def test_stats_command_prints_json_and_prometheus(cluster):
     assert {"queue_depth", "inflight", "workers_alive"} <= set(router["gauges"])
     assert "overloaded" in router["counters"]
     for w in stats["workers"].values():
-        assert {"kv_used_tokens", "kv_evictable_tokens", "prefix_query_tokens", "prefix_hit_tokens",
-                "preemptions", "running", "waiting"} <= set(w["engine"])
+        assert {"kv_used_tokens", "kv_evictable_tokens", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "running", "waiting"} <= set(w["engine"])
         assert "inflight" in w and "index_tokens" in w
-    prom = subprocess.run([sys.executable, "-m", "radixserve.cli", "stats", cluster.address, "--format", "prometheus"],
-                          capture_output=True, text=True, timeout=60, env=ENV)
+    prom = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "stats", cluster.address, "--format", "prometheus"], capture_output=True, text=True, timeout=60, env=ENV
+    )
     assert prom.returncode == 0, prom.stderr
     assert "radixserve_router_requests_total" in prom.stdout
     assert 'radixserve_worker_kv_used_tokens{worker="w0"}' in prom.stdout

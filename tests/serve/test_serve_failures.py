@@ -45,8 +45,7 @@ def test_worker_sigkill_mid_stream_loses_nothing(llama_dir):
         async def main():
             first = asyncio.Event()
             async with AsyncClient(cluster.address, timeout=90) as client:
-                tasks = [asyncio.ensure_future(_consume(client, p, i % 2 == 0, 150, first))
-                         for i, p in enumerate(prompts)]
+                tasks = [asyncio.ensure_future(_consume(client, p, i % 2 == 0, 150, first)) for i, p in enumerate(prompts)]
                 await asyncio.wait_for(first.wait(), 30)
                 victim = cluster.worker_pids[0]
                 os.kill(victim, signal.SIGKILL)
@@ -81,8 +80,7 @@ def test_worker_sigkill_mid_stream_loses_nothing(llama_dir):
 
 def test_overload_answers_at_once_and_sigterm_ends_every_call(llama_dir, tmp_path):
     log = tmp_path / "metrics.jsonl"
-    cluster = Cluster(llama_dir, 1, "--max-inflight", "2", "--max-queue", "2", "--drain-timeout", "0.5",
-                      "--metrics-log", str(log), "--metrics-interval", "0.2")
+    cluster = Cluster(llama_dir, 1, "--max-inflight", "2", "--max-queue", "2", "--drain-timeout", "0.5", "--metrics-log", str(log), "--metrics-interval", "0.2")
     try:
         prompts = random_prompts([12] * 30, seed=4)
 

@@ -6,9 +6,9 @@ import asyncio
 import os
 import random
 import signal
+import string
 import subprocess
 import time
-import string
 
 import pytest
 
@@ -47,8 +47,7 @@ def test_stall_repro_keeps_the_original_workers(cluster):
             done = await asyncio.gather(*huge, return_exceptions=True)
             await asyncio.sleep(6.0)  # past the workers' 5 s no-word-from-the-router re-register point
             prompts = random_prompts([8 + i % 9 for i in range(32)], seed=11)
-            outs = await asyncio.gather(*(client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True)
-                                          for p in prompts), return_exceptions=True)
+            outs = await asyncio.gather(*(client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts), return_exceptions=True)
             return done, outs, await client.stats()
 
     huge, outs, stats = asyncio.run(main())
@@ -81,10 +80,11 @@ def test_insane_sampling_request_fails_alone(cluster):
     async def main():
         async with AsyncClient(cluster.address, timeout=120) as client:
             prompts = random_prompts([12] * 8, seed=12)
-            good = [client.generate(p, max_tokens=8, temperature=0.8, seed=i, ignore_eos=True, namespace=f"t{i}")
-                    for i, p in enumerate(prompts)]
-            bad = [client.generate(prompts[0], max_tokens=8, repetition_penalty=1e-300, namespace="evil"),
-                   client.generate(prompts[1], max_tokens=8, temperature=1e300, namespace="evil")]
+            good = [client.generate(p, max_tokens=8, temperature=0.8, seed=i, ignore_eos=True, namespace=f"t{i}") for i, p in enumerate(prompts)]
+            bad = [
+                client.generate(prompts[0], max_tokens=8, repetition_penalty=1e-300, namespace="evil"),
+                client.generate(prompts[1], max_tokens=8, temperature=1e300, namespace="evil"),
+            ]
             return await asyncio.gather(*good, *bad, return_exceptions=True)
 
     outs = asyncio.run(main())

@@ -8,8 +8,7 @@ import msgspec
 import pytest
 
 from radixserve import protocol as P
-from radixserve.errors import (BadRequestError, OverloadedError, TooLongError, WorkerLostError,
-                               error_from_code)
+from radixserve.errors import BadRequestError, OverloadedError, TooLongError, WorkerLostError, error_from_code
 from radixserve.kv.radix import RadixCache
 from radixserve.sampling_params import SamplingParams
 from radixserve.serve.metrics import Histogram, prometheus_text
@@ -21,12 +20,21 @@ def test_messages_round_trip_as_tagged_msgpack():
     msgs = [
         P.Generate(id="a", prompt="hi", params=SamplingParams(max_tokens=3, temperature=0.0, stop=["x"]), namespace="t"),
         P.Generate(id="b", token_ids=[1, 2, 3], stream=True),
-        P.Final(id="a", token_ids=[4], text="x", finish_reason="length",
-                usage=P.Usage(prompt_tokens=3, cached_tokens=1, completion_tokens=1),
-                timings=P.Timings(queue_s=0.0, ttft_s=0.1, e2e_s=0.2), worker="w0"),
+        P.Final(
+            id="a",
+            token_ids=[4],
+            text="x",
+            finish_reason="length",
+            usage=P.Usage(prompt_tokens=3, cached_tokens=1, completion_tokens=1),
+            timings=P.Timings(queue_s=0.0, ttft_s=0.1, e2e_s=0.2),
+            worker="w0",
+        ),
         P.Error(id="a", code=P.OVERLOADED, message="busy"),
         P.CacheEvents(worker="w0", events=[P.CacheEvent("insert", None, [1, 2]), P.CacheEvent("evict", "t", [1, 2], 1)]),
-        P.Register(worker="w0", pid=1), P.Heartbeat(worker="w0", stats={"running": 1}), P.Ping(), P.Shutdown(),
+        P.Register(worker="w0", pid=1),
+        P.Heartbeat(worker="w0", stats={"running": 1}),
+        P.Ping(),
+        P.Shutdown(),
     ]
     for m in msgs:
         frame = P.encode(m)
@@ -199,9 +207,10 @@ def test_histogram_and_prometheus_text():
         h.observe(v)
     d = h.to_dict()
     assert d["count"] == 4 and d["p50"] == 0.005 and d["p99"] == 10.0
-    stats = {"router": {"counters": {"requests": 4}, "gauges": {"queue_depth": 1}, "histograms": {"ttft_s": d}},
-             "workers": {"w0": {"engine": {"kv_used_tokens": 10, "preemptions": 0}, "inflight": 1, "alive": True,
-                                "index_tokens": 5, "histograms": {}}}}
+    stats = {
+        "router": {"counters": {"requests": 4}, "gauges": {"queue_depth": 1}, "histograms": {"ttft_s": d}},
+        "workers": {"w0": {"engine": {"kv_used_tokens": 10, "preemptions": 0}, "inflight": 1, "alive": True, "index_tokens": 5, "histograms": {}}},
+    }
     text = prometheus_text(stats)
     assert "radixserve_router_requests_total 4.0" in text
     assert 'radixserve_router_ttft_s_bucket{le="+Inf"} 4' in text
@@ -213,8 +222,12 @@ def test_prometheus_text_types_buckets_and_worker_labels():
 
     h = Histogram()
     h.observe(0.1)
-    text = M.prometheus_text({"router": {"counters": {"requests": 2}, "gauges": {}, "histograms": {"ttft_s": h.to_dict()}},
-                              "workers": {"w0": {"engine": {"running": 1}, "histograms": {"e2e_s": h.to_dict()}}}})
+    text = M.prometheus_text(
+        {
+            "router": {"counters": {"requests": 2}, "gauges": {}, "histograms": {"ttft_s": h.to_dict()}},
+            "workers": {"w0": {"engine": {"running": 1}, "histograms": {"e2e_s": h.to_dict()}}},
+        }
+    )
     assert "# TYPE radixserve_router_requests_total counter" in text
     assert 'radixserve_router_ttft_s_bucket{le="0.1"} 1' in text
     assert 'radixserve_worker_running{worker="w0"} 1.0' in text

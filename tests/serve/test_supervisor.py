@@ -20,9 +20,11 @@ def _wait_exit(w, timeout=20.0):
 
 def test_start_up_failure_is_fatal_with_the_error_line():
     sup = S.Supervisor(stderr=io.StringIO())
-    w = sup.add("w0", ["-c", "import sys; print('Traceback ...', file=sys.stderr); "
-                             "print('radixserve: error: --model /x: no such directory', file=sys.stderr); sys.exit(2)"],
-                dict(os.environ))
+    w = sup.add(
+        "w0",
+        ["-c", "import sys; print('Traceback ...', file=sys.stderr); print('radixserve: error: --model /x: no such directory', file=sys.stderr); sys.exit(2)"],
+        dict(os.environ),
+    )
     _wait_exit(w)
     assert sup.tick() == ["w0"]
     assert w.failed_at_startup and w.restart_at is None
@@ -96,18 +98,27 @@ def test_worker_exits_when_serve_died_while_its_model_loaded(llama_dir):
     from radixserve.config import EngineConfig, WorkerConfig
     from radixserve.serve import auth
 
-    cfg = WorkerConfig(engine=EngineConfig(model=llama_dir, attention="torch"), router="tcp://127.0.0.1:9",
-                       worker_id="w0", threads=1, exit_with_parent=True, heartbeat=0.2, router_timeout=5.0)
+    cfg = WorkerConfig(
+        engine=EngineConfig(model=llama_dir, attention="torch"),
+        router="tcp://127.0.0.1:9",
+        worker_id="w0",
+        threads=1,
+        exit_with_parent=True,
+        heartbeat=0.2,
+        router_timeout=5.0,
+    )
     env = dict(os.environ, **{auth.ENV_SECRET: auth.new_secret()})
     # The "serve" process starts the worker (with its own pid in the config, as serve does) and
     # exits at once, long before the worker's model is loaded.
-    starter = ("import os, subprocess, sys, msgspec\n"
-               "from radixserve.config import WorkerConfig\n"
-               "from radixserve.serve.launch import worker_command\n"
-               f"cfg = msgspec.json.decode({msgspec.json.encode(cfg)!r}, type=WorkerConfig)\n"
-               "cfg = msgspec.structs.replace(cfg, parent_pid=os.getpid())\n"
-               "p = subprocess.Popen([sys.executable, '-P', *worker_command(cfg)], "
-               "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)")
+    starter = (
+        "import os, subprocess, sys, msgspec\n"
+        "from radixserve.config import WorkerConfig\n"
+        "from radixserve.serve.launch import worker_command\n"
+        f"cfg = msgspec.json.decode({msgspec.json.encode(cfg)!r}, type=WorkerConfig)\n"
+        "cfg = msgspec.structs.replace(cfg, parent_pid=os.getpid())\n"
+        "p = subprocess.Popen([sys.executable, '-P', *worker_command(cfg)], "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)"
+    )
     out = subprocess.run([sys.executable, "-c", starter], env=env, capture_output=True, text=True, timeout=60, check=True)
     pid = int(out.stdout.strip())
     deadline = time.monotonic() + 120

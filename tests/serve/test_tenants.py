@@ -17,6 +17,7 @@ from radixserve.serve import auth
 from radixserve.serve.router import Job, Router, RouterConfig
 from radixserve.serve.router.fair_queue import FairQueue
 from radixserve.serve.router.sockets import is_local_address
+
 from serve_cluster import ENV, running_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,9 +51,16 @@ class FakeWorker:
         self.sock.send(P.encode(msg))
 
     def finish(self, work: P.Work) -> None:
-        self.send(P.Final(id=work.id, token_ids=[1], text="x", finish_reason="length",
-                          usage=P.Usage(prompt_tokens=len(work.token_ids), cached_tokens=0, completion_tokens=1),
-                          timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0)))
+        self.send(
+            P.Final(
+                id=work.id,
+                token_ids=[1],
+                text="x",
+                finish_reason="length",
+                usage=P.Usage(prompt_tokens=len(work.token_ids), cached_tokens=0, completion_tokens=1),
+                timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0),
+            )
+        )
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -60,8 +68,7 @@ class FakeWorker:
 
 @pytest.fixture()
 def keyed():
-    with running_router(RouterConfig(port=0, api_keys=KEYS, max_queue=8, max_inflight_per_worker=1,
-                                     heartbeat_timeout_s=30.0)) as router:
+    with running_router(RouterConfig(port=0, api_keys=KEYS, max_queue=8, max_inflight_per_worker=1, heartbeat_timeout_s=30.0)) as router:
         worker = FakeWorker(router)
         yield router, worker
         worker.close()
@@ -79,9 +86,12 @@ def test_a_keyless_or_other_tenants_client_cannot_probe_a_tenants_cache(keyed):
             assert time.monotonic() < deadline
             time.sleep(0.05)
     with Client(router.address, timeout=10, api_key="") as anon:
-        for call in (lambda: anon.stats(probe=PIN, namespace=alice_ns), lambda: anon.stats(),
-                     lambda: anon.generate(PIN, max_tokens=1, namespace=alice_ns),
-                     lambda: anon.choose(PIN, ["a", "b"], namespace=alice_ns)):
+        for call in (
+            lambda: anon.stats(probe=PIN, namespace=alice_ns),
+            lambda: anon.stats(),
+            lambda: anon.generate(PIN, max_tokens=1, namespace=alice_ns),
+            lambda: anon.choose(PIN, ["a", "b"], namespace=alice_ns),
+        ):
             with pytest.raises(UnauthorizedError, match="requires an API key"):
                 call()
         assert anon.health()["workers_alive"] == 1  # health needs no key
@@ -97,8 +107,11 @@ def test_generation_runs_in_the_namespace_derived_from_the_key(keyed):
     router, worker = keyed
     bob_ns = router.tenants.namespace("bob")
     with Client(router.address, timeout=10, api_key="sk-bob") as bob:
-        for asked, expected in ((router.tenants.namespace("alice"), f"{bob_ns}/{router.tenants.namespace('alice')}"),
-                                (None, bob_ns), ("agents", f"{bob_ns}/agents")):
+        for asked, expected in (
+            (router.tenants.namespace("alice"), f"{bob_ns}/{router.tenants.namespace('alice')}"),
+            (None, bob_ns),
+            ("agents", f"{bob_ns}/agents"),
+        ):
             call = bob._run(_start(bob._async.generate([1, 2, 3], max_tokens=1, namespace=asked)))
             work = worker.recv(P.Work)
             assert work is not None and work.namespace == expected
@@ -128,8 +141,7 @@ def test_one_tenant_filling_the_queue_does_not_lock_out_another(keyed):
     `overloaded` (503 over HTTP). The queue is now fair: bob's request pushes out alice's newest,
     and tenants are served in turn."""
     router, worker = keyed
-    with Client(router.address, timeout=20, api_key="sk-alice") as alice, \
-            Client(router.address, timeout=20, api_key="sk-bob") as bob:
+    with Client(router.address, timeout=20, api_key="sk-alice") as alice, Client(router.address, timeout=20, api_key="sk-bob") as bob:
         flood = [alice._run(_start(alice._async.generate([1, i + 2], max_tokens=1))) for i in range(12)]
         first = worker.recv(P.Work)  # one in flight (the cap is 1), 8 queued, 3 refused
         assert first is not None
@@ -168,13 +180,11 @@ async def _gather(task):
 
 def test_fair_queue_serves_tenants_in_turn():
     q = FairQueue()
-    jobs = [Job(n=i, client=b"c", cid=str(i), token_ids=[1], params=None, namespace=None, stream=False, arrival=0.0,
-                tenant=t) for i, t in enumerate("aaaab")]
+    jobs = [Job(n=i, client=b"c", cid=str(i), token_ids=[1], params=None, namespace=None, stream=False, arrival=0.0, tenant=t) for i, t in enumerate("aaaab")]
     for j in jobs:
         q.append(j)
     assert [q.popleft().tenant for _ in range(3)] == ["a", "b", "a"] and len(q) == 2
-    q.append(Job(n=9, client=b"c", cid="9", token_ids=[1], params=None, namespace=None, stream=False, arrival=0.0,
-                 tenant="c"))
+    q.append(Job(n=9, client=b"c", cid="9", token_ids=[1], params=None, namespace=None, stream=False, arrival=0.0, tenant="c"))
     assert q.popleft().tenant == "c"  # arrived after "a" was served: goes first
     assert q.push_out("c") is jobs[3] and q.push_out("c") is None  # "a" now holds 1: not 2 more than "c"
     q.appendleft(jobs[0])
@@ -192,7 +202,8 @@ def test_the_client_socket_is_not_opened_to_the_network_without_keys():
         assert router.bind().startswith("tcp://0.0.0.0:")
     finally:
         router.close(linger=0)
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "--host", "0.0.0.0", "--port", "0"],
-                         env=ENV, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--host", "0.0.0.0", "--port", "0"], env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2, out
     assert out.stderr.count("\n") == 1 and "without API keys" in out.stderr, out.stderr

@@ -11,6 +11,7 @@ from radixserve import protocol as P
 from radixserve.client import Client
 from radixserve.serve import auth
 from radixserve.serve.router import RouterConfig
+
 from serve_cluster import running_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,8 +21,7 @@ FINGERPRINT = "0123456789abcdef:4096"
 
 @pytest.fixture()
 def router():
-    with running_router(RouterConfig(port=0, model_fingerprint=FINGERPRINT, heartbeat_timeout_s=1.5,
-                                     forget_dead_s=1.0)) as r:
+    with running_router(RouterConfig(port=0, model_fingerprint=FINGERPRINT, heartbeat_timeout_s=1.5, forget_dead_s=1.0)) as r:
         yield r
 
 

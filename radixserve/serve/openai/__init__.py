@@ -42,5 +42,17 @@ from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.server import GatewayServer, start_gateway
 from radixserve.serve.openai.tenants import DEFAULT_TENANT, Tenants, load_keys_file, tenant_for_key
 
-__all__ = ["APIError", "DEFAULT_TENANT", "Gateway", "GatewayConfig", "GatewayServer", "MAX_CHOICES", "Tenants",
-           "api_error_from", "bad", "load_keys_file", "start_gateway", "tenant_for_key"]
+__all__ = [
+    "APIError",
+    "DEFAULT_TENANT",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayServer",
+    "MAX_CHOICES",
+    "Tenants",
+    "api_error_from",
+    "bad",
+    "load_keys_file",
+    "start_gateway",
+    "tenant_for_key",
+]

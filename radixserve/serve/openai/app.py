@@ -26,8 +26,16 @@ from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
 from radixserve.serve.openai.prompts import chat_chars, chat_ids, chat_messages, completion_prompts
-from radixserve.serve.openai.schema import (ChatRequest, chat_tools, known_fields, max_tokens_field, parse_request,
-                                            refuse_unsupported, sampling_params, structured_field)
+from radixserve.serve.openai.schema import (
+    ChatRequest,
+    chat_tools,
+    known_fields,
+    max_tokens_field,
+    parse_request,
+    refuse_unsupported,
+    sampling_params,
+    structured_field,
+)
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.router.core import shareable
 from radixserve.tools.chat import ToolRequest
@@ -76,11 +84,16 @@ class Prepared:
     def route(self) -> str:
         return "chat" if self.chat else "completions"
 
-    def response(self, choices: list, usage: R.Usage | None = None, chunk: bool = False,
-                 rid: str | None = None, created: int | None = None) -> R.Response:
+    def response(self, choices: list, usage: R.Usage | None = None, chunk: bool = False, rid: str | None = None, created: int | None = None) -> R.Response:
         obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return R.Response(id=rid or self.new_id(), object=obj, created=created or int(time.time()),
-                          model=self.model, choices=choices, usage=R.UNSET if usage is None else usage)
+        return R.Response(
+            id=rid or self.new_id(),
+            object=obj,
+            created=created or int(time.time()),
+            model=self.model,
+            choices=choices,
+            usage=R.UNSET if usage is None else usage,
+        )
 
     def new_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -139,10 +152,10 @@ class Gateway:
         ]
 
         async def on_http(request, exc: HTTPException):
-            msg = {404: f"no route {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-            return self._error(APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}
-                                        .get(exc.status_code)), route="other")
+            msg = {404: f"no route {request.method} {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+                exc.status_code, exc.detail
+            )
+            return self._error(APIError(exc.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)), route="other")
 
         async def on_any(request, exc: Exception):
             return self._error(api_error_from(exc), route="other")
@@ -153,8 +166,7 @@ class Gateway:
         from starlette.responses import Response
 
         self.meters.count(route, status)
-        return Response(msgspec.json.encode(data), status_code=status, headers=headers,
-                        media_type="application/json")
+        return Response(msgspec.json.encode(data), status_code=status, headers=headers, media_type="application/json")
 
     def _error(self, err: APIError, route: str = "other", headers: dict | None = None):
         return self._json(err.body(), err.status, {**(headers or {}), **err.headers}, route)
@@ -165,8 +177,7 @@ class Gateway:
         if model is None:
             return names[0]
         if model not in names:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves {names[0]!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"The model '{model}' does not exist; this server serves {names[0]!r}", param="model", code="model_not_found")
         return model
 
     def _ignored(self, body: dict, chat: bool) -> list[str]:
@@ -176,8 +187,12 @@ class Gateway:
         extra = sorted(k for k in body if k not in known)
         for k in extra:
             if not (k.isascii() and k.isprintable()):
-                raise APIError(400, f"unknown field {k!r}: an unknown field's name must be printable ASCII (unknown "
-                                    f"fields are ignored and listed in the X-Radixserve-Ignored-Fields header)", param=k)
+                raise APIError(
+                    400,
+                    f"unknown field {k!r}: an unknown field's name must be printable ASCII (unknown "
+                    f"fields are ignored and listed in the X-Radixserve-Ignored-Fields header)",
+                    param=k,
+                )
             if k not in self._warned and len(self._warned) < 1000:
                 self._warned.add(k)
                 log.warning("ignoring unknown request field %r", k)
@@ -187,8 +202,7 @@ class Gateway:
         if self.client is None:
             from radixserve.client import AsyncClient
 
-            self.client = AsyncClient(self.config.router, timeout=None, api_key=self.config.router_key,
-                                      max_frame_bytes=self.config.limits.max_frame_bytes)
+            self.client = AsyncClient(self.config.router, timeout=None, api_key=self.config.router_key, max_frame_bytes=self.config.limits.max_frame_bytes)
         return self.client
 
     def _logprobs(self, lps, chat: bool):
@@ -217,10 +231,19 @@ class Gateway:
         if len(prompts) * n > MAX_CHOICES:
             raise bad("n", f"prompts x n must be at most {MAX_CHOICES}")
         headers = {"X-Radixserve-Ignored-Fields": ",".join(ignored)[:1000]} if ignored else {}
-        return Prepared(chat=chat, model=model, jobs=_jobs(prompts, params, n), n=n, stream=req.stream,
-                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        namespace=self.tenants.namespace(tenant), headers=headers,
-                        return_token_ids=req.return_token_ids, tools=tools, max_tokens_param=max_tokens_field(req))
+        return Prepared(
+            chat=chat,
+            model=model,
+            jobs=_jobs(prompts, params, n),
+            n=n,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            namespace=self.tenants.namespace(tenant),
+            headers=headers,
+            return_token_ids=req.return_token_ids,
+            tools=tools,
+            max_tokens_param=max_tokens_field(req),
+        )
 
     @staticmethod
     def _with_tool_grammar(req: ChatRequest, params, tools: ToolRequest):
@@ -229,7 +252,7 @@ class Gateway:
         other = structured_field(req)
         if other is not None:
             if tools.parses:
-                raise bad(other, "cannot be combined with tools unless tool_choice is \"none\"")
+                raise bad(other, 'cannot be combined with tools unless tool_choice is "none"')
             return params
         return msgspec.structs.replace(params, structured=StructuredOutput(tool_calls=tools.spec))
 
@@ -241,26 +264,27 @@ class Gateway:
         chars = chat_chars(messages, template_kwargs)
         limit = (await self._router_limits())[1]
         if chars > limit:
-            raise APIError(400, f"messages: have {chars} characters; no prompt longer than {limit} characters can fit "
-                                f"the model's context", param="messages", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"messages: have {chars} characters; no prompt longer than {limit} characters can fit the model's context",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if chars <= self.config.inline_tokenize_chars:
             return chat_ids(messages, self.tokenizer, self.config.limits, template_kwargs)
         if self._tokenizing >= self.config.max_tokenizing:
             raise OverloadedError(f"{self._tokenizing} long chats are being tokenized; retry later")
         if self._tok_pool is None:
-            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads,
-                                                                   thread_name_prefix="http-tokenize")
+            self._tok_pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads, thread_name_prefix="http-tokenize")
         self._tokenizing += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tok_pool, chat_ids, messages,
-                                                                    self.tokenizer, self.config.limits, template_kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self._tok_pool, chat_ids, messages, self.tokenizer, self.config.limits, template_kwargs)
         finally:
             self._tokenizing -= 1
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
-        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp))
-                 for _, p, sp in jobs]
+        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp)) for _, p, sp in jobs]
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -292,10 +316,19 @@ class Gateway:
     async def _final_body(self, prep: Prepared, outs: list) -> msgspec.Raw:
         """The JSON of a finished completion; built off the loop when it carries logprobs (up to 64
         choices x their tokens x 21 alternatives: too long to keep other requests waiting)."""
+
         def build() -> msgspec.Raw:
-            choices = [R.final_choice(index, out, self._logprobs(getattr(out, "logprobs", None), prep.chat), prep.chat,
-                                      out.token_ids if prep.return_token_ids else None, prep.tools)
-                       for (index, _, _), out in zip(prep.jobs, outs)]
+            choices = [
+                R.final_choice(
+                    index,
+                    out,
+                    self._logprobs(getattr(out, "logprobs", None), prep.chat),
+                    prep.chat,
+                    out.token_ids if prep.return_token_ids else None,
+                    prep.tools,
+                )
+                for (index, _, _), out in zip(prep.jobs, outs)
+            ]
             return msgspec.Raw(msgspec.json.encode(prep.response(choices, R.usage(outs, prep.n))))
 
         if any(getattr(out, "logprobs", None) for out in outs):
@@ -322,8 +355,9 @@ class Gateway:
             first = await with_disconnect(request, queue.get())
             if first[2] is not None:
                 raise first[2]
-            response = StreamingResponse(gen(first), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers})
+            response = StreamingResponse(
+                gen(first), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **prep.headers}
+            )
         except BaseException:
             for t in tasks:
                 t.cancel()
@@ -366,8 +400,7 @@ class Gateway:
             self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     def _model_card(self, name: str, max_len: int | None) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "radixserve",
-                "max_model_len": max_len}
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "radixserve", "max_model_len": max_len}
 
     async def models(self, request):
         try:
@@ -375,8 +408,7 @@ class Gateway:
         except APIError as err:
             return self._error(err, "models")
         max_len = await self._model_len()
-        return self._json({"object": "list", "data": [self._model_card(self.config.model_names[0], max_len)]},
-                          route="models")
+        return self._json({"object": "list", "data": [self._model_card(self.config.model_names[0], max_len)]}, route="models")
 
     async def model(self, request):
         try:

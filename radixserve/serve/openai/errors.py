@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from radixserve.errors import (BadRequestError, OverloadedError, RadixServeError, RequestTimeoutError,
-                               ShuttingDownError, TooLongError, WorkerLostError)
+from radixserve.errors import BadRequestError, OverloadedError, RadixServeError, RequestTimeoutError, ShuttingDownError, TooLongError, WorkerLostError
 
 log = logging.getLogger("radixserve.http")
 
@@ -15,8 +14,16 @@ log = logging.getLogger("radixserve.http")
 class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -32,8 +39,7 @@ def bad(param: str | None, message: str, code: str | None = None) -> APIError:
 
 
 # (error class, HTTP status, OpenAI code, Retry-After seconds or None); the first match wins
-_UNAVAILABLE = ((OverloadedError, "overloaded", "1"), (ShuttingDownError, "shutting_down", "5"),
-                (WorkerLostError, "worker_lost", "1"))
+_UNAVAILABLE = ((OverloadedError, "overloaded", "1"), (ShuttingDownError, "shutting_down", "5"), (WorkerLostError, "worker_lost", "1"))
 
 
 def api_error_from(exc: BaseException, prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> APIError:
@@ -50,14 +56,13 @@ def api_error_from(exc: BaseException, prompt_param: str = "prompt", max_tokens_
         if param in ("prompt", "token_ids"):
             param = prompt_param
         elif param == "max_tokens" and message.startswith("max_tokens:"):
-            param, message = max_tokens_param, max_tokens_param + message[len("max_tokens"):]
+            param, message = max_tokens_param, max_tokens_param + message[len("max_tokens") :]
         return APIError(400, message, param=param, code=None)
     for cls, code, retry in _UNAVAILABLE:
         if isinstance(exc, cls):
             return APIError(503, exc.message, type="server_error", code=code, headers={"Retry-After": retry})
     if isinstance(exc, RequestTimeoutError):
-        return APIError(503, f"the router did not answer: {exc.message}", type="server_error",
-                        code="router_unavailable", headers={"Retry-After": "5"})
+        return APIError(503, f"the router did not answer: {exc.message}", type="server_error", code="router_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, RadixServeError):
         return APIError(500, exc.message, type="server_error", code=getattr(exc, "code", "internal") or "internal")
     log.exception("internal error", exc_info=exc)

@@ -17,8 +17,7 @@ async def _read_body(request, limit: int) -> bytes:
         if not length.isdigit():
             raise bad(None, "invalid Content-Length")
         if int(length) > limit:
-            raise APIError(413, f"request body is {length} bytes; the limit is {limit}",
-                           code="request_too_large")
+            raise APIError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
     from starlette.requests import ClientDisconnect
 
     chunks, size = [], 0

@@ -83,14 +83,12 @@ def chat_ids(messages: list[dict[str, Any]], tokenizer, limits: P.Limits, templa
     """Token ids of ``messages`` under the model's chat template, ready for the assistant's turn.
     Several threads may call it at once with a tokenizer made :func:`~radixserve.serve.router.shareable`."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     except Exception as exc:  # template errors (e.g. roles must alternate) are the caller's
         raise bad("messages", f"the chat template refused them: {exc}") from None
     # Templates that write BOS themselves must not get a second one from the tokenizer.
     bos = getattr(tokenizer, "bos_token", None)
     ids = tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
     if len(ids) > limits.max_prompt_tokens:
-        raise APIError(400, f"messages: {len(ids)} tokens; the limit is {limits.max_prompt_tokens}",
-                       param="messages", code="context_length_exceeded")
+        raise APIError(400, f"messages: {len(ids)} tokens; the limit is {limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
     return ids

@@ -66,12 +66,11 @@ def usage(outs: list, n: int) -> Usage:
     ``cached_tokens`` the smallest over its choices."""
     prompt = cached = completion = 0
     for start in range(0, len(outs), n):
-        group = outs[start:start + n]
+        group = outs[start : start + n]
         prompt += group[0].usage.prompt_tokens
         cached += min(o.usage.cached_tokens for o in group)
         completion += sum(o.usage.completion_tokens for o in group)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details={"cached_tokens": cached})
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details={"cached_tokens": cached})
 
 
 class TokenTexts:
@@ -113,6 +112,7 @@ def logprobs(texts: TokenTexts, lps, chat: bool):
         return None
     lps = [(lp.token_id, lp.logprob, lp.top) if hasattr(lp, "token_id") else tuple(lp) for lp in lps]
     if chat:
+
         def alternative(token: int, logprob: float) -> TopLogprob:
             text, raw = texts(token)
             return TopLogprob(token=text, logprob=logprob, bytes=raw)
@@ -120,11 +120,14 @@ def logprobs(texts: TokenTexts, lps, chat: bool):
         content = []
         for token, logprob, top in lps:
             text, raw = texts(token)
-            content.append(ChatLogprob(token=text, logprob=logprob, bytes=raw,
-                                       top_logprobs=[alternative(a, b) for a, b in top]))
+            content.append(ChatLogprob(token=text, logprob=logprob, bytes=raw, top_logprobs=[alternative(a, b) for a, b in top]))
         return {"content": content, "refusal": None}
-    return {"tokens": [texts(lp[0])[0] for lp in lps], "token_logprobs": [lp[1] for lp in lps],
-            "top_logprobs": [{texts(a)[0]: b for a, b in lp[2]} for lp in lps], "text_offset": None}
+    return {
+        "tokens": [texts(lp[0])[0] for lp in lps],
+        "token_logprobs": [lp[1] for lp in lps],
+        "top_logprobs": [{texts(a)[0]: b for a, b in lp[2]} for lp in lps],
+        "text_offset": None,
+    }
 
 
 def _ids(token_ids) -> list[int] | msgspec.UnsetType:
@@ -147,8 +150,7 @@ def final_choice(index: int, out, lps, chat: bool, token_ids=None, tools=None):
     return TextChoice(index=index, text=out.text, logprobs=lps, finish_reason=out.finish_reason, token_ids=_ids(token_ids))
 
 
-def chunk_choice(index: int, text: str | None, lps, finish_reason: str | None, chat: bool, token_ids=None,
-                 tool_calls: list[dict[str, Any]] | None = None):
+def chunk_choice(index: int, text: str | None, lps, finish_reason: str | None, chat: bool, token_ids=None, tool_calls: list[dict[str, Any]] | None = None):
     """A streamed choice: new text (``text``), new ``tool_calls`` deltas (chat with tools) and, with
     return_token_ids, its new ``token_ids``; or the end (``finish_reason``)."""
     if chat:

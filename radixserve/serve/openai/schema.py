@@ -150,7 +150,7 @@ def refuse_unsupported(req: Request) -> None:
         raise bad("logit_bias", "is not supported by this server")
     if isinstance(req, ChatRequest):
         if req.modalities is not None and req.modalities != ["text"]:
-            raise bad("modalities", "only [\"text\"] is supported")
+            raise bad("modalities", 'only ["text"] is supported')
         return
     for name in ("suffix", "echo"):
         if getattr(req, name):
@@ -160,8 +160,7 @@ def refuse_unsupported(req: Request) -> None:
 def chat_tools(req: ChatRequest, template: str | None) -> ToolRequest | None:
     """The request's tools, checked against the model's chat template (400 naming the field)."""
     try:
-        return tool_request(template, req.tools, req.tool_choice, req.parallel_tool_calls, req.functions,
-                            req.function_call)
+        return tool_request(template, req.tools, req.tool_choice, req.parallel_tool_calls, req.functions, req.function_call)
     except BadRequestError as exc:
         raise bad(exc.field, exc.message.split(": ", 1)[-1]) from None
 
@@ -174,7 +173,7 @@ def _response_format(rf: Any):
         spec = rf.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise bad("response_format", "json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            raise bad("response_format", 'json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
         return StructuredOutput(json_schema=schema)
     if kind != "text":
         raise bad("response_format", "type must be text, json_object or json_schema")
@@ -185,8 +184,7 @@ def structured_field(req: Request) -> str | None:
     """The name of the field that asked for structured output, if any."""
     if isinstance(req, ChatRequest) and req.response_format is not None and structured_output(req) is not None:
         return "response_format"
-    return next((name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(req, name) is not None),
-                None)
+    return next((name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(req, name) is not None), None)
 
 
 def structured_output(req: Request):
@@ -216,8 +214,7 @@ def _max_tokens(req: Request) -> int | None:
 
 def max_tokens_field(req: Request) -> str:
     """The field that set ``max_tokens``: the router's error about it names that one."""
-    return "max_completion_tokens" if isinstance(req, ChatRequest) and req.max_completion_tokens is not None \
-        else "max_tokens"
+    return "max_completion_tokens" if isinstance(req, ChatRequest) and req.max_completion_tokens is not None else "max_tokens"
 
 
 def _stop(stop: str | list[str] | None) -> list[str] | None:
@@ -235,8 +232,7 @@ def _logprobs(req: Request) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-_COPIED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "seed", "stop_token_ids", "ignore_eos")
+_COPIED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos")
 
 
 def sampling_params(req: Request) -> tuple[SamplingParams, int]:

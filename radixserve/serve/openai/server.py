@@ -101,13 +101,12 @@ def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections
         def _refuse_late_body(self) -> None:
             """408 (unless the answer has begun); the app reads the request as abandoned."""
             if not self.cycle.response_started:
-                err = APIError(408, f"the request body did not arrive within {body_timeout_s:g} s of its head",
-                               code="request_timeout")
+                err = APIError(408, f"the request body did not arrive within {body_timeout_s:g} s of its head", code="request_timeout")
                 body = msgspec.json.encode(err.body())
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                           (b"connection", b"close")]
-                self.transport.write(self.conn.send(h11.Response(status_code=408, headers=headers))
-                                     + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage()))
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+                self.transport.write(
+                    self.conn.send(h11.Response(status_code=408, headers=headers)) + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+                )
             self.cycle.disconnected = True
             self.cycle.message_event.set()
 
@@ -125,8 +124,7 @@ class GatewayServer:
     ``body_timeout_s``: time, after the head, for the body; ``max_connections``: open connections
     at most (beyond: the one idle the longest is closed, or the new one when none is)."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, *, header_timeout_s: float = 10.0,
-                 body_timeout_s: float = 30.0, max_connections: int = 1024):
+    def __init__(self, gateway: Gateway, host: str, port: int, *, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_connections: int = 1024):
         import uvicorn
 
         self.gateway = gateway
@@ -137,10 +135,16 @@ class GatewayServer:
         self.sock.listen(2048)
         self.sock.setblocking(False)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.config = uvicorn.Config(gateway.app, lifespan="off", log_level="warning", access_log=False,
-                                     timeout_keep_alive=15, timeout_graceful_shutdown=3,
-                                     http=_guarded_h11(header_timeout_s, body_timeout_s, max_connections),
-                                     h11_max_incomplete_event_size=64 * 1024)
+        self.config = uvicorn.Config(
+            gateway.app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=15,
+            timeout_graceful_shutdown=3,
+            http=_guarded_h11(header_timeout_s, body_timeout_s, max_connections),
+            h11_max_incomplete_event_size=64 * 1024,
+        )
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self._run, name="radixserve-http", daemon=True)
 
@@ -177,8 +181,9 @@ def _keys(args) -> dict[str, str]:
     return configured_keys(getattr(args, "api_key", None), getattr(args, "api_keys_file", None))
 
 
-def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None, *, tenant_secret: bytes | None = None,
-                  router_key: str | None = None) -> GatewayServer:
+def start_gateway(
+    args, router_address: str, limits: P.Limits, tokenizer=None, *, tenant_secret: bytes | None = None, router_key: str | None = None
+) -> GatewayServer:
     """Start the gateway for ``radixserve serve`` (``args``: its parsed options). ``tenant_secret``:
     the router's (so a tenant's namespace is the same over HTTP and ZMQ); ``router_key``: the key
     the gateway's requests carry to the router (:func:`radixserve.serve.auth.gateway_key`)."""
@@ -189,15 +194,25 @@ def start_gateway(args, router_address: str, limits: P.Limits, tokenizer=None, *
         tokenizer = load_tokenizer(args.model)  # its own instance: this runs on another thread
     model = str(args.model)
     names = [Path(model).name or model, model]
-    config = GatewayConfig(router=router_address, model_names=names, host=args.host, port=args.http_port,
-                           max_body_bytes=limits.max_frame_bytes, limits=limits, router_key=router_key)
+    config = GatewayConfig(
+        router=router_address,
+        model_names=names,
+        host=args.host,
+        port=args.http_port,
+        max_body_bytes=limits.max_frame_bytes,
+        limits=limits,
+        router_key=router_key,
+    )
     try:
-        server = GatewayServer(Gateway(config, tokenizer, Tenants(keys, tenant_secret)), args.host, args.http_port,
-                               header_timeout_s=getattr(args, "http_header_timeout", 10.0),
-                               body_timeout_s=getattr(args, "http_body_timeout", 30.0),
-                               max_connections=getattr(args, "http_max_connections", 1024)).start()
+        server = GatewayServer(
+            Gateway(config, tokenizer, Tenants(keys, tenant_secret)),
+            args.host,
+            args.http_port,
+            header_timeout_s=getattr(args, "http_header_timeout", 10.0),
+            body_timeout_s=getattr(args, "http_body_timeout", 30.0),
+            max_connections=getattr(args, "http_max_connections", 1024),
+        ).start()
     except OSError as exc:
         raise RadixServeError(f"--http-port {args.http_port}: cannot listen on {args.host}: {exc}") from None
-    print(f"radixserve: HTTP API on {server.url}/v1 (model {names[0]!r}; "
-          f"{f'{len(keys)} API keys' if keys else 'no API key required'})", flush=True)
+    print(f"radixserve: HTTP API on {server.url}/v1 (model {names[0]!r}; {f'{len(keys)} API keys' if keys else 'no API key required'})", flush=True)
     return server

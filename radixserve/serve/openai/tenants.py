@@ -20,11 +20,11 @@ class Tenants(TenantKeys):
         if not self.required:
             return DEFAULT_TENANT
         if not authorization:
-            raise APIError(401, "You didn't provide an API key. Send 'Authorization: Bearer YOUR_KEY'.",
-                           code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401, "You didn't provide an API key. Send 'Authorization: Bearer YOUR_KEY'.", code="missing_api_key", headers={"WWW-Authenticate": "Bearer"}
+            )
         scheme, _, key = authorization.strip().partition(" ")
         tenant = self.tenant(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:  # lookup by digest: no timing signal about the stored keys
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return tenant

@@ -79,15 +79,29 @@ class Router:
         self.transport = transport(config, self.secret, self.metrics)  # tests pass one that records what is sent
         self.registry = WorkerRegistry(config, self.transport, IndexSync(self.transport, self.metrics), self.metrics)
         self.jobs = JobTable()
-        policy = make_policy(config.policy, **(
-            dict(balance_abs=config.balance_abs, balance_rel=config.balance_rel,
-                 cache_threshold=config.cache_threshold) if config.policy == "cache_aware" else {}))
+        policy = make_policy(
+            config.policy,
+            **(
+                dict(balance_abs=config.balance_abs, balance_rel=config.balance_rel, cache_threshold=config.cache_threshold)
+                if config.policy == "cache_aware"
+                else {}
+            ),
+        )
         self.dispatcher = Dispatcher(config, self.jobs, self.registry, policy, self.transport, self.metrics)
-        self.front = ClientFront(config, tokenizer, self.tenants, self.gateway_key, registry=self.registry,
-                                 jobs=self.jobs, dispatcher=self.dispatcher, transport=self.transport,
-                                 metrics=self.metrics)
-        self.status = RouterStatus(config, registry=self.registry, jobs=self.jobs, dispatcher=self.dispatcher,
-                                   front=self.front, transport=self.transport, metrics=self.metrics)
+        self.front = ClientFront(
+            config,
+            tokenizer,
+            self.tenants,
+            self.gateway_key,
+            registry=self.registry,
+            jobs=self.jobs,
+            dispatcher=self.dispatcher,
+            transport=self.transport,
+            metrics=self.metrics,
+        )
+        self.status = RouterStatus(
+            config, registry=self.registry, jobs=self.jobs, dispatcher=self.dispatcher, front=self.front, transport=self.transport, metrics=self.metrics
+        )
         self.client_handlers: Handlers[bytes] = Handlers()  # the client socket
         self.client_handlers.add(P.Generate, self.front.on_generate)
         self.client_handlers.add(P.Choose, self.front.on_choose)
@@ -167,15 +181,15 @@ class Router:
         if handler is None:
             worker_msg = type(msg) in self.worker_handlers or isinstance(msg, P.Register)
             hint = " (workers connect to the worker socket, with the secret)" if worker_msg else ""
-            self.transport.reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST,
-                                       f"type: {type(msg).__name__} is not a request a router accepts{hint}")
+            self.transport.reply_error(identity, getattr(msg, "id", ""), P.BAD_REQUEST, f"type: {type(msg).__name__} is not a request a router accepts{hint}")
             return
         try:
             handler(identity, msg)
         except Exception as exc:  # a bug must not leave a client call without any reply (a hang with timeout=None)
             log.exception("router failed handling a %s", type(msg).__name__)
-            self.transport.reply_error(identity, getattr(msg, "id", ""), P.INTERNAL,
-                                       f"router error handling the request ({type(exc).__name__}); it was not run")
+            self.transport.reply_error(
+                identity, getattr(msg, "id", ""), P.INTERNAL, f"router error handling the request ({type(exc).__name__}); it was not run"
+            )
 
     def on_worker_frames(self, parts: list[bytes]) -> None:
         """A message on the worker socket: the peer holds the secret (CURVE let it in)."""
@@ -216,9 +230,12 @@ class Router:
                 loop.add_signal_handler(sig, self.request_shutdown)
             except (NotImplementedError, RuntimeError):
                 pass
-        tasks = [asyncio.ensure_future(self.transport.receive_clients(self.on_client_frames)),
-                 asyncio.ensure_future(self.transport.receive_workers(self.on_worker_frames)),
-                 asyncio.ensure_future(self._ticker()), asyncio.ensure_future(self.transport.count_clients())]
+        tasks = [
+            asyncio.ensure_future(self.transport.receive_clients(self.on_client_frames)),
+            asyncio.ensure_future(self.transport.receive_workers(self.on_worker_frames)),
+            asyncio.ensure_future(self._ticker()),
+            asyncio.ensure_future(self.transport.count_clients()),
+        ]
         if self.config.metrics_log:
             tasks.append(asyncio.ensure_future(self._metrics_logger(self.config.metrics_log)))
         await self._stopped.wait()

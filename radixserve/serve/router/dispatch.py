@@ -21,8 +21,7 @@ class Dispatcher:
     """Moves jobs between the job table's queue and the workers. The only component that
     changes the job table; answers clients through the transport."""
 
-    def __init__(self, config: RouterConfig, jobs: JobTable, registry: WorkerRegistry, policy: Policy,
-                 transport: Transport, metrics: Metrics) -> None:
+    def __init__(self, config: RouterConfig, jobs: JobTable, registry: WorkerRegistry, policy: Policy, transport: Transport, metrics: Metrics) -> None:
         self.config = config
         self.jobs = jobs
         self.registry = registry
@@ -47,9 +46,13 @@ class Dispatcher:
             queue.append(job)
         else:
             self.metrics.count("overloaded")
-            self.transport.reply_error(job.client, job.cid, P.OVERLOADED,
-                                       f"all {len(self.registry.alive())} workers are at their in-flight cap and the "
-                                       f"router queue is full ({self.config.max_queue}); retry later or add workers")
+            self.transport.reply_error(
+                job.client,
+                job.cid,
+                P.OVERLOADED,
+                f"all {len(self.registry.alive())} workers are at their in-flight cap and the "
+                f"router queue is full ({self.config.max_queue}); retry later or add workers",
+            )
 
     def _push_out(self, tenant: str) -> bool:
         """Room in the full queue for a job of ``tenant``, by refusing the newest job of the tenant
@@ -60,9 +63,9 @@ class Dispatcher:
         self.metrics.count("overloaded")
         self.metrics.count("queue_pushed_out")
         self.jobs.forget(out)
-        self.transport.reply_error(out.client, out.cid, P.OVERLOADED,
-                                   f"the router queue is full ({self.config.max_queue}) and your requests hold the most "
-                                   f"of it; retry later")
+        self.transport.reply_error(
+            out.client, out.cid, P.OVERLOADED, f"the router queue is full ({self.config.max_queue}) and your requests hold the most of it; retry later"
+        )
         return True
 
     def _dispatch(self, job: Job, candidates: list[WorkerState]) -> None:
@@ -82,11 +85,11 @@ class Dispatcher:
         if self.policy.name == "cache_aware":
             w.index.add_pending(job.work_id, job.namespace, job.token_ids)
         if job.choose is not None:
-            self.transport.send_worker(w.identity, P.ChooseWork(id=job.work_id, token_ids=job.token_ids,
-                                                                namespace=job.namespace, **job.choose))
+            self.transport.send_worker(w.identity, P.ChooseWork(id=job.work_id, token_ids=job.token_ids, namespace=job.namespace, **job.choose))
         else:
-            self.transport.send_worker(w.identity, P.Work(id=job.work_id, token_ids=job.token_ids, params=job.params,
-                                                          namespace=job.namespace, stream=job.stream))
+            self.transport.send_worker(
+                w.identity, P.Work(id=job.work_id, token_ids=job.token_ids, params=job.params, namespace=job.namespace, stream=job.stream)
+            )
 
     def pump(self) -> None:
         """Dispatch queued jobs while some worker has room."""
@@ -154,9 +157,12 @@ class Dispatcher:
             else:
                 what = f"after streaming {job.streamed} tokens" if job.streamed else f"after {job.attempt} attempts"
                 self._answer(job, P.WORKER_LOST, f"worker {worker.name} died ({why}) {what}; retry the request")
-        fate = (f"{len(orphans)} request{'s' if len(orphans) > 1 else ''} in flight there: {restarted} restarted, "
-                f"{len(orphans) - restarted} answered with an error (streaming already, out of attempts or shutting down)"
-                if orphans else "no requests in flight there")
+        fate = (
+            f"{len(orphans)} request{'s' if len(orphans) > 1 else ''} in flight there: {restarted} restarted, "
+            f"{len(orphans) - restarted} answered with an error (streaming already, out of attempts or shutting down)"
+            if orphans
+            else "no requests in flight there"
+        )
         if left:
             log.info("worker %s left; %s", worker.name, fate)
         else:
@@ -204,10 +210,17 @@ class Dispatcher:
         if job.choose is not None:
             self.transport.reply_error(job.client, job.cid, P.BAD_REQUEST, "aborted by the client")
             return
-        self.transport.send(job.client, P.Final(
-            id=job.cid, token_ids=[], text="", finish_reason="abort",
-            usage=P.Usage(prompt_tokens=len(job.token_ids), cached_tokens=0, completion_tokens=0),
-            timings=P.Timings(queue_s=time.monotonic() - job.arrival, ttft_s=0.0, e2e_s=time.monotonic() - job.arrival)))
+        self.transport.send(
+            job.client,
+            P.Final(
+                id=job.cid,
+                token_ids=[],
+                text="",
+                finish_reason="abort",
+                usage=P.Usage(prompt_tokens=len(job.token_ids), cached_tokens=0, completion_tokens=0),
+                timings=P.Timings(queue_s=time.monotonic() - job.arrival, ttft_s=0.0, e2e_s=time.monotonic() - job.arrival),
+            ),
+        )
         self.metrics.count("aborted")
 
     def on_chunk(self, worker: WorkerState, msg: P.Chunk) -> None:
@@ -237,9 +250,19 @@ class Dispatcher:
         count("cached_tokens", msg.usage.cached_tokens)
         count("completion_tokens", msg.usage.completion_tokens)
         self._observe(worker, ttft, timings.e2e_s)
-        self.transport.send(job.client, P.Final(id=job.cid, token_ids=msg.token_ids, text=msg.text,
-                                                finish_reason=msg.finish_reason, usage=msg.usage, timings=timings,
-                                                worker=worker.name, logprobs=msg.logprobs))
+        self.transport.send(
+            job.client,
+            P.Final(
+                id=job.cid,
+                token_ids=msg.token_ids,
+                text=msg.text,
+                finish_reason=msg.finish_reason,
+                usage=msg.usage,
+                timings=timings,
+                worker=worker.name,
+                logprobs=msg.logprobs,
+            ),
+        )
         self.pump()
 
     def on_choice_final(self, worker: WorkerState, msg: P.ChoiceFinal) -> None:
@@ -248,16 +271,16 @@ class Dispatcher:
             return
         now = time.monotonic()
         waited = job.dispatched_at - job.arrival
-        timings = P.Timings(queue_s=waited + msg.timings.queue_s, ttft_s=waited + msg.timings.ttft_s,
-                            e2e_s=now - job.arrival)
+        timings = P.Timings(queue_s=waited + msg.timings.queue_s, ttft_s=waited + msg.timings.ttft_s, e2e_s=now - job.arrival)
         self._finish(job, worker)
         worker.completed += 1
         self.metrics.count("completed")
         self.metrics.count("prompt_tokens", msg.usage.query_tokens)
         self.metrics.count("cached_tokens", msg.usage.cached_tokens)
         self._observe(worker, timings.ttft_s, timings.e2e_s)
-        self.transport.send(job.client, P.ChoiceFinal(id=job.cid, best=msg.best, index=msg.index, ranked=msg.ranked,
-                                                      usage=msg.usage, timings=timings, worker=worker.name))
+        self.transport.send(
+            job.client, P.ChoiceFinal(id=job.cid, best=msg.best, index=msg.index, ranked=msg.ranked, usage=msg.usage, timings=timings, worker=worker.name)
+        )
         self.pump()
 
     def _observe(self, worker: WorkerState, ttft_s: float, e2e_s: float) -> None:

@@ -29,9 +29,19 @@ class ClientFront:
     """The handlers of client calls that become jobs. Owns the tokenizer and its thread pool, and
     the calls being tokenized (per tenant)."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Any, tenants: TenantKeys, gateway_key: str, *,
-                 registry: WorkerRegistry, jobs: JobTable, dispatcher: Dispatcher, transport: Transport,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Any,
+        tenants: TenantKeys,
+        gateway_key: str,
+        *,
+        registry: WorkerRegistry,
+        jobs: JobTable,
+        dispatcher: Dispatcher,
+        transport: Transport,
+        metrics: Metrics,
+    ) -> None:
         self.config = config
         self.tenants = tenants  # API keys -> tenants -> cache namespaces (empty: a keyless server)
         self.gateway_key = gateway_key  # what the in-process HTTP gateway authenticates with
@@ -94,8 +104,9 @@ class ClientFront:
             return f"conn:{identity.hex()}", msg.namespace
         tenant = self.tenants.tenant(key)
         if tenant is None:
-            raise UnauthorizedError(("this server requires an API key: pass Client(..., api_key=KEY) or set "
-                                     "RADIXSERVE_API_KEY") if not key else "unknown API key")
+            raise UnauthorizedError(
+                ("this server requires an API key: pass Client(..., api_key=KEY) or set RADIXSERVE_API_KEY") if not key else "unknown API key"
+            )
         ns = self.tenants.namespace(tenant)
         return f"key:{tenant}", f"{ns}/{msg.namespace}" if msg.namespace else ns
 
@@ -118,14 +129,20 @@ class ClientFront:
             self._admit_generate(key, identity, msg, msg.token_ids, tenant)
         else:
             prompt = msg.prompt or ""  # validate_generate: exactly one of prompt, token_ids
-            self._tokenize(key, identity, msg, lambda: (self.tokenizer.encode(prompt),),
-                           lambda ids: self._admit_generate(key, identity, msg, ids, tenant), len(prompt), tenant)
+            self._tokenize(
+                key,
+                identity,
+                msg,
+                lambda: (self.tokenizer.encode(prompt),),
+                lambda ids: self._admit_generate(key, identity, msg, ids, tenant),
+                len(prompt),
+                tenant,
+            )
 
     def check_prompt_chars(self, n: int) -> None:
         limit = self.prompt_char_limit()
         if n > limit:
-            raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit "
-                                         f"the model's context")
+            raise TooLongError("prompt", f"has {n} characters; no prompt longer than {limit} characters can fit the model's context")
 
     def _tokenize(self, key, identity: bytes, msg, compute, then, chars: int, tenant: str) -> None:
         """Run ``compute()`` (tokenizer calls on ``chars`` characters) off the loop when that is
@@ -138,8 +155,7 @@ class ClientFront:
         busy, mine = len(self._tokenizing), self._tokenizing_by[tenant]
         if busy >= cap or (busy >= cap // 2 and mine >= max(1, cap // 4)):
             self.metrics.count("overloaded")
-            self.transport.reply_error(identity, msg.id, P.OVERLOADED,
-                              f"{busy} long prompts are being tokenized ({mine} of them yours); retry later")
+            self.transport.reply_error(identity, msg.id, P.OVERLOADED, f"{busy} long prompts are being tokenized ({mine} of them yours); retry later")
             return
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.config.tokenize_threads, thread_name_prefix="tokenize")
@@ -181,8 +197,17 @@ class ClientFront:
             self.transport.reply_error(identity, msg.id, exc.code, str(exc))
             return
         self.metrics.count("requests")
-        job = Job(n=self.jobs.number(), client=identity, cid=msg.id, token_ids=list(ids), params=msg.params,
-                  namespace=msg.namespace, stream=msg.stream, arrival=time.monotonic(), tenant=tenant)
+        job = Job(
+            n=self.jobs.number(),
+            client=identity,
+            cid=msg.id,
+            token_ids=list(ids),
+            params=msg.params,
+            namespace=msg.namespace,
+            stream=msg.stream,
+            arrival=time.monotonic(),
+            tenant=tenant,
+        )
         self.dispatcher.admit(job)
 
     def on_choose(self, identity: bytes, msg: P.Choose) -> None:
@@ -209,8 +234,7 @@ class ClientFront:
         # The choices are tokenized with the prompt, off the loop when they are long together
         # (token_ids or a short prompt with megabytes of choices stalled the loop for seconds).
         chars = len(msg.prompt or "") + sum(map(len, msg.choices))
-        self._tokenize(key, identity, msg, compute,
-                       lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids, tenant), chars, tenant)
+        self._tokenize(key, identity, msg, compute, lambda ids, cids: self._admit_choose(key, identity, msg, ids, cids, tenant), chars, tenant)
 
     def _admit_choose(self, key, identity: bytes, msg: P.Choose, ids, choice_ids, tenant: str) -> None:
         try:
@@ -222,17 +246,24 @@ class ClientFront:
             if 0 < self.registry.context() < limit:
                 limit, name = self.registry.context(), "the model's context"
             if n > limit:  # every choice token is scored on top of the prompt: work like a prompt's
-                raise TooLongError("choices", f"have {n} tokens in all; the limit is {limit} ({name}): "
-                                              f"send fewer or shorter choices")
+                raise TooLongError("choices", f"have {n} tokens in all; the limit is {limit} ({name}): send fewer or shorter choices")
         except RadixServeError as exc:
             self.transport.reply_error(identity, msg.id, exc.code, str(exc))
             return
         self.metrics.count("requests")
         self.metrics.count("choose_requests")
-        job = Job(n=self.jobs.number(), client=identity, cid=msg.id, token_ids=list(ids), params=None,
-                  namespace=msg.namespace, stream=False, arrival=time.monotonic(), tenant=tenant,
-                  choose=dict(choices=msg.choices, choice_ids=choice_ids, normalize=msg.normalize,
-                              temperature=msg.temperature, seed=msg.seed))
+        job = Job(
+            n=self.jobs.number(),
+            client=identity,
+            cid=msg.id,
+            token_ids=list(ids),
+            params=None,
+            namespace=msg.namespace,
+            stream=False,
+            arrival=time.monotonic(),
+            tenant=tenant,
+            choose=dict(choices=msg.choices, choice_ids=choice_ids, normalize=msg.normalize, temperature=msg.temperature, seed=msg.seed),
+        )
         self.dispatcher.admit(job)
 
     def on_abort(self, identity: bytes, msg: P.Abort) -> None:

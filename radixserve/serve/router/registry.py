@@ -68,8 +68,10 @@ class WorkerRegistry:
         want = self.config.model_fingerprint
         if want and msg.fingerprint != want:
             self.metrics.count("refused_workers")
-            why = (f"its model fingerprint {msg.fingerprint or '(none)'} differs from the router's {want} "
-                   f"(config.json hash:vocabulary size); start it with the router's --model")
+            why = (
+                f"its model fingerprint {msg.fingerprint or '(none)'} differs from the router's {want} "
+                f"(config.json hash:vocabulary size); start it with the router's --model"
+            )
             log.error("refused worker %s (pid %d on %s): %s", msg.worker, msg.pid, msg.host, why)
             self.transport.send_worker(identity, P.Refused(reason=why))
             return True
@@ -81,9 +83,11 @@ class WorkerRegistry:
             # Another live process holds the name: handing it over would make the two take it from
             # each other for good (each declared dead in turn).
             self.metrics.count("refused_workers")
-            why = (f"the name {msg.worker} belongs to a live worker (pid {old.pid} on {old.host or '?'}); start this one "
-                   f"with another --worker-id (if that worker has just died, retry after --heartbeat-timeout, "
-                   f"{self.config.heartbeat_timeout_s:g} s)")
+            why = (
+                f"the name {msg.worker} belongs to a live worker (pid {old.pid} on {old.host or '?'}); start this one "
+                f"with another --worker-id (if that worker has just died, retry after --heartbeat-timeout, "
+                f"{self.config.heartbeat_timeout_s:g} s)"
+            )
             log.error("refused worker %s (pid %d on %s): %s", msg.worker, msg.pid, msg.host, why)
             self.transport.send_worker(identity, P.Refused(reason=why))
             return True
@@ -112,17 +116,21 @@ class WorkerRegistry:
             self.transport.send_worker(old.identity, P.Abort(id=job.work_id))
             del old.inflight[job.work_id]
             old.index.drop_pending(job.work_id)
-        log.info("worker %s registered again (pid %d, same process); keeping its %d requests",
-                 old.name, old.pid, len(old.inflight))
+        log.info("worker %s registered again (pid %d, same process); keeping its %d requests", old.name, old.pid, len(old.inflight))
         self.transport.send_worker(old.identity, P.Ping())
         return lost
 
     def join(self, identity: bytes, msg: P.Register) -> WorkerState:
         """A new worker (or a new process under a dead one's name): register it."""
         self._rejoin_asked.pop(identity, None)
-        state = WorkerState(name=msg.worker, identity=identity, pid=msg.pid, host=msg.host, session=msg.session,
-                            info=dict(max_model_len=msg.max_model_len, kv_total_tokens=msg.kv_total_tokens,
-                                      page_size=msg.page_size))
+        state = WorkerState(
+            name=msg.worker,
+            identity=identity,
+            pid=msg.pid,
+            host=msg.host,
+            session=msg.session,
+            info=dict(max_model_len=msg.max_model_len, kv_total_tokens=msg.kv_total_tokens, page_size=msg.page_size),
+        )
         for proc in self.local_procs:  # only the process itself: not a remote worker that took a dead one's name
             if getattr(proc, "worker_name", None) == msg.worker and proc.pid == msg.pid:
                 state.proc = proc

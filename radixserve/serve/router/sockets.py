@@ -8,8 +8,8 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -86,7 +86,8 @@ class Transport:
                 f"refusing to open the client socket ({where}) beyond this host without API keys: anyone who "
                 f"reaches it could run requests and probe every namespace's cache. Pass --api-key KEY or "
                 f"--api-keys-file FILE (clients then send it: Client(..., api_key=KEY) or RADIXSERVE_API_KEY), or "
-                f"keep clients on 127.0.0.1 and open only the worker socket (--worker-address tcp://HOST:PORT)")
+                f"keep clients on 127.0.0.1 and open only the worker socket (--worker-address tcp://HOST:PORT)"
+            )
         self.max_clients = cfg.max_clients or min(MAX_CLIENTS, open_files_limit() // 2)
         self._auth = auth.start_authenticator(ctx, self.secret, self.metrics.counters, self.admit_client)
         sock = self.sock = ctx.socket(zmq.ROUTER)
@@ -126,7 +127,7 @@ class Transport:
         port = cfg.worker_port if cfg.worker_port is not None else (cfg.port + 1 if cfg.port and not cfg.address else 0)
         host = cfg.host
         if cfg.address and cfg.address.startswith("tcp://"):
-            host = cfg.address[len("tcp://"):].rsplit(":", 1)[0]
+            host = cfg.address[len("tcp://") :].rsplit(":", 1)[0]
         self.worker_address = _bind(wsock, worker_address, host, port, "worker")
         return self.address
 
@@ -155,8 +156,7 @@ class Transport:
         now = time.monotonic()
         if now - self._clients_full_logged >= 60.0:
             self._clients_full_logged = now
-            log.warning("%d client connections are open (at most %d): refusing new ones (refused_clients counts them)",
-                        self.clients, self.max_clients)
+            log.warning("%d client connections are open (at most %d): refusing new ones (refused_clients counts them)", self.clients, self.max_clients)
         return False
 
     async def count_clients(self) -> None:

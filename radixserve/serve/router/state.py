@@ -10,14 +10,12 @@ from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
-
 from prometheus_client import CollectorRegistry
 
 from radixserve import protocol as P
 from radixserve.serve.metrics import DEPTH_BUCKETS, LATENCY_BUCKETS_S, Histogram
 from radixserve.serve.routing import CacheIndex
 from radixserve.validation import check
-
 
 log = logging.getLogger("radixserve.router")
 
@@ -128,11 +126,30 @@ class WorkerState:
 
 
 COUNTERS = (
-    "requests", "choose_requests", "completed", "aborted", "overloaded", "retries", "worker_deaths", "bad_frames",
-    "refused_workers", "workers_left", "index_resyncs", "rejoins_asked", "refused_clients", "task_errors",
-    "queue_pushed_out", "dropped_replies",
-    "prompt_tokens", "cached_tokens", "completion_tokens", "streamed_tokens",
-    "routed_cache_hit", "routed_load_balance", "routed_least_load", "routed_round_robin",
+    "requests",
+    "choose_requests",
+    "completed",
+    "aborted",
+    "overloaded",
+    "retries",
+    "worker_deaths",
+    "bad_frames",
+    "refused_workers",
+    "workers_left",
+    "index_resyncs",
+    "rejoins_asked",
+    "refused_clients",
+    "task_errors",
+    "queue_pushed_out",
+    "dropped_replies",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "streamed_tokens",
+    "routed_cache_hit",
+    "routed_load_balance",
+    "routed_least_load",
+    "routed_round_robin",
 ) + tuple(f"errors_{c}" for c in P.ERROR_CODES)
 
 
@@ -144,10 +161,15 @@ class Metrics:
     def __init__(self) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.registry = CollectorRegistry()
-        self.hist = {key: Histogram(buckets, name=f"radixserve_router_{key}", registry=self.registry)
-                     for key, buckets in (("ttft_s", LATENCY_BUCKETS_S), ("e2e_s", LATENCY_BUCKETS_S),
-                                          ("router_queue_s", LATENCY_BUCKETS_S),
-                                          ("queue_depth_at_arrival", DEPTH_BUCKETS))}
+        self.hist = {
+            key: Histogram(buckets, name=f"radixserve_router_{key}", registry=self.registry)
+            for key, buckets in (
+                ("ttft_s", LATENCY_BUCKETS_S),
+                ("e2e_s", LATENCY_BUCKETS_S),
+                ("router_queue_s", LATENCY_BUCKETS_S),
+                ("queue_depth_at_arrival", DEPTH_BUCKETS),
+            )
+        }
         self._task_error_logged: dict[str, float] = {}  # periodic task -> when its last traceback was logged
 
     def count(self, key: str, n: int = 1) -> None:

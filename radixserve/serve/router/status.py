@@ -20,8 +20,17 @@ from radixserve.serve.router.state import Metrics, RouterConfig
 class RouterStatus:
     """Reads the other components (changes none of them) to answer Health and Stats."""
 
-    def __init__(self, config: RouterConfig, *, registry: WorkerRegistry, jobs: JobTable, dispatcher: Dispatcher,
-                 front: ClientFront, transport: Transport, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        registry: WorkerRegistry,
+        jobs: JobTable,
+        dispatcher: Dispatcher,
+        front: ClientFront,
+        transport: Transport,
+        metrics: Metrics,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.jobs = jobs
@@ -34,8 +43,7 @@ class RouterStatus:
     def on_health(self, identity: bytes, msg: P.Health) -> None:
         alive = len(self.registry.alive())
         status = "shutting_down" if self.dispatcher.shutting_down else ("ok" if alive else "degraded")
-        self.transport.send(identity, P.HealthReply(id=msg.id, status=status, workers=len(self.registry.workers),
-                                                    workers_alive=alive))
+        self.transport.send(identity, P.HealthReply(id=msg.id, status=status, workers=len(self.registry.workers), workers_alive=alive))
 
     def on_stats(self, identity: bytes, msg: P.Stats) -> None:
         try:
@@ -64,23 +72,39 @@ class RouterStatus:
             hists = {k: v for k, v in w.engine.items() if isinstance(v, dict)}
             hists["router_ttft_s"] = w.ttft.to_dict()
             workers[w.name] = {
-                "alive": w.alive, "draining": w.draining, "pid": w.pid, "host": w.host,
-                "inflight": len(w.inflight), "routed": w.routed, "completed": w.completed,
-                "index_tokens": w.index.tokens, "index_synced": w.synced, "last_seen_s": round(now - w.last_seen, 3),
-                **w.info, "engine": engine, "histograms": hists,
+                "alive": w.alive,
+                "draining": w.draining,
+                "pid": w.pid,
+                "host": w.host,
+                "inflight": len(w.inflight),
+                "routed": w.routed,
+                "completed": w.completed,
+                "index_tokens": w.index.tokens,
+                "index_synced": w.synced,
+                "last_seen_s": round(now - w.last_seen, 3),
+                **w.info,
+                "engine": engine,
+                "histograms": hists,
                 **({"restarts": supervised[w.name].restarts} if w.name in supervised else {}),
             }
         cfg, transport = self.config, self.transport
         out = {
             "router": {
-                "address": transport.address, "worker_address": transport.worker_address,
-                "policy": self.dispatcher.policy.name, "uptime_s": round(now - self.started, 3), "pid": os.getpid(),
+                "address": transport.address,
+                "worker_address": transport.worker_address,
+                "policy": self.dispatcher.policy.name,
+                "uptime_s": round(now - self.started, 3),
+                "pid": os.getpid(),
                 "counters": dict(self.metrics.counters),
                 "gauges": {
-                    "queue_depth": len(self.jobs.queue), "inflight": len(self.jobs.works),
-                    "workers": len(self.registry.workers), "workers_alive": len(self.registry.alive()),
-                    "clients": transport.clients, "max_clients": transport.max_clients,
-                    "max_queue": cfg.max_queue, "max_inflight_per_worker": cfg.max_inflight_per_worker,
+                    "queue_depth": len(self.jobs.queue),
+                    "inflight": len(self.jobs.works),
+                    "workers": len(self.registry.workers),
+                    "workers_alive": len(self.registry.alive()),
+                    "clients": transport.clients,
+                    "max_clients": transport.max_clients,
+                    "max_queue": cfg.max_queue,
+                    "max_inflight_per_worker": cfg.max_inflight_per_worker,
                     "shutting_down": int(self.dispatcher.shutting_down),
                 },
                 "histograms": {k: h.to_dict() for k, h in self.metrics.hist.items()},
