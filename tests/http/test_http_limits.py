@@ -424,3 +424,69 @@ def test_logprobs_do_not_stall_other_requests(llama_dir):
     assert result["status"] == 200 and len(choices) == 8
     assert all(len(c["logprobs"]["content"]) == 1500 and len(c["logprobs"]["content"][0]["top_logprobs"]) == 20 for c in choices)
     assert worst < 0.3, f"/health took {worst:.2f} s while a logprobs response was built"
+
+
+class _FullRouterClient:
+    """Stands for the router client of a full server: ``room`` generates wait until released, every
+    later one is refused ``overloaded``; counts the generates that reach it."""
+
+    def __init__(self, room: int):
+        self.room, self.calls = room, 0
+        self.release = threading.Event()
+
+    async def generate(self, prompt, **_):
+        from radixserve.client import Completion
+        from radixserve.errors import OverloadedError
+
+        self.calls += 1
+        if self.calls > self.room:
+            raise OverloadedError("all 1 workers are at their in-flight cap and the router queue is full (0)")
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        return Completion(
+            request_id="x",
+            text="",
+            token_ids=[5],
+            finish_reason="length",
+            usage=P.Usage(prompt_tokens=len(prompt), cached_tokens=0, completion_tokens=1),
+            timings=P.Timings(queue_s=0.0, ttft_s=0.0, e2e_s=0.0),
+        )
+
+    async def close(self):
+        pass
+
+
+def test_a_full_router_sheds_the_tenants_next_requests_at_the_gateway():
+    """A burst past capacity was refused at HTTP p99 220 ms: every refusal cost a round trip to
+    the router. Once the router refuses a tenant's job as overloaded, the tenant's next requests are
+    answered 503 overloaded at the gateway, without reaching the router, until a job ends."""
+    client = _FullRouterClient(room=2)
+    gw = GatewayServer(Gateway(GatewayConfig(router="tcp://127.0.0.1:1", model_names=["m"]), client=client), "127.0.0.1", 0).start()
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1}).encode()
+    results: list[int] = []
+
+    def post() -> None:
+        results.append(_post(gw, body)[0])
+
+    try:
+        held = [threading.Thread(target=post) for _ in range(2)]
+        for t in held:
+            t.start()
+        deadline = time.monotonic() + 10
+        while client.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, data = _post(gw, body)  # reaches the router: refused there
+        assert status == 503 and data["error"]["code"] == "overloaded" and client.calls == 3
+        for _ in range(5):  # refused here: the router is not asked
+            status, data = _post(gw, body)
+            assert status == 503 and data["error"]["code"] == "overloaded"
+        assert client.calls == 3
+        client.release.set()  # the two held jobs end: room again
+        for t in held:
+            t.join(10)
+        assert results == [200, 200]
+        client.room = 10
+        assert _post(gw, body)[0] == 200 and client.calls == 4
+    finally:
+        client.release.set()
+        gw.stop()
