@@ -69,12 +69,14 @@ def packed_ops():
 
 def onednn_rows(m: int) -> int:
     """The row count oneDNN is called with for ``m`` rows: ``m`` up to 64, then ``m`` rounded up to
-    a multiple of 16 (to 256) or of 64. oneDNN compiles and keeps a kernel per row count and weight
+    a multiple of 16 (to 256) or of 32. oneDNN compiles and keeps a kernel per row count and weight
     shape, about 0.6 MiB each; called with every row count a server meets, a worker grew by 15
-    MiB a minute without end (bench/RESULTS.md section 43). Rounded, a weight has at most 104."""
+    MiB a minute without end (bench/RESULTS.md section 43). Rounded, a weight has at most 132 up to
+    2,048 rows, and a prefill chunk pays at most 31 padding rows (about 1.5% of the time on average;
+    multiples of 64 cost 3%)."""
     if m <= 64:
         return m
-    step = 16 if m <= 256 else 64
+    step = 16 if m <= 256 else 32
     return -(-m // step) * step
 
 
