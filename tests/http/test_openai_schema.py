@@ -172,7 +172,7 @@ def test_messages_parts_and_unknown_fields():
 def test_per_choice_seeds_stay_in_the_seed_range():
     """Issue 49 item 13: seed 2**64 - 1 with n 2 gave choice 1 the seed 2**64, which no frame can
     carry (a 500). Choice i's seed is seed + i, wrapped to 0 past 2**64 - 1."""
-    from radixserve.serve.openai.prepared import choice_jobs as _jobs
+    from radixserve.serve.openai.app import _jobs
 
     params, n = _params({"seed": 2**64 - 1, "n": 3})
     jobs = _jobs(["hi"], params, n)

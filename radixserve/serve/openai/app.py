@@ -11,19 +11,20 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from radixserve import protocol as P
 from radixserve.errors import OverloadedError, RadixServeError
-from radixserve.sampling_params import StructuredOutput
+from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
 from radixserve.serve.openai.plumbing import read_json, with_disconnect
-from radixserve.serve.openai.prepared import Prepared, choice_jobs
 from radixserve.serve.openai.prompts import chat_chars, chat_ids, chat_messages, completion_prompts
 from radixserve.serve.openai.schema import (
     ChatRequest,
@@ -35,7 +36,6 @@ from radixserve.serve.openai.schema import (
     sampling_params,
     structured_field,
 )
-from radixserve.serve.openai.shed import Shedder
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.router.core import shareable
 from radixserve.tools.chat import ToolRequest
@@ -64,6 +64,55 @@ class GatewayConfig:
     router_key: str | None = None
 
 
+@dataclass
+class Prepared:
+    """A checked completion request, ready to run: one job (index, prompt, SamplingParams) per choice."""
+
+    chat: bool
+    model: str
+    jobs: list[tuple[int, Any, SamplingParams]]
+    n: int
+    stream: bool
+    include_usage: bool
+    namespace: str | None
+    headers: dict[str, str]
+    return_token_ids: bool = False
+    tools: ToolRequest | None = None  # chat with tools: the output is parsed for calls
+    max_tokens_param: str = "max_tokens"  # the field that set max_tokens (chat: maybe max_completion_tokens)
+
+    @property
+    def route(self) -> str:
+        return "chat" if self.chat else "completions"
+
+    def response(self, choices: list, usage: R.Usage | None = None, chunk: bool = False, rid: str | None = None, created: int | None = None) -> R.Response:
+        obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return R.Response(
+            id=rid or self.new_id(),
+            object=obj,
+            created=created or int(time.time()),
+            model=self.model,
+            choices=choices,
+            usage=R.UNSET if usage is None else usage,
+        )
+
+    def new_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _jobs(prompts: list, params: SamplingParams, n: int) -> list[tuple[int, Any, SamplingParams]]:
+    """One job per prompt and choice; with a seed, choice i of a prompt uses ``seed + i``, wrapped
+    to 0 past the top of a seed's range (2**64 - 1)."""
+    jobs = []
+    for pi, prompt in enumerate(prompts):
+        for i in range(n):
+            sp = params
+            if n > 1 and params.seed is not None:
+                seed = params.seed + i
+                sp = msgspec.structs.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
+            jobs.append((pi * n + i, prompt, sp))
+    return jobs
+
+
 class Gateway:
     """The Starlette app and its state (router client, tokenizer, tenants, metrics)."""
 
@@ -80,7 +129,6 @@ class Gateway:
         self._context: tuple[int, int] | None = None  # see _router_limits
         self._tok_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._tokenizing = 0
-        self.shedder = Shedder()
         self.app = self._build_app()
 
     @property
@@ -161,16 +209,6 @@ class Gateway:
         return R.logprobs(self._token_texts, lps, chat)
 
     # -- completions -------------------------------------------------------------------------------
-    def _shed(self, request) -> None:
-        """Refuse at once, before reading the body, a tenant whose last job the router refused as
-        overloaded while nothing has made room since (:mod:`radixserve.serve.openai.shed`)."""
-        namespace = self.tenants.namespace(self.tenants.authenticate(request.headers.get("authorization")))
-        if self.shedder.refuses(namespace):
-            raise OverloadedError(
-                f"overloaded: the router refused this tenant's last request as overloaded and none of its "
-                f"{self.shedder.jobs[namespace]} requests in flight has ended since; retry later"
-            )
-
     async def _prepare(self, request, chat: bool) -> Prepared:
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
         body = await read_json(request, self.config.max_body_bytes)
@@ -196,7 +234,7 @@ class Gateway:
         return Prepared(
             chat=chat,
             model=model,
-            jobs=choice_jobs(prompts, params, n),
+            jobs=_jobs(prompts, params, n),
             n=n,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -246,19 +284,7 @@ class Gateway:
 
     async def _run_all(self, jobs, namespace) -> list:
         client = await self._ensure_client()
-
-        async def one(prompt, sp):
-            overloaded = False
-            try:
-                return await client.generate(prompt, namespace=namespace, timeout=None, params=sp)
-            except OverloadedError:
-                overloaded = True
-                raise
-            finally:
-                self.shedder.end(namespace, overloaded=overloaded)
-
-        self.shedder.start(namespace, len(jobs))
-        tasks = [asyncio.ensure_future(one(p, sp)) for _, p, sp in jobs]
+        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp)) for _, p, sp in jobs]
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -273,7 +299,6 @@ class Gateway:
         prep: Prepared | None = None
         try:
             try:
-                self._shed(request)
                 prep = await self._prepare(request, chat)
                 if prep.stream:
                     response = await self._stream(request, prep)
@@ -325,7 +350,7 @@ class Gateway:
                     if not t.done():
                         t.cancel()
 
-        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace, self.shedder)
+        queue, tasks = open_streams(await self._ensure_client(), prep.jobs, prep.namespace)
         try:  # an error before the first token gets a real HTTP status, and ends every choice
             first = await with_disconnect(request, queue.get())
             if first[2] is not None:

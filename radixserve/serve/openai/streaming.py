@@ -11,30 +11,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from radixserve.errors import OverloadedError
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import api_error_from
-from radixserve.serve.openai.shed import Shedder
 
 
-def open_streams(client, jobs, namespace, shedder: Shedder) -> tuple[asyncio.Queue, list[asyncio.Future]]:
+def open_streams(client, jobs, namespace) -> tuple[asyncio.Queue, list[asyncio.Future]]:
     """Start streaming every job; their items arrive on the returned queue."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def one(index, prompt, sp):
-        overloaded = False
         try:
             async for item in client.stream(prompt, namespace=namespace, timeout=None, params=sp):
                 queue.put_nowait((index, item, None))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            overloaded = isinstance(exc, OverloadedError)
             queue.put_nowait((index, None, exc))
-        finally:
-            shedder.end(namespace, overloaded=overloaded)
 
-    shedder.start(namespace, len(jobs))
     return queue, [asyncio.ensure_future(one(i, p, sp)) for i, p, sp in jobs]
 
 
