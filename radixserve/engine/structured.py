@@ -59,9 +59,10 @@ class GrammarCache:
 
     def _get_compiler(self):
         if self._compiler is None:
+            info = self.tokenizer_info()  # first: without xgrammar, a bad_request that says how to install it
             import xgrammar as xgr
 
-            self._compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=2, cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._compiler
 
     def cached(self, spec: StructuredOutput) -> bool:

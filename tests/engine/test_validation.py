@@ -176,3 +176,18 @@ def test_router_config_from_serve_flags_passes_its_checks():
     cfg = launch.router_config(convert({"port": 0, "max_inflight": 1, "drain_timeout": 0.0}, ServeConfig))
     cfg.check()
     assert (cfg.port, cfg.max_inflight_per_worker, cfg.drain_s) == (0, 1, 0.0)
+
+
+def test_structured_output_without_xgrammar_is_a_bad_request_naming_the_extra(monkeypatch):
+    """A fresh install without the structured extra answered a tool call (or any grammar) with
+    HTTP 500 "ModuleNotFoundError: No module named 'xgrammar'"; it is a 400 saying what to install."""
+    import sys
+
+    from radixserve.engine.structured import GrammarCache
+    from radixserve.errors import BadRequestError
+    from radixserve.sampling_params import StructuredOutput
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    cache = GrammarCache(tokenizer=None, vocab_size=16, stop_token_ids=[1])
+    with pytest.raises(BadRequestError, match=r"radixserve\[structured\]"):
+        cache.compile(StructuredOutput(choice=["yes", "no"]))
