@@ -203,7 +203,11 @@ def cmd_demo(args) -> int:
         code = proc.wait()
     except KeyboardInterrupt:  # the runner got it too: let it stop its server and games
         code = proc.wait()
-    print(f"radixserve demo: done in {time.monotonic() - t0:.1f} s (server start included)")
+    took = time.monotonic() - t0
+    if code == 0:
+        print(f"radixserve demo: done in {took:.1f} s (server start included)")
+    else:
+        print(f"radixserve demo: failed (exit status {code}) after {took:.1f} s; see above", file=sys.stderr)
     return code
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from examples.chess_janggi.agents import GreedyAgent, LLMAgent, RandomAgent, chat_renderer
 from examples.chess_janggi.rules import ChessGame, IllegalMove, JanggiGame
+from radixserve.errors import RadixServeError
 from radixserve.ops.stats import percentile
 
 OPPONENTS = ("llm", "random", "greedy")
@@ -168,7 +169,9 @@ async def run_fleet(
         model = (await oai.models.list()).data[0].id
         ideal_tokenizer = None  # its requests carry no token ids to replay
     async with AsyncClient(address, timeout=timeout) as client:
-        await client.wait_ready(1, timeout=120)
+        # A worker's first start on a machine builds the CPU kernels (about 100 s on 2 idle cores,
+        # several minutes on busy ones): wait for it as long as a request may take.
+        await client.wait_ready(1, timeout=timeout)
         matches = make_matches(
             client,
             n_chess,
@@ -392,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[fleet] started radixserve serve at {address} ({time.monotonic() - t0:.1f} s)", file=sys.stderr)
     try:
         tokenizer = _tokenizer_for(args.model)
+        if server is not None:
+            print("[fleet] waiting for the worker (its first start on this machine builds the CPU kernels: minutes)", file=sys.stderr)
         report = asyncio.run(
             run_fleet(
                 address,
@@ -408,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                 http_url=args.http_url,
             )
         )
+    except RadixServeError as exc:  # the server or its workers failed: one line, as the CLI says it
+        print(f"[fleet] error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             server.stop(20)
