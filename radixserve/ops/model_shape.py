@@ -33,6 +33,7 @@ class ModelShape:
     weights_bytes: int
     weights_dtype: str  # the checkpoint's dtype (for GGUF: its file type); the default KV dtype
     num_tensors: int
+    num_quantized: int = 0  # tensors held in their quantized blocks (a GGUF's), the rest in weights_dtype
 
 
 def read_model_shape(model: str | None, *, dequantize: bool = False) -> ModelShape:
@@ -191,4 +192,5 @@ def _from_gguf(path: Path, dequantize: bool = False) -> ModelShape:
         weights_bytes=weights,
         weights_dtype="float32",  # what serve computes in and keeps its KV in (a GGUF's default dtype)
         num_tensors=len(reader.tensors),
+        num_quantized=kept,
     )

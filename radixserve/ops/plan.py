@@ -185,12 +185,16 @@ def format_plan(p: dict[str, Any]) -> str:
     """The plan for people (every number with its unit)."""
     m, i, r, w = p["model"], p["inputs"], p["request"], p["page_waste"]
     tensors = f"{m['num_tensors']} tensors" if m["num_tensors"] else "estimated"
+    if m.get("num_quantized"):  # a GGUF: most tensors stay in their blocks
+        dtype = f"{m['num_quantized']} in quantized blocks, the rest {m['weights_dtype']}"
+    else:
+        dtype = m["weights_dtype"]
     lines = [
         f"model       {m['name']} ({m['architecture']}; {m['num_layers']} layers, {m['num_heads']} heads, "
         f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, context {m['max_context']:,} tokens)",
         f"            read from the {m['source']}, weights not loaded",
         f"memory      {_size(p['memory_bytes'])} = weights {_size(p['weights_bytes'])} ({tensors}, "
-        f"{m['weights_dtype']}) + reserve {_size(p['reserve_bytes'])} + KV {_size(p['kv_budget_bytes'])}",
+        f"{dtype}) + reserve {_size(p['reserve_bytes'])} + KV {_size(p['kv_budget_bytes'])}",
         f"            reserve: {p['reserve_rule']}",
     ]
     if not p["weights_fit"]:
