@@ -194,7 +194,10 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
             gateway = start_gateway(cfg, _loopback(address), config.limits, tenant_secret=router.tenants.secret, router_key=router.gateway_key)
         supervisor = router.supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)
         http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
-        router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}", flush=True)
+        if cfg.workers:
+            router.on_ready = lambda n: print(f"radixserve: ready: {n}/{cfg.workers} workers, ZMQ at {address}{http_at}", flush=True)
+        else:  # no local worker to wait for (it read "ready: 1/0 workers" when a remote one joined)
+            print(f"radixserve: ready: no local workers (remote ones join at {router.worker_address}), ZMQ at {address}{http_at}", flush=True)
         run_async(router.serve())
     finally:
         # The loop's handlers are gone: a Ctrl-C while the gateway and workers stop only marks the

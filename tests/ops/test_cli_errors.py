@@ -289,6 +289,34 @@ def _long_call(address: str) -> None:
         pass
 
 
+def test_serve_without_local_workers_is_ready_at_once(llama_dir, tmp_path):
+    """`serve --workers 0` said "ready: 1/0 workers" when a remote worker joined, and nothing
+    before: with no local worker to wait for it is ready at start, and says where workers join."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve.cli", "--log-level", "WARNING", "serve", "--model", llama_dir, "--port", "0", "--workers", "0"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not any("ready:" in ln for ln in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            time.sleep(0.1)
+        ready = next(ln for ln in lines if "ready:" in ln)
+        assert "ready: no local workers (remote ones join at tcp://127.0.0.1:" in ready and "/0 workers" not in ready
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_a_process_that_ran_an_engine_exits_without_leak_warnings(llama_dir):
     # The engine freezes the GC after the model loads. Objects still frozen at exit are never
     # freed, and nanobind extensions (triton: xgrammar pulls it in, and `import torch` imports
