@@ -212,6 +212,18 @@ def test_every_worker_dying_at_start_up_exits_nonzero_with_its_error(llama_dir, 
     assert "w0" in last or "w1" in last
 
 
+def _serve_ready_line(proc: subprocess.Popen, timeout_s: float) -> tuple[list[str], str]:
+    """Read ``serve``'s stdout (on a thread, into the returned list, which keeps growing) until its
+    ``ready:`` line; that line. Fails if serve exits or takes longer than ``timeout_s``."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not any("ready:" in ln for ln in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, lines
+        time.sleep(0.1)
+    return lines, next(ln for ln in lines if "ready:" in ln)
+
+
 def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
     """From a folder holding a broken `radixserve` package the workers still start (-P); serve
     prints a ready line; Ctrl-C twice stops it at once even with a long drain timeout."""
@@ -244,14 +256,7 @@ def test_shadowing_cwd_ready_line_and_second_ctrl_c(llama_dir, tmp_path):
     )
     worker_pid = None
     try:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + 120
-        while not any("ready:" in ln for ln in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, lines
-            time.sleep(0.1)
-        ready = next(ln for ln in lines if "ready:" in ln)
+        lines, ready = _serve_ready_line(proc, 120)
         assert "ready: 1/1 workers, ZMQ at tcp://127.0.0.1:" in ready
         address = lines[0].split("listening on ", 1)[1].split()[0]
         with Client(address, timeout=60) as c:
@@ -300,14 +305,7 @@ def test_serve_without_local_workers_is_ready_at_once(llama_dir, tmp_path):
         text=True,
     )
     try:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + 60
-        while not any("ready:" in ln for ln in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, lines
-            time.sleep(0.1)
-        ready = next(ln for ln in lines if "ready:" in ln)
+        lines, ready = _serve_ready_line(proc, 60)
         assert "ready: no local workers (remote ones join at tcp://127.0.0.1:" in ready and "/0 workers" not in ready
     finally:
         proc.send_signal(signal.SIGINT)
