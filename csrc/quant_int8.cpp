@@ -22,6 +22,7 @@
 #include "quant.h"
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 
 #include "aligned.h"
@@ -369,14 +370,35 @@ struct Decoder<kQ6_K> {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8
   }
 };
 
-// y[m][n] for MB rows of the arranged activations (starting at row m0) and columns [n0, n1).
-template <int64_t QT, int MB>
+// f(Const<0>{}), ..., f(Const<N - 1>{}): a loop unrolled at compile time, whose index is a constant
+// in each body (arrays of vectors indexed by it stay in registers).
+template <typename F, int64_t... I>
+inline __attribute__((always_inline)) void unrolled_impl(F&& f, std::integer_sequence<int64_t, I...>) {
+  (f(Const<I>{}), ...);
+}
+template <int64_t N, typename F>
+inline __attribute__((always_inline)) void unrolled(F&& f) {
+  unrolled_impl(f, std::make_integer_sequence<int64_t, N>{});
+}
+
+// y[m][n] for MB rows of the arranged activations (starting at row m0) and columns [n0, n1), as R
+// streams of W rows at once: step i takes rows n0 + i, n0 + span + i, ... (span = (n1 - n0) / R),
+// each stream sequential in memory; the rows left over go one at a time. Two things gain: a core
+// keeps R sequential streams in flight instead of one (one core's decode of a 4,096-column Q4_0
+// weight went from 12-14 GB/s to 22-29 GB/s with 4), and each chunk of x (its vectors and record)
+// is loaded once for R rows of W rather than once per row. bench/RESULTS.md section 44.
+template <int64_t QT, int MB, int R>
 void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t m0, int64_t K, float* y, int64_t ldy) {
   constexpr Format f = format_of(QT);
   constexpr bool k_quant = f.block == 256;
   constexpr LayoutShape s = shape_of(QT == kQ4_0 || QT == kQ4_1 ? kNibbles32 : QT == kQ8_0 ? kBytes : QT == kQ4_K ? kNibblesK : kSixBit);
   constexpr int64_t blocks_per_chunk = k_quant ? 1 : s.chunk / 32;
+  constexpr bool offset = QT == kQ4_1 || QT == kQ4_K;  // w = s u + o (else w = s (u - c))
   const Decoder<QT> decode;
+  // plain constants for the lambdas below (GCC 12 fails to compile their use of the structs)
+  constexpr int64_t kFBytes = f.bytes, kXBytes = s.vectors * 64, kRec = s.accs * 16;
+  constexpr int kAccs = s.accs;
+  constexpr bool kTwo = s.accs == 1 && s.vectors == 2;
   const int64_t chunks = a.chunks, blocks = K / f.block;
   const int8_t* xb = a.bytes.data() + m0 * chunks * s.vectors * 64;
   const int32_t* rec = a.groups.data() + m0 * chunks * s.accs * 16;
@@ -388,47 +410,57 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
   const __m512i to_xs = dword_index([](int l) { return 8 + l / G; });
   const __mmask16 first = static_cast<__mmask16>(G == 4 ? 0x1111 : 0x0101);
   const int64_t bstride = chunks * s.vectors * 64, lstride = chunks * s.accs * 16;  // per row of x
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = row_of(p, n);
-    __m512 acc[MB];
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    WChunk w;
-    __m512 scales = _mm512_setzero_ps();
+  const int64_t span = (n1 - n0) / R;  // R streams: row r of step i is n0 + r span + i
+  for (int64_t i = 0; i < span; ++i) {
+    const int64_t n = n0 + i;
+    const uint8_t* row[R];
+    __m512 acc[R * MB];
+    WChunk w[R];
+    __m512 scales[R];
+    unrolled<R>([&](auto r) { row[r] = row_of(p, n + r * span), scales[r] = _mm512_setzero_ps(); });
+    unrolled<R * MB>([&](auto i) { acc[i] = _mm512_setzero_ps(); });
     for (int64_t c = 0; c < chunks; ++c) {
-      if constexpr (k_quant) {
-        decode(row + (c / 2) * f.bytes, static_cast<int>(c % 2), w, scales);
-      } else {
-        decode(row + c * blocks_per_chunk * f.bytes, std::min(blocks_per_chunk, blocks - c * blocks_per_chunk), w);
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* xv = xb + m * bstride + c * s.vectors * 64;
-        const int32_t* r = rec + m * lstride + c * s.accs * 16;
-        constexpr bool offset = QT == kQ4_1 || QT == kQ4_K;  // w = s u + o (else w = s (u - c))
-#pragma GCC unroll 2
-        for (int v = 0; v < s.accs; ++v) {  // accumulator v: vector v, or (one accumulator) both
-          const __m512i g = _mm512_load_si512(r + 16 * v);
-          __m512i sum;
-          if constexpr (offset) sum = _mm512_setzero_si512();
-          else sum = _mm512_slli_epi32(_mm512_maskz_permutexvar_epi32(first, to_nq, g), Decoder<QT>::kShift);
-          sum = _mm512_dpbusd_epi32(sum, w.u[v], _mm512_load_si512(xv + 64 * v));
-          if constexpr (s.accs == 1 && s.vectors == 2) sum = _mm512_dpbusd_epi32(sum, w.u[1], _mm512_load_si512(xv + 64));
+      unrolled<R>([&](auto r) {
+        if constexpr (k_quant) decode(row[r] + (c / 2) * kFBytes, static_cast<int>(c % 2), w[r], scales[r]);
+        else decode(row[r] + c * blocks_per_chunk * kFBytes, std::min(blocks_per_chunk, blocks - c * blocks_per_chunk), w[r]);
+      });
+      unrolled<MB>([&](auto m) {
+        const int8_t* xv = xb + m * bstride + c * kXBytes;
+        const int32_t* rp = rec + m * lstride + c * kRec;
+        unrolled<kAccs>([&](auto v) {  // accumulator v: vector v, or (one accumulator) both
+          const __m512i g = _mm512_load_si512(rp + 16 * v);
+          const __m512i x0 = _mm512_load_si512(xv + 64 * v);
+          __m512i init;
+          if constexpr (offset) init = _mm512_setzero_si512();
+          else init = _mm512_slli_epi32(_mm512_maskz_permutexvar_epi32(first, to_nq, g), Decoder<QT>::kShift);
           const __m512 dx = _mm512_permutexvar_ps(to_d, _mm512_castsi512_ps(g));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w.s[v], dx), acc[m]);
-          if constexpr (offset)
-            acc[m] = _mm512_fmadd_ps(w.o[v], _mm512_maskz_permutexvar_ps(first, to_xs, _mm512_castsi512_ps(g)), acc[m]);
-        }
-      }
+          __m512i x1;
+          if constexpr (kTwo) x1 = _mm512_load_si512(xv + 64);
+          unrolled<R>([&](auto r) {
+            __m512i sum = _mm512_dpbusd_epi32(init, w[r].u[v], x0);
+            if constexpr (kTwo) sum = _mm512_dpbusd_epi32(sum, w[r].u[1], x1);
+            __m512& t = acc[r * MB + m];
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w[r].s[v], dx), t);
+            if constexpr (offset) t = _mm512_fmadd_ps(w[r].o[v], _mm512_maskz_permutexvar_ps(first, to_xs, _mm512_castsi512_ps(g)), t);
+          });
+        });
+      });
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
+    unrolled<R * MB>([&](auto j) { y[(j % MB) * ldy + n + (j / MB) * span] = _mm512_reduce_add_ps(acc[j]); });
+  }
+  if constexpr (R > 1) {
+    const int64_t done = n0 + span * R;
+    if (done < n1) columns_int8<QT, MB, 1>(p, done, n1, a, m0, K, y, ldy);
   }
 }
 
 // Columns [n0, n1) for all M rows: blocks of kColumnBlock columns (their weights stay in L2 while
 // every 8 rows of x pass over them).
 constexpr int64_t kColumnBlock = 64;
+
+// Streams of W per call of columns_int8, by rows of x: as many as the registers hold beside the
+// R x MB accumulators (more rows of x, each chunk of W serves more products already).
+constexpr int streams_for(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
 template <int64_t QT>
 void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int64_t M, int64_t K, float* y, int64_t ldy) {
@@ -437,7 +469,8 @@ void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a,
     return;
   }
   for_row_runs(M, [&](auto rows, int64_t m0) {
-    columns_int8<QT, decltype(rows)::value>(p, n0, n1, a, m0, K, y + m0 * ldy, ldy);
+    constexpr int MB = decltype(rows)::value;
+    columns_int8<QT, MB, streams_for(MB)>(p, n0, n1, a, m0, K, y + m0 * ldy, ldy);
   });
 }
 #endif  // RADIXSERVE_QUANT_INT8
