@@ -5,9 +5,9 @@ While calls are pending, the connection sends a health probe whenever the router
 for ``heartbeat`` seconds; after ``router_timeout`` seconds with no message at all, every pending
 call fails with :class:`~radixserve.errors.RouterLostError` (code ``router_lost``).
 
-No send ever waits past its call's timeout or the watchdog: frames go out with ``NOBLOCK``, and a
-call whose frame the socket cannot take yet waits for it with its deadline, ready to fail when the
-watchdog (or a refused handshake) fails it. That matters: a router at its client cap refuses the
+No send ever waits past its call's timeout or the watchdog: a call whose frame the socket cannot
+take yet waits for it only up to its deadline, and fails as soon as the watchdog (or a refused
+handshake) fails it, its send then withdrawn. That matters: a router at its client cap refuses the
 connection at the handshake, libzmq then drops the connection without retrying, and the DEALER,
 left without a pipe, would hold an awaited send for ever. The refusal is seen on the socket's
 monitor: pending calls fail at once with :class:`~radixserve.errors.RouterRefusedError` (code
@@ -21,6 +21,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -30,20 +31,18 @@ from radixserve.errors import ROUTER_LOST, ROUTER_REFUSED, BadRequestError, Requ
 
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # libzmq does not reconnect after these
 _PROTOCOL_ERRORS = {getattr(zmq, n): n[len("PROTOCOL_ERROR_") :] for n in dir(zmq) if n.startswith("PROTOCOL_ERROR_")}
-_SEND_POLL_S = 0.25  # a send the socket cannot take is retried at least this often
-ABORT_SEND_S = 10.0  # an abort the socket cannot take at once is tried this long in the background
+ABORT_SEND_S = 10.0  # an abort the socket cannot take at once stays queued this long at most
+
+
+def _send_future(sock: zmq.asyncio.Socket, frame: bytes) -> asyncio.Future:
+    """pyzmq's send: a future, done at once when the socket took the frame; else queued (in order)
+    until it can, and withdrawn by cancelling it."""
+    return cast(asyncio.Future, sock.send(frame))
 
 
 async def _peek(q: asyncio.Queue) -> None:
     """Return once ``q`` holds an item, leaving it there."""
     q.put_nowait(await q.get())
-
-
-async def _writable(sock: zmq.asyncio.Socket, seconds: float) -> None:
-    """Return when ``sock`` can take a frame, or after ``seconds``."""
-    poller = zmq.asyncio.Poller()
-    poller.register(sock, zmq.POLLOUT)
-    await poller.poll(int(seconds * 1000) + 1)
 
 
 class Connection:
@@ -61,10 +60,8 @@ class Connection:
         self._pending: dict[str, asyncio.Queue] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._tx: zmq.Socket | None = None  # a sync shadow of _sock: NOBLOCK sends never queue behind pyzmq's send futures
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []  # the reader, watchdog and monitor of the current socket
-        self._aborts: set[asyncio.Task] = set()  # aborts waiting for the socket to take them
         self._refused: str | None = None  # why the current socket's connection was refused (it is then replaced)
         self._closed = False
 
@@ -84,7 +81,6 @@ class Connection:
             sock = self._sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            self._tx = zmq.Socket.shadow(sock.underlying)
             self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
             sock.connect(self.address)
             self._refused = None
@@ -105,7 +101,7 @@ class Connection:
             if self._monitor is not None:
                 self._monitor.close(linger=0)
             self._sock.close(linger=0)
-        self._sock = self._tx = self._monitor = None
+        self._sock = self._monitor = None
 
     def _register(self, rid: str, q: asyncio.Queue) -> None:
         if not self._pending:
@@ -176,61 +172,58 @@ class Connection:
             raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
         return frame
 
-    def _try_send(self, frame: bytes) -> bool:
-        """Whether the socket took ``frame`` now (never waits)."""
-        assert self._tx is not None
-        try:
-            self._tx.send(frame, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
-
     async def _send(self, rid: str, frame: bytes, q: asyncio.Queue, deadline: float | None, timeout: float | None) -> None:
-        """Send a request's frame, waiting (when the socket cannot take it yet: the router is
-        unreachable, slow to read, or refused the connection) no longer than ``deadline`` and
-        only until an error for the call arrives on ``q`` (the watchdog's, or a refusal's)."""
+        """Send a request's frame. When the socket cannot take it at once (the router is
+        unreachable, slow to read, or refused the connection: no pipe), wait no longer than
+        ``deadline``, and only until an error for the call arrives on ``q`` (the watchdog's, or a
+        refusal's; the caller reads it); the queued send is then withdrawn (pyzmq skips a
+        cancelled send future)."""
         sock = self._ensure()
-        while True:
-            if not q.empty():
-                return  # an error for this call (router lost, connection refused): the caller reads it
-            if self._sock is not sock:
-                raise RuntimeError("client is closed")
-            if self._try_send(frame):
-                return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                why = self._refused or (
-                    "no connection to it took the request: it is unreachable, or did not accept this client's connection "
-                    "(a router at its client cap, max_clients, refuses new ones)"
-                )
-                raise RequestTimeoutError(f"request {rid} could not be sent to {self.address} within {timeout} s; {why}")
-            wait = _SEND_POLL_S if left is None else min(_SEND_POLL_S, left)
-            writable = asyncio.ensure_future(_writable(sock, wait))
-            failed = asyncio.ensure_future(_peek(q))
-            try:
-                await asyncio.wait((writable, failed), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                writable.cancel()
-                failed.cancel()
-
-    def _send_nowait(self, frame: bytes) -> None:
-        """Send without waiting; a frame the socket cannot take now is retried in the background
-        for :data:`ABORT_SEND_S` at most (dropped with the socket on close)."""
-        if self._sock is None or self._closed or self._try_send(frame):
+        if not q.empty():
             return
-        task = asyncio.ensure_future(self._send_later(self._sock, frame))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        sending = _send_future(sock, frame)
+        if sending.done():  # taken at once (or an error other than EAGAIN: raised)
+            sending.result()
+            return
+        failed = asyncio.ensure_future(_peek(q))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait((sending, failed), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not sending.done():
+                sending.cancel()
+        if sending.done() and not sending.cancelled():
+            sending.result()
+            return
+        if not q.empty():
+            return
+        if self._closed:
+            raise RuntimeError("client is closed")
+        why = self._refused or (
+            "no connection to it took the request: it is unreachable, or did not accept this client's connection "
+            "(a router at its client cap, max_clients, refuses new ones)"
+        )
+        raise RequestTimeoutError(f"request {rid} could not be sent to {self.address} within {timeout} s; {why}")
 
-    async def _send_later(self, sock: zmq.asyncio.Socket, frame: bytes) -> None:
-        deadline = time.monotonic() + ABORT_SEND_S
-        while self._sock is sock and time.monotonic() < deadline:
-            try:
-                await _writable(sock, _SEND_POLL_S)
-            except zmq.ZMQError:  # closed meanwhile
-                return
-            if self._sock is sock and self._try_send(frame):
-                return
+    def _send_nowait(self, frame: bytes, keep_s: float = 0.0) -> None:
+        """Send without waiting. A frame the socket cannot take at once stays queued ``keep_s``
+        seconds at most (dropped sooner when the socket closes)."""
+        if self._sock is None or self._closed:
+            return
+        try:
+            sending = _send_future(self._sock, frame)
+        except zmq.ZMQError:
+            return
+        if sending.done():
+            if not sending.cancelled():
+                sending.exception()  # retrieved: a failed heartbeat or abort is dropped
+            return
+        if keep_s <= 0:
+            sending.cancel()
+        else:
+            sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is dropped, not logged
+            asyncio.get_running_loop().call_later(keep_s, sending.cancel)
 
     async def call(self, msg, timeout: float | None):
         """One request, one reply (health, stats)."""
@@ -279,16 +272,14 @@ class Connection:
                     return
         finally:
             self._pending.pop(msg.id, None)
-            if sent and not done and not self._closed:
-                self._send_nowait(P.encode(P.Abort(id=msg.id)))  # never waits: leaving must not hang
+            if sent and not done:
+                self._send_nowait(P.encode(P.Abort(id=msg.id)), keep_s=ABORT_SEND_S)  # never waits: leaving must not hang
 
     async def close(self) -> None:
         """Close the socket and its context; never waits (queued frames are dropped)."""
         if self._closed:
             return
         self._closed = True
-        for task in self._aborts:
-            task.cancel()
         self._drop_socket()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
