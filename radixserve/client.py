@@ -23,7 +23,10 @@ Errors are :class:`radixserve.errors.RadixServeError` subclasses carrying the wi
 A lost router is detected by heartbeat: while calls are pending, the client sends a health probe
 whenever the router has been quiet for ``heartbeat`` seconds; after ``router_timeout`` seconds
 with no message at all, every pending call fails with :class:`RouterLostError` (code
-``router_lost``), also calls made with ``timeout=None``.
+``router_lost``), also calls made with ``timeout=None``. A router that refuses the connection at
+its handshake (at its client cap, ``serve --max-clients``) fails the pending calls at once with
+:class:`RouterRefusedError` (code ``router_refused``); the next call connects anew. No call waits
+past its ``timeout``, sending included, and leaving a client never waits.
 
 Concurrency: one DEALER socket per client, owned by one asyncio loop, with replies demultiplexed
 by request id (:mod:`radixserve.connection`). ``AsyncClient`` is safe from many tasks of one loop; ``Client`` runs an
@@ -33,6 +36,7 @@ by request id (:mod:`radixserve.connection`). ``AsyncClient`` is safe from many 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -395,13 +399,19 @@ class Client:
         return self._run(self._async.wait_ready(workers, timeout))
 
     def close(self) -> None:
+        """Close the connection and stop the loop thread; bounded (the connection's close never
+        waits, and a loop thread stuck elsewhere is left behind rather than waited for)."""
         if self._closed:
             return
         self._closed = True
-        self._run(self._async.close())
+        try:
+            asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result(timeout=5)
+        except concurrent.futures.TimeoutError:
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        self._loop.close()
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> Client:
         return self

@@ -4,6 +4,14 @@ demultiplexed by request id, and a heartbeat watchdog.
 While calls are pending, the connection sends a health probe whenever the router has been quiet
 for ``heartbeat`` seconds; after ``router_timeout`` seconds with no message at all, every pending
 call fails with :class:`~radixserve.errors.RouterLostError` (code ``router_lost``).
+
+No send ever waits past its call's timeout or the watchdog: a call whose frame the socket cannot
+take yet waits for it only up to its deadline, and fails as soon as the watchdog (or a refused
+handshake) fails it, its send then withdrawn. That matters: a router at its client cap refuses the
+connection at the handshake, libzmq then drops the connection without retrying, and the DEALER,
+left without a pipe, would hold an awaited send for ever. The refusal is seen on the socket's
+monitor: pending calls fail at once with :class:`~radixserve.errors.RouterRefusedError` (code
+``router_refused``) and the next call connects anew.
 """
 
 from __future__ import annotations
@@ -13,12 +21,28 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import cast
 
 import zmq
 import zmq.asyncio
 
 from radixserve import protocol as P
-from radixserve.errors import ROUTER_LOST, BadRequestError, RequestTimeoutError, error_from_code
+from radixserve.errors import ROUTER_LOST, ROUTER_REFUSED, BadRequestError, RequestTimeoutError, error_from_code
+
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # libzmq does not reconnect after these
+_PROTOCOL_ERRORS = {getattr(zmq, n): n[len("PROTOCOL_ERROR_") :] for n in dir(zmq) if n.startswith("PROTOCOL_ERROR_")}
+ABORT_SEND_S = 10.0  # an abort the socket cannot take at once stays queued this long at most
+
+
+def _send_future(sock: zmq.asyncio.Socket, frame: bytes) -> asyncio.Future:
+    """pyzmq's send: a future, done at once when the socket took the frame; else queued (in order)
+    until it can, and withdrawn by cancelling it."""
+    return cast(asyncio.Future, sock.send(frame))
+
+
+async def _peek(q: asyncio.Queue) -> None:
+    """Return once ``q`` holds an item, leaving it there."""
+    q.put_nowait(await q.get())
 
 
 class Connection:
@@ -30,57 +54,104 @@ class Connection:
         self.heartbeat = heartbeat
         self.router_timeout = router_timeout
         self._last_rx = time.monotonic()
-        self._watchdog: asyncio.Task | None = None
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
+        self._hb = itertools.count()
         self._pending: dict[str, asyncio.Queue] = {}
+        self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []  # the reader, watchdog and monitor of the current socket
+        self._refused: str | None = None  # why the current socket's connection was refused (it is then replaced)
         self._closed = False
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
     def _ensure(self) -> zmq.asyncio.Socket:
-        """The socket, connected (and its reader and watchdog started) on first use."""
+        """The socket, connected (and its reader, watchdog and monitor started) on first use, and
+        anew after the router refused the previous one's connection."""
         if self._closed:
             raise RuntimeError("client is closed")
+        if self._sock is not None and self._refused is not None:
+            self._drop_socket()
         if self._sock is None:
-            self._ctx = zmq.asyncio.Context()
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
             sock = self._sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
             sock.connect(self.address)
-            self._reader = asyncio.ensure_future(self._read(sock))
+            self._refused = None
+            self._tasks = [asyncio.ensure_future(self._read(sock)), asyncio.ensure_future(self._watch_handshake(self._monitor))]
             if self.router_timeout is not None:
-                self._watchdog = asyncio.ensure_future(self._watch(sock, self.router_timeout))
+                self._tasks.append(asyncio.ensure_future(self._watch(self.router_timeout)))
         return self._sock
+
+    def _drop_socket(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+        self._sock = self._monitor = None
 
     def _register(self, rid: str, q: asyncio.Queue) -> None:
         if not self._pending:
             self._last_rx = time.monotonic()  # the quiet time before this call does not count
         self._pending[rid] = q
 
-    async def _watch(self, sock: zmq.asyncio.Socket, router_timeout: float) -> None:
+    def _fail_all(self, code: str, message: str) -> None:
+        err = P.Error(id="", code=code, message=message)
+        for q in list(self._pending.values()):
+            q.put_nowait(err)
+        self._pending.clear()
+
+    async def _watch(self, router_timeout: float) -> None:
         """Probe a quiet router while calls are pending; fail them all when it stays silent."""
-        n = itertools.count()
         while True:
             await asyncio.sleep(min(self.heartbeat, router_timeout / 4))
             if not self._pending:
                 continue
             quiet = time.monotonic() - self._last_rx
             if quiet > router_timeout:
-                lost = P.Error(
-                    id="", code=ROUTER_LOST, message=f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); it is gone or unreachable"
-                )
-                for q in list(self._pending.values()):
-                    q.put_nowait(lost)
-                self._pending.clear()
+                why = self._refused or "it is gone or unreachable"
+                self._fail_all(ROUTER_LOST, f"no word from the router at {self.address} for {quiet:.1f} s (heartbeat); {why}")
             elif quiet > self.heartbeat:
-                try:
-                    await sock.send(P.encode(P.Health(id=f"{self._prefix}-hb-{next(n)}")), flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                self._send_nowait(P.encode(P.Health(id=f"{self._prefix}-hb-{next(self._hb)}")))
+
+    async def _watch_handshake(self, monitor: zmq.asyncio.Socket) -> None:
+        """Fail the pending calls at once when the router refuses the connection's handshake
+        (libzmq then drops it for good; the next call connects anew)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except (ValueError, KeyError, IndexError):
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused = (
+                    f"the router at {self.address} did not accept this client's connection (refused at the handshake, "
+                    f"status {event['value']}): it is most likely at its client cap (max_clients; serve --max-clients, "
+                    f"its stats count refused_clients). Retry later; the next call connects anew"
+                )
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                what = _PROTOCOL_ERRORS.get(event["value"], f"protocol error {event['value']:#x}")
+                self._refused = (
+                    f"{self.address} did not accept this client's connection (the handshake failed: {what}); is it a "
+                    f"radixserve router's client address (not its worker port)? The next call connects anew"
+                )
+            else:
+                continue
+            self._fail_all(ROUTER_REFUSED, self._refused)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         async for frame in P.received(sock.recv):
@@ -95,20 +166,76 @@ class Connection:
             elif isinstance(msg, P.Error) and not msg.id and len(self._pending) == 1:
                 next(iter(self._pending.values())).put_nowait(msg)  # unattributable: only one waiter
 
-    async def send(self, msg) -> None:
+    def _encode(self, msg) -> bytes:
         frame = P.encode(msg)
         if len(frame) > self.max_frame_bytes:
             raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
-        await self._ensure().send(frame)
+        return frame
+
+    async def _send(self, rid: str, frame: bytes, q: asyncio.Queue, deadline: float | None, timeout: float | None) -> None:
+        """Send a request's frame. When the socket cannot take it at once (the router is
+        unreachable, slow to read, or refused the connection: no pipe), wait no longer than
+        ``deadline``, and only until an error for the call arrives on ``q`` (the watchdog's, or a
+        refusal's; the caller reads it); the queued send is then withdrawn (pyzmq skips a
+        cancelled send future)."""
+        sock = self._ensure()
+        if not q.empty():
+            return
+        sending = _send_future(sock, frame)
+        if sending.done():  # taken at once (or an error other than EAGAIN: raised)
+            sending.result()
+            return
+        failed = asyncio.ensure_future(_peek(q))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait((sending, failed), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not sending.done():
+                sending.cancel()
+        if sending.done() and not sending.cancelled():
+            sending.result()
+            return
+        if not q.empty():
+            return
+        if self._closed:
+            raise RuntimeError("client is closed")
+        why = self._refused or (
+            "no connection to it took the request: it is unreachable, or did not accept this client's connection "
+            "(a router at its client cap, max_clients, refuses new ones)"
+        )
+        raise RequestTimeoutError(f"request {rid} could not be sent to {self.address} within {timeout} s; {why}")
+
+    def _send_nowait(self, frame: bytes, keep_s: float = 0.0) -> None:
+        """Send without waiting. A frame the socket cannot take at once stays queued ``keep_s``
+        seconds at most (dropped sooner when the socket closes)."""
+        if self._sock is None or self._closed:
+            return
+        try:
+            sending = _send_future(self._sock, frame)
+        except zmq.ZMQError:
+            return
+        if sending.done():
+            if not sending.cancelled():
+                sending.exception()  # retrieved: a failed heartbeat or abort is dropped
+            return
+        if keep_s <= 0:
+            sending.cancel()
+        else:
+            sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is dropped, not logged
+            asyncio.get_running_loop().call_later(keep_s, sending.cancel)
 
     async def call(self, msg, timeout: float | None):
         """One request, one reply (health, stats)."""
+        frame = self._encode(msg)
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
         self._register(msg.id, q)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            await self.send(msg)
-            reply = await asyncio.wait_for(q.get(), timeout)
+            await self._send(msg.id, frame, q, deadline, timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            reply = await asyncio.wait_for(q.get(), left)
         except asyncio.TimeoutError:
             raise RequestTimeoutError(f"no reply from {self.address} within {timeout} s") from None
         finally:
@@ -120,13 +247,15 @@ class Connection:
     async def events(self, msg: P.Generate | P.Choose, timeout: float | None) -> AsyncIterator:
         """The replies to a generate or choose up to its final one (an error raises); leaving early,
         or running past ``timeout``, aborts the request on the server."""
+        frame = self._encode(msg)
         self._ensure()
         q: asyncio.Queue = asyncio.Queue()
         self._register(msg.id, q)
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = False
+        done = sent = False
         try:
-            await self.send(msg)
+            await self._send(msg.id, frame, q, deadline, timeout)
+            sent = q.empty()  # else an error came before the socket took it
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -143,20 +272,14 @@ class Connection:
                     return
         finally:
             self._pending.pop(msg.id, None)
-            if not done and self._sock is not None and not self._closed:
-                try:
-                    await self.send(P.Abort(id=msg.id))
-                except Exception:
-                    pass
+            if sent and not done:
+                self._send_nowait(P.encode(P.Abort(id=msg.id)), keep_s=ABORT_SEND_S)  # never waits: leaving must not hang
 
     async def close(self) -> None:
+        """Close the socket and its context; never waits (queued frames are dropped)."""
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._ctx.term()
+        self._drop_socket()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)

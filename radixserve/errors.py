@@ -13,6 +13,7 @@ INTERNAL = "internal"
 UNAUTHORIZED = "unauthorized"  # keys are configured and the request carried none, or an unknown one
 TIMEOUT = "timeout"  # the SDK's own: the caller's timeout ran out (never sent by a server)
 ROUTER_LOST = "router_lost"  # the SDK's own: nothing heard from the router
+ROUTER_REFUSED = "router_refused"  # the SDK's own: the router refused the connection at its handshake
 ERROR_CODES = (BAD_REQUEST, TOO_LONG, OVERLOADED, WORKER_LOST, SHUTTING_DOWN, INTERNAL, UNAUTHORIZED)  # what servers send
 
 
@@ -78,6 +79,15 @@ class RouterLostError(RadixServeError, ConnectionError):
     code = ROUTER_LOST
 
 
+class RouterRefusedError(RadixServeError, ConnectionError):
+    """The router did not accept the SDK's connection: it refused the handshake, most likely
+    because it is at its client-connection cap (``serve --max-clients``; its stats count
+    ``refused_clients``), or the address is not a router's client socket. Pending calls on that
+    connection fail with this at once; the next call connects anew."""
+
+    code = ROUTER_REFUSED
+
+
 class InternalError(RadixServeError):
     code = INTERNAL
 
@@ -99,6 +109,7 @@ _BY_CODE: dict[str, type[RadixServeError]] = {
         InternalError,
         RequestTimeoutError,
         RouterLostError,
+        RouterRefusedError,
         UnauthorizedError,
     )
 }
