@@ -172,19 +172,19 @@ class Connection:
             raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
         return frame
 
-    async def _send(self, rid: str, frame: bytes, q: asyncio.Queue, deadline: float | None, timeout: float | None) -> None:
+    async def _send(self, rid: str, frame: bytes, q: asyncio.Queue, deadline: float | None, timeout: float | None) -> bool:
         """Send a request's frame. When the socket cannot take it at once (the router is
         unreachable, slow to read, or refused the connection: no pipe), wait no longer than
         ``deadline``, and only until an error for the call arrives on ``q`` (the watchdog's, or a
         refusal's; the caller reads it); the queued send is then withdrawn (pyzmq skips a
-        cancelled send future)."""
+        cancelled send future). Returns whether the socket took the frame."""
         sock = self._ensure()
         if not q.empty():
-            return
+            return False
         sending = _send_future(sock, frame)
         if sending.done():  # taken at once (or an error other than EAGAIN: raised)
             sending.result()
-            return
+            return True
         failed = asyncio.ensure_future(_peek(q))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -195,9 +195,9 @@ class Connection:
                 sending.cancel()
         if sending.done() and not sending.cancelled():
             sending.result()
-            return
+            return True
         if not q.empty():
-            return
+            return False
         if self._closed:
             raise RuntimeError("client is closed")
         why = self._refused or (
@@ -254,8 +254,7 @@ class Connection:
         deadline = None if timeout is None else time.monotonic() + timeout
         done = sent = False
         try:
-            await self._send(msg.id, frame, q, deadline, timeout)
-            sent = q.empty()  # else an error came before the socket took it
+            sent = await self._send(msg.id, frame, q, deadline, timeout)  # (False: an error came before the socket took it)
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
