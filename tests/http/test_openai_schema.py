@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve import protocol as P
-from radixserve.errors import BadRequestError, error_from_code
+from radixserve.errors import BadRequestError, RouterLostError, RouterRefusedError, error_from_code
 from radixserve.serve.openai.errors import APIError, api_error_from
 from radixserve.serve.openai.schema import (
     ChatRequest,
@@ -180,3 +180,11 @@ def test_per_choice_seeds_stay_in_the_seed_range():
     for _, prompt, sp in jobs:
         P.encode(P.Generate(id="x", prompt=prompt, params=sp))
     assert [sp.seed for _, _, sp in _jobs(["hi"], _params({"seed": -3, "n": 2})[0], 2)] == [-3, -2]
+
+
+@pytest.mark.parametrize("exc, code", [(RouterLostError("gone"), "router_lost"), (RouterRefusedError("at its client cap"), "router_refused")])
+def test_a_lost_or_refused_router_is_a_503_with_retry_after(exc, code):
+    """The gateway's own connection to the router failing is the service being unavailable (503,
+    retry later), not a server bug (500)."""
+    err = api_error_from(exc)
+    assert (err.status, err.code, err.type) == (503, code, "server_error") and err.headers["Retry-After"] == "5"

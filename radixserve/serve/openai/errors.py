@@ -6,7 +6,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from radixserve.errors import BadRequestError, OverloadedError, RadixServeError, RequestTimeoutError, ShuttingDownError, TooLongError, WorkerLostError
+from radixserve.errors import (
+    BadRequestError,
+    OverloadedError,
+    RadixServeError,
+    RequestTimeoutError,
+    RouterLostError,
+    RouterRefusedError,
+    ShuttingDownError,
+    TooLongError,
+    WorkerLostError,
+)
 
 log = logging.getLogger("radixserve.http")
 
@@ -39,7 +49,14 @@ def bad(param: str | None, message: str, code: str | None = None) -> APIError:
 
 
 # (error class, HTTP status, OpenAI code, Retry-After seconds or None); the first match wins
-_UNAVAILABLE = ((OverloadedError, "overloaded", "1"), (ShuttingDownError, "shutting_down", "5"), (WorkerLostError, "worker_lost", "1"))
+# (the gateway's own connection to the router lost or refused: the service is unavailable, not broken)
+_UNAVAILABLE = (
+    (OverloadedError, "overloaded", "1"),
+    (ShuttingDownError, "shutting_down", "5"),
+    (WorkerLostError, "worker_lost", "1"),
+    (RouterLostError, "router_lost", "5"),
+    (RouterRefusedError, "router_refused", "5"),
+)
 
 
 def api_error_from(exc: BaseException, prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> APIError:
