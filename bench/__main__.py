@@ -27,6 +27,7 @@ COMMANDS = [
     "tensor_parallel",
     "routing",
     "kernels",
+    "qlinear",
     "roofline",
     "floor",
     "layers",

@@ -538,3 +538,43 @@ def test_peers_fleet_through_the_gateway_completes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout)["workloads"]["fleet"]["engines"]["radixserve"]
     assert run["requests"] == 32 * 4 and run["backend"] == "http gateway"
+
+
+def test_qlinear_shapes_rows_and_types():
+    # each shape x rows gets a time and a rate; weights of every int8 type (K-quants included)
+    from radixserve.kernels import quant
+
+    ops = quant.ops()
+    if ops is None:
+        pytest.skip("the csrc/ kernels do not build here")
+    impl = "int8" if ops.has_int8() else "fp32"
+    for qtype in ("q4_0", "q6_k"):
+        out = run_bench("qlinear", "--shapes", "64x256,37x512", "--rows", "1,3", "--qtype", qtype, "--impl", impl, "--repeats", "3", "--mib", "1")
+        assert (out["qtype"], out["impl"], out["against"]) == (qtype, impl, None)
+        assert [(r["shape"], r["rows"]) for r in out["results"]] == [("64x256", 1), ("64x256", 3), ("37x512", 1), ("37x512", 3)]
+        assert all(r["this"]["ms"] > 0 and r["this"]["gb_s"] > 0 and "against" not in r for r in out["results"])
+
+
+def test_qlinear_against_stages_a_renamed_copy(tmp_path, monkeypatch):
+    # --against builds another checkout's quant kernels under a namespace of their own: the staged
+    # quant.cpp registers that name, the other sources are copied as they are (the build is mocked)
+    import torch
+    from torch.utils import cpp_extension
+
+    from bench import qlinear
+    from radixserve.kernels import build
+
+    calls = []
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch, "ops", type("Ops", (), {"__getattr__": lambda self, name: name})())
+    name = qlinear.build_against(ROOT / "csrc")
+    tag = build._sources_tag(ROOT / "csrc")
+    assert name == f"radixserve_quant_{tag}" and calls[0]["name"] == name
+    staged = Path(calls[0]["sources"][0]).parent
+    assert f"TORCH_LIBRARY({name}," in (staged / "quant.cpp").read_text()
+    assert "TORCH_LIBRARY(radixserve_quant," not in (staged / "quant.cpp").read_text()
+    assert (staged / "quant_int8.cpp").read_text() == (ROOT / "csrc" / "quant_int8.cpp").read_text()
+    assert (staged / "quant.h").is_file()
+    with pytest.raises(SystemExit, match="no quant.cpp"):
+        qlinear.build_against(tmp_path)

@@ -1,0 +1,154 @@
+"""Quantized linear layers (csrc/quant.cpp, csrc/quant_int8.cpp) per weight shape, as a decode
+step meets them: ms per call and GB/s of weight blocks read.
+
+Each shape ``NxK`` is a random weight of ``--qtype`` blocks (gguf's quantizer, or radixserve's for
+the K-quants), copied until the copies fill ``--mib`` MiB so that each call reads its weight from
+memory, as a decode step does; ``--rows`` are the rows of x (a decode batch); ``--impl`` is
+``int8`` (activations quantized per 32 values, the decode path where the CPU has AVX-512 VNNI) or
+``fp32``. The default shapes are a Llama-2-7B layer's: fused q/k/v, o, fused gate/up, down.
+
+``--against DIR`` builds another checkout's quant kernels (DIR is its csrc/, say from ``git
+worktree add /tmp/base HEAD~1``) under a namespace of their own and times them next to these,
+call by call in one process; each line adds the median over repeats of each repeat's own ratio
+(against / this: above 1, this checkout is faster). On these VMs, whose speed drifts by tens of
+percent from minute to minute, only such ratios tell a few percent apart.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HELP = "quantized linear kernels per weight shape (ms, GB/s), optionally against another checkout's build"
+
+LLAMA2_7B = "12288x4096,4096x4096,22016x4096,4096x11008"
+QTYPE_IDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+SOURCES = ("quant.cpp", "quant_int8.cpp")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shapes", default=LLAMA2_7B, help="weights NxK, comma-separated (default: a Llama-2-7B layer's)")
+    parser.add_argument("--qtype", default="q4_0", choices=sorted(QTYPE_IDS))
+    parser.add_argument("--rows", default="1", help="rows of x per call, comma-separated (decode batch sizes)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--impl", default="int8", choices=["int8", "fp32"], help="int8 activations (the decode path) or fp32")
+    parser.add_argument("--repeats", type=int, default=40, help="timed calls per shape and build")
+    parser.add_argument("--mib", type=int, default=256, help="MiB of weight copies each shape rotates over")
+    parser.add_argument("--against", metavar="DIR", default=None, help="another checkout's csrc/: time its quant kernels next to these, alternating")
+    parser.add_argument("--json", action="store_true")
+
+
+def build_against(csrc: str | Path):
+    """``torch.ops`` namespace of another checkout's quant kernels, built into the kernel cache
+    under a name of its own (its TORCH_LIBRARY renamed in a staged copy) so that they load next to
+    this checkout's."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from radixserve.kernels import build
+
+    csrc = Path(csrc)
+    missing = [s for s in SOURCES if not (csrc / s).is_file()]
+    if missing:
+        raise SystemExit(f"--against {csrc}: no {', '.join(missing)} there (give another checkout's csrc/)")
+    tag = build._sources_tag(csrc)
+    name = f"radixserve_quant_{tag}"
+    directory = build.build_dir().parent / f"against-quant-{tag}"
+    staged = directory / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in csrc.glob("*"):
+        if path.suffix not in (".h", ".cpp"):
+            continue
+        text = path.read_text()
+        if path.name == "quant.cpp":
+            if "TORCH_LIBRARY(radixserve_quant," not in text:
+                raise SystemExit(f"--against {csrc}: its quant.cpp registers no radixserve_quant ops")
+            text = text.replace("TORCH_LIBRARY(radixserve_quant,", f"TORCH_LIBRARY({name},")
+        target = staged / path.name
+        if not target.exists() or target.read_text() != text:  # (unchanged copies keep ninja's build)
+            target.write_text(text)
+    print(f"  loading {csrc}'s quant kernels from {directory} (the first time: a minute or two to build)", flush=True, file=sys.stderr)
+    cpp_extension.load(
+        name=name,
+        sources=[str(staged / s) for s in SOURCES],
+        build_directory=str(directory),
+        extra_cflags=build.CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+        is_python_module=False,
+    )
+    return getattr(torch.ops, name)
+
+
+def _weight(n: int, k: int, qtype: str, seed: int):
+    import numpy as np
+    import torch
+
+    from radixserve.testing_gguf import quantize
+
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(quantize(rng.standard_normal((n, k), dtype=np.float32), QTYPE_IDS[qtype]))
+
+
+def run(args) -> int:
+    import torch
+
+    from radixserve.kernels import quant
+
+    torch.set_num_threads(args.threads)
+    ops = quant.ops()
+    if ops is None:
+        raise SystemExit("the CPU kernels are unavailable here (see the log above)")
+    impl = 4 if args.impl == "int8" else 0
+    if impl == 4 and not ops.has_int8():
+        raise SystemExit("--impl int8: this build has no int8 kernels (AVX-512 VNNI and VBMI); use --impl fp32")
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shapes must be NxK[,NxK...] and --rows M[,M...]; got {args.shapes!r} and {args.rows!r}") from None
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or min(rows) < 1:
+        raise SystemExit("--shapes: each N and K at least 1; --rows: each at least 1")
+    builds = [("this", ops)] + ([("against", build_against(args.against))] if args.against else [])
+    no_map = [torch.empty(0, dtype=torch.int32)]
+    qt = QTYPE_IDS[args.qtype]
+    results = []
+    if not args.json:
+        print(
+            f"{args.qtype} weights, {args.impl} activations, {args.threads} thread(s); each shape's copies fill {args.mib} MiB; "
+            f"median of {args.repeats} calls{'; against / this above 1: this checkout is faster' if args.against else ''}",
+            flush=True,
+        )
+    for n, k in shapes:
+        first = _weight(n, k, args.qtype, seed=n * 31 + k)
+        copies = [first] + [first.clone() for _ in range(max(0, args.mib * 2**20 // first.numel() - 1))]
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            ref = builds[0][1].qlinear(x, [first], [qt], no_map, None, impl)
+            for label, b in builds[1:]:  # (the same arithmetic: a build that differs is not comparable)
+                torch.testing.assert_close(b.qlinear(x, [first], [qt], no_map, None, impl), ref, rtol=1e-5, atol=1e-4, msg=f"{label} differs")
+            times: dict[str, list[float]] = {label: [] for label, _ in builds}
+            for r in range(args.repeats):
+                w = copies[r % len(copies)]
+                for label, b in builds:
+                    start = time.perf_counter()
+                    b.qlinear(x, [w], [qt], no_map, None, impl)
+                    times[label].append(time.perf_counter() - start)
+            row = {"shape": f"{n}x{k}", "rows": m, "bytes": first.numel()}
+            for label, _ in builds:
+                med = statistics.median(times[label])
+                row[label] = {"ms": med * 1e3, "gb_s": first.numel() / med / 1e9}
+            if args.against:
+                row["against_over_this"] = statistics.median(a / t for a, t in zip(times["against"], times["this"], strict=True))
+            results.append(row)
+            if not args.json:
+                text = f"  {n:>6} x {k:<6} rows {m:>3}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
+                if args.against:
+                    text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
+                print(text, flush=True)
+    if args.json:
+        print(json.dumps({"qtype": args.qtype, "impl": args.impl, "threads": args.threads, "against": args.against, "results": results}))
+    return 0
