@@ -124,7 +124,7 @@ def run(args) -> int:
         )
     for n, k in shapes:
         first = _weight(n, k, args.qtype, seed=n * 31 + k)
-        copies = [first] + [first.clone() for _ in range(max(0, args.mib * 2**20 // first.numel() - 1))]
+        copies = [first] + [first.clone() for _ in range(max(2, args.mib * 2**20 // first.numel() - 1))]
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             ref = builds[0][1].qlinear(x, [first], [qt], no_map, None, impl)
@@ -132,8 +132,8 @@ def run(args) -> int:
                 torch.testing.assert_close(b.qlinear(x, [first], [qt], no_map, None, impl), ref, rtol=1e-5, atol=1e-4, msg=f"{label} differs")
             times: dict[str, list[float]] = {label: [] for label, _ in builds}
             for r in range(args.repeats):
-                w = copies[r % len(copies)]
-                for label, b in builds:
+                for i, (label, b) in enumerate(builds):
+                    w = copies[(r * len(builds) + i) % len(copies)]  # (each call its own copy: none finds the last one's in L3)
                     start = time.perf_counter()
                     b.qlinear(x, [w], [qt], no_map, None, impl)
                     times[label].append(time.perf_counter() - start)
