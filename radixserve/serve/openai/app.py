@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +37,14 @@ from radixserve.serve.openai.schema import (
     structured_field,
 )
 from radixserve.serve.openai.tenants import Tenants
+from radixserve.serve.router.admission import http_tenant
 from radixserve.serve.router.core import shareable
 from radixserve.tools.chat import ToolRequest
 
 log = logging.getLogger("radixserve.http")
 
 MAX_CHOICES = 64  # prompts x n per request
+_SHED_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # path -> metrics route
 
 
 @dataclass
@@ -116,8 +118,13 @@ def _jobs(prompts: list, params: SamplingParams, n: int) -> list[tuple[int, Any,
 class Gateway:
     """The Starlette app and its state (router client, tokenizer, tenants, metrics)."""
 
-    def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None):
+    def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None, admission: Callable[[str], bool] | None = None):
+        """``admission(tenant)``: True when the router would certainly refuse a new job of that
+        queue share ``overloaded`` (serve passes its in-process router's
+        :meth:`~radixserve.serve.router.admission.AdmissionView.refuses`): such a completion is
+        answered 503 before anything else is done with it. None: every request goes to the router."""
         self.config = config
+        self.admission = admission
         self.tokenizer = shareable(tokenizer)  # the loop and the pool's threads call it at once
         self._token_texts = R.TokenTexts(self.tokenizer)
         self.tenants = tenants or Tenants()
@@ -160,7 +167,49 @@ class Gateway:
         async def on_any(request, exc: Exception):
             return self._error(api_error_from(exc), route="other")
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: on_http, Exception: on_any})
+        return self._shedding(Starlette(routes=routes, exception_handlers={HTTPException: on_http, Exception: on_any}))
+
+    def _shedding(self, app):
+        """``app`` behind the fast refusal: a completion the router would refuse ``overloaded``
+        gets its 503 here, before routing, body and checks (a burst drained at their cost, one
+        request after another, and its 503s left only once the whole burst was taken in)."""
+        if self.admission is None:
+            return app
+        err = api_error_from(OverloadedError("all workers are at their in-flight cap and the router queue is full; retry later or add workers"))
+        body = msgspec.json.encode(err.body())
+        start = {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *((k.lower().encode(), v.encode()) for k, v in err.headers.items()),
+            ],
+        }
+        done = {"type": "http.response.body", "body": body}
+
+        async def shedding(scope, receive, send):
+            if scope["type"] == "http" and scope["method"] == "POST":
+                route = _SHED_ROUTES.get(scope["path"])
+                if route is not None and self._refused(scope["headers"]):
+                    self.meters.count(route, 503)
+                    await send(start)
+                    await send(done)
+                    return
+            await app(scope, receive, send)
+
+        return shedding
+
+    def _refused(self, headers) -> bool:
+        """Whether the router would refuse this request's tenant now (a request without a valid
+        key: no, the app answers it 401)."""
+        auth = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), None)
+        try:
+            tenant = self.tenants.authenticate(auth)
+        except APIError:
+            return False
+        assert self.admission is not None
+        return self.admission(http_tenant(self.tenants.namespace(tenant)))
 
     def _json(self, data, status: int = 200, headers: dict | None = None, route: str = "other"):
         from starlette.responses import Response

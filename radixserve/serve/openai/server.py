@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from radixserve import protocol as P
@@ -182,11 +183,20 @@ def _keys(args) -> dict[str, str]:
 
 
 def start_gateway(
-    args, router_address: str, limits: P.Limits, tokenizer=None, *, tenant_secret: bytes | None = None, router_key: str | None = None
+    args,
+    router_address: str,
+    limits: P.Limits,
+    tokenizer=None,
+    *,
+    tenant_secret: bytes | None = None,
+    router_key: str | None = None,
+    admission: Callable[[str], bool] | None = None,
 ) -> GatewayServer:
     """Start the gateway for ``radixserve serve`` (``args``: its parsed options). ``tenant_secret``:
     the router's (so a tenant's namespace is the same over HTTP and ZMQ); ``router_key``: the key
-    the gateway's requests carry to the router (:func:`radixserve.serve.auth.gateway_key`)."""
+    the gateway's requests carry to the router (:func:`radixserve.serve.auth.gateway_key`);
+    ``admission``: the in-process router's :meth:`AdmissionView.refuses
+    <radixserve.serve.router.admission.AdmissionView.refuses>` (refusals answered at once)."""
     keys = _keys(args)
     if tokenizer is None:
         from radixserve.serve.router import load_tokenizer
@@ -205,7 +215,7 @@ def start_gateway(
     )
     try:
         server = GatewayServer(
-            Gateway(config, tokenizer, Tenants(keys, tenant_secret)),
+            Gateway(config, tokenizer, Tenants(keys, tenant_secret), admission=admission),
             args.host,
             args.http_port,
             header_timeout_s=getattr(args, "http_header_timeout", 10.0),
