@@ -13,12 +13,15 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from radixserve import protocol as P
 from radixserve.errors import ROUTER_LOST, BadRequestError, RequestTimeoutError, error_from_code
+
+Opened = tuple[asyncio.Queue, "asyncio.Future[Any]"]  # Connection.open: (the call's reply queue, its send)
 
 
 class Connection:
@@ -95,11 +98,33 @@ class Connection:
             elif isinstance(msg, P.Error) and not msg.id and len(self._pending) == 1:
                 next(iter(self._pending.values())).put_nowait(msg)  # unattributable: only one waiter
 
-    async def send(self, msg) -> None:
+    def _frame(self, msg) -> bytes:
         frame = P.encode(msg)
         if len(frame) > self.max_frame_bytes:
             raise BadRequestError("request", f"encodes to {len(frame)} bytes; the limit is {self.max_frame_bytes}")
-        await self._ensure().send(frame)
+        return frame
+
+    async def send(self, msg) -> None:
+        await self._ensure().send(self._frame(msg))
+
+    def open(self, msg: P.Generate | P.Choose) -> Opened:
+        """Register ``msg``'s replies and send it now, not at the first step of a task (pyzmq
+        sends at once unless the socket is full): pass the result to :meth:`events`, and
+        :meth:`forget` the id when that is done (a task cancelled before its first step never
+        runs the generator, whose end would)."""
+        frame = self._frame(msg)
+        sock = self._ensure()
+        q: asyncio.Queue = asyncio.Queue()
+        self._register(msg.id, q)
+        return q, sock.send(frame)
+
+    def forget(self, rid: str) -> None:
+        """Drop call ``rid`` if :meth:`events` never ran for it, aborting it on the server."""
+        if self._pending.pop(rid, None) is not None and self._sock is not None and not self._closed:
+            try:
+                self._sock.send(P.encode(P.Abort(id=rid)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     async def call(self, msg, timeout: float | None):
         """One request, one reply (health, stats)."""
@@ -117,16 +142,17 @@ class Connection:
             raise error_from_code(reply.code, reply.message)
         return reply
 
-    async def events(self, msg: P.Generate | P.Choose, timeout: float | None) -> AsyncIterator:
+    async def events(self, msg: P.Generate | P.Choose, timeout: float | None, opened: Opened | None = None) -> AsyncIterator:
         """The replies to a generate or choose up to its final one (an error raises); leaving early,
-        or running past ``timeout``, aborts the request on the server."""
-        self._ensure()
-        q: asyncio.Queue = asyncio.Queue()
-        self._register(msg.id, q)
+        or running past ``timeout``, aborts the request on the server. ``opened``: what
+        :meth:`open` returned for ``msg`` (already sent); None: sent here."""
         deadline = None if timeout is None else time.monotonic() + timeout
         done = False
         try:
-            await self.send(msg)
+            if opened is None:
+                opened = self.open(msg)
+            q, sent = opened
+            await sent
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:

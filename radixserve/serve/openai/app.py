@@ -331,9 +331,29 @@ class Gateway:
         finally:
             self._tokenizing -= 1
 
-    async def _run_all(self, jobs, namespace) -> list:
-        client = await self._ensure_client()
-        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp)) for _, p, sp in jobs]
+    @staticmethod
+    def _start_all(client, jobs, namespace) -> list[asyncio.Future]:
+        """A task per job, its request sent to the router before this returns (``start_generate``;
+        a stand-in client without it: at the task's first step). In a burst, the requests sent
+        at once reach the router while the gateway takes in the rest, so its admission view
+        turns to refusing within the burst, not after it (a 300-request burst's first request
+        used to leave after the whole burst's intake, two task hops later)."""
+        start = getattr(client, "start_generate", None)
+        tasks: list[asyncio.Future] = []
+        try:
+            for _, p, sp in jobs:
+                if start is not None:
+                    tasks.append(start(p, namespace=namespace, timeout=None, params=sp))
+                else:
+                    tasks.append(asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp)))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        return tasks
+
+    @staticmethod
+    async def _gather(tasks: list[asyncio.Future]) -> list:
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -353,7 +373,13 @@ class Gateway:
                     response = await self._stream(request, prep)
                     streaming = True  # the stream's generator ends the in-flight count
                     return response
-                outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
+                tasks = self._start_all(await self._ensure_client(), prep.jobs, prep.namespace)
+                try:
+                    outs = await with_disconnect(request, self._gather(tasks))
+                finally:  # also when the gathering was cancelled before it began
+                    for t in tasks:
+                        if not t.done():
+                            t.cancel()
             except Exception as exc:
                 max_tokens_param = prep.max_tokens_param if prep is not None else "max_tokens"
                 return self._error(api_error_from(exc, "messages" if chat else "prompt", max_tokens_param), route)
