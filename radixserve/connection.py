@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import zmq
@@ -21,7 +21,7 @@ import zmq.asyncio
 from radixserve import protocol as P
 from radixserve.errors import ROUTER_LOST, BadRequestError, RequestTimeoutError, error_from_code
 
-Opened = tuple[asyncio.Queue, "asyncio.Future[Any]"]  # Connection.open: (the call's reply queue, its send)
+Opened = tuple[asyncio.Queue, Awaitable[Any]]  # Connection.open: (the call's reply queue, its send)
 
 
 class Connection:
