@@ -52,10 +52,12 @@ def _post(port: int, path: str, body: dict, key: str | None = None) -> tuple[int
         conn.close()
 
 
-@pytest.fixture
-def gateway():
+@pytest.fixture(params=["httptools", "h11"])
+def gateway(request):
     """A gateway with two keyed tenants, a fake router client, and an admission view that refuses
-    the tenants named in ``refusing`` (what it was asked is in ``asked``)."""
+    the tenants named in ``refusing`` (what it was asked is in ``asked``); over either protocol."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
     client, refusing, asked = _Client(), set(), []
 
     def admission(tenant: str) -> bool:
@@ -64,15 +66,22 @@ def gateway():
 
     tenants = Tenants({"key-a": "alice", "key-b": "bob"}, b"s" * 32)
     gw = Gateway(GatewayConfig(router="tcp://127.0.0.1:1", model_names=["m"]), tenants=tenants, client=client, admission=admission)
-    server = GatewayServer(gw, "127.0.0.1", 0).start()
+    app, app_calls = gw.app, []
+
+    async def counting(scope, receive, send):  # what reached the ASGI app
+        app_calls.append(scope.get("path"))
+        await app(scope, receive, send)
+
+    gw.app = counting
+    server = GatewayServer(gw, "127.0.0.1", 0, http=request.param).start()
     try:
-        yield server.port, client, refusing, asked, tenants
+        yield server.port, client, refusing, asked, tenants, request.param, app_calls
     finally:
         server.stop()
 
 
 def test_refused_at_once_without_a_call_to_the_router(gateway):
-    port, client, refusing, asked, tenants = gateway
+    port, client, refusing, asked, tenants, protocol, app_calls = gateway
     alice = f"http:{tenants.namespace('alice')}"
     refusing.add(alice)
     for path, body in (("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4}), ("/v1/chat/completions", {"messages": "not even checked"})):
@@ -81,6 +90,8 @@ def test_refused_at_once_without_a_call_to_the_router(gateway):
         assert set(data["error"]) == {"message", "type", "param", "code"}
         assert int(headers["retry-after"]) >= 1
     assert client.calls == [] and asked == [alice, alice]
+    # httptools: answered as soon as the head was in, before any ASGI cycle; h11: before routing
+    assert app_calls == ([] if protocol == "httptools" else ["/v1/completions", "/v1/chat/completions"])
     # bob's share is not full: his request goes to the router
     status, _, data = _post(port, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4}, "key-b")
     assert status == 200 and data["choices"][0]["text"] == "ok"
@@ -88,7 +99,7 @@ def test_refused_at_once_without_a_call_to_the_router(gateway):
 
 
 def test_a_request_without_a_valid_key_is_answered_401_not_503(gateway):
-    port, client, refusing, asked, tenants = gateway
+    port, client, refusing, asked, tenants, _, _ = gateway
     refusing.add(f"http:{tenants.namespace('alice')}")
     for key in (None, "wrong"):
         status, _, data = _post(port, "/v1/completions", {"prompt": [1], "max_tokens": 4}, key)
@@ -97,7 +108,7 @@ def test_a_request_without_a_valid_key_is_answered_401_not_503(gateway):
 
 
 def test_the_router_view_is_not_asked_for_other_routes(gateway):
-    port, client, refusing, asked, tenants = gateway
+    port, client, refusing, asked, tenants, _, _ = gateway
     refusing.add(f"http:{tenants.namespace('alice')}")
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/v1/models", headers={"Authorization": "Bearer key-a"})

@@ -175,30 +175,37 @@ class Gateway:
         request after another, and its 503s left only once the whole burst was taken in)."""
         if self.admission is None:
             return app
-        err = api_error_from(OverloadedError("all workers are at their in-flight cap and the router queue is full; retry later or add workers"))
-        body = msgspec.json.encode(err.body())
-        start = {
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *((k.lower().encode(), v.encode()) for k, v in err.headers.items()),
-            ],
-        }
+        status, headers, body = self.overloaded_response()
+        start = {"type": "http.response.start", "status": status, "headers": headers}
         done = {"type": "http.response.body", "body": body}
 
         async def shedding(scope, receive, send):
-            if scope["type"] == "http" and scope["method"] == "POST":
-                route = _SHED_ROUTES.get(scope["path"])
-                if route is not None and self._refused(scope["headers"]):
-                    self.meters.count(route, 503)
-                    await send(start)
-                    await send(done)
-                    return
+            if scope["type"] == "http" and scope["method"] == "POST" and self.shed(scope["path"], scope["headers"]):
+                await send(start)
+                await send(done)
+                return
             await app(scope, receive, send)
 
         return shedding
+
+    def overloaded_response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """(status, headers, body) of the fast refusal: 503 ``overloaded`` with Retry-After."""
+        err = api_error_from(OverloadedError("all workers are at their in-flight cap and the router queue is full; retry later or add workers"))
+        body = msgspec.json.encode(err.body())
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        return err.status, headers + [(k.lower().encode(), v.encode()) for k, v in err.headers.items()], body
+
+    def shed(self, path: str, headers) -> bool:
+        """Whether a POST to ``path`` with ``headers`` (lower-case names) is a completion the router
+        would refuse now: then it is counted as answered 503, and the caller (this app, or the
+        HTTP protocol as soon as the head is in) answers :meth:`overloaded_response`."""
+        if self.admission is None:
+            return False
+        route = _SHED_ROUTES.get(path)
+        if route is None or not self._refused(headers):
+            return False
+        self.meters.count(route, 503)
+        return True
 
     def _refused(self, headers) -> bool:
         """Whether the router would refuse this request's tenant now (a request without a valid

@@ -176,12 +176,28 @@ def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections
     return GuardedH11Protocol
 
 
-def _guarded_httptools(header_timeout_s: float, body_timeout_s: float, max_connections: int, per_turn: int = 8, max_head_bytes: int = 64 * 1024):
+class _Answered(Exception):
+    """Raised from a parser callback to stop parsing a request already answered."""
+
+
+def _guarded_httptools(
+    header_timeout_s: float,
+    body_timeout_s: float,
+    max_connections: int,
+    per_turn: int = 8,
+    max_head_bytes: int = 64 * 1024,
+    shed: Callable[[str, list], bool] | None = None,
+    refusal: bytes = b"",
+):
     """uvicorn's httptools protocol (a C parser: a burst of requests costs the gateway about a
     third of h11's time per request) with the guards of :func:`_guarded_h11`: a request head
     within ``header_timeout_s`` (and at most ``max_head_bytes``: else 400), its body within
     ``body_timeout_s`` of the head (else 408), at most ``max_connections`` open (the one idle the
-    longest makes room), new requests taken in ``per_turn`` per loop turn (:class:`_Intake`)."""
+    longest makes room), new requests taken in ``per_turn`` per loop turn (:class:`_Intake`).
+    ``shed(path, headers)``: True for a POST the router would refuse (``Gateway.shed``); it is
+    answered ``refusal`` (a whole HTTP response) as soon as its head is in, and closed: no ASGI
+    cycle, task or response framing for a request of a burst that cannot run."""
+    import httptools
     import msgspec
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -212,6 +228,7 @@ def _guarded_httptools(header_timeout_s: float, body_timeout_s: float, max_conne
         _held: list[bytes] | None = None  # bytes of a new request waiting for its turn (_Intake)
         _in_head = True  # no request, or one whose head is not complete yet
         _head_bytes = 0  # bytes received while in the head
+        _refused = False  # answered at its head (shed): the connection is closing
 
         @property
         def busy(self) -> bool:
@@ -251,12 +268,34 @@ def _guarded_httptools(header_timeout_s: float, body_timeout_s: float, max_conne
             if self._in_head:
                 self._head_bytes += len(data)
                 self._wait_for("head", header_timeout_s)  # part of a request head
-            super().data_received(data)
+            self._feed(data)
             if self._in_head and self._head_bytes > max_head_bytes and not self.transport.is_closing():
                 self.send_400_response(f"Request head larger than {max_head_bytes} bytes.")
 
+        def _feed(self, data: bytes) -> None:
+            """uvicorn's ``data_received``, but a request answered at its head is no parse error."""
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                if self._refused:
+                    return
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
+            if shed is not None and self.parser.get_method() == b"POST" and shed(self.url.partition(b"?")[0].decode("latin-1"), self.headers):
+                self._refused = True
+                self.transport.write(refusal)
+                self.transport.close()
+                raise _Answered  # stops the parser: nothing more of this connection is read
             super().on_headers_complete()
             self._wait_for("body", body_timeout_s)  # the head is in, the body on its way
 
@@ -297,8 +336,9 @@ def _guarded_httptools(header_timeout_s: float, body_timeout_s: float, max_conne
     return GuardedHttpToolsProtocol
 
 
-def _protocol(kind: str | None, header_timeout_s: float, body_timeout_s: float, max_connections: int):
-    """The guarded protocol ``kind`` (``httptools``, ``h11``; None: httptools when installed)."""
+def _protocol(kind: str | None, header_timeout_s: float, body_timeout_s: float, max_connections: int, gateway: Gateway | None = None):
+    """The guarded protocol ``kind`` (``httptools``, ``h11``; None: httptools when installed);
+    with httptools, ``gateway``'s fast refusals are answered at the request head."""
     if kind is None:
         try:
             import httptools  # noqa: F401
@@ -307,7 +347,12 @@ def _protocol(kind: str | None, header_timeout_s: float, body_timeout_s: float, 
         else:
             kind = "httptools"
     if kind == "httptools":
-        return _guarded_httptools(header_timeout_s, body_timeout_s, max_connections)
+        if gateway is None or gateway.admission is None:
+            return _guarded_httptools(header_timeout_s, body_timeout_s, max_connections)
+        status, headers, body = gateway.overloaded_response()
+        head = b"".join(b"%s: %s\r\n" % kv for kv in headers)
+        refusal = b"HTTP/1.1 %d Service Unavailable\r\n%sconnection: close\r\n\r\n%s" % (status, head, body)
+        return _guarded_httptools(header_timeout_s, body_timeout_s, max_connections, shed=gateway.shed, refusal=refusal)
     if kind == "h11":
         return _guarded_h11(header_timeout_s, body_timeout_s, max_connections)
     raise ValueError(f"unknown HTTP protocol {kind!r}; expected httptools or h11")
@@ -349,7 +394,7 @@ class GatewayServer:
             proxy_headers=False,  # nothing reads the client's address; a middleware less per request
             timeout_keep_alive=15,
             timeout_graceful_shutdown=3,
-            http=_protocol(http, header_timeout_s, body_timeout_s, max_connections),
+            http=_protocol(http, header_timeout_s, body_timeout_s, max_connections, gateway),
             h11_max_incomplete_event_size=64 * 1024,
         )
         self.server = uvicorn.Server(self.config)
