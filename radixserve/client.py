@@ -156,8 +156,25 @@ class AsyncClient:
         ``params``: the SamplingParams whole."""
         timeout = self._timeout(timeout)
         msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=False)
+        return await self._completion(msg, timeout)
+
+    def start_generate(
+        self, prompt: Prompt, *, params: SamplingParams | None = None, namespace: str | None = None, timeout: Timeout = ..., **sampling
+    ) -> asyncio.Task[Completion]:
+        """:meth:`generate` as a task, its request sent before this returns (not at the task's
+        first step, after whatever else the loop has ready). The in-process HTTP gateway starts
+        its requests so: the router then sees a burst's first ones while the gateway is still
+        taking in the rest, and its refusals can be answered at once (RESULTS, HTTP overload)."""
+        timeout = self._timeout(timeout)
+        msg = self._generate_msg(prompt, _params(params, sampling), namespace, stream=False)
+        opened = self._conn.open(msg)
+        task = asyncio.ensure_future(self._completion(msg, timeout, opened))
+        task.add_done_callback(lambda _: self._conn.forget(msg.id))
+        return task
+
+    async def _completion(self, msg: P.Generate, timeout: float | None, opened=None) -> Completion:
         final: P.Final | None = None
-        async for reply in self._conn.events(msg, timeout):
+        async for reply in self._conn.events(msg, timeout, opened):
             final = reply if isinstance(reply, P.Final) else final
         if final is None:  # _events ends with a final message or raises
             raise RuntimeError(f"request {msg.id}: the reply stream ended without its result")

@@ -32,6 +32,7 @@ from radixserve.errors import ROUTER_LOST, ROUTER_REFUSED, BadRequestError, Requ
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # libzmq does not reconnect after these
 _PROTOCOL_ERRORS = {getattr(zmq, n): n[len("PROTOCOL_ERROR_") :] for n in dir(zmq) if n.startswith("PROTOCOL_ERROR_")}
 ABORT_SEND_S = 10.0  # an abort the socket cannot take at once stays queued this long at most
+Opened = tuple[asyncio.Queue, asyncio.Future]  # Connection.open: (the call's reply queue, its send)
 
 
 def _send_future(sock: zmq.asyncio.Socket, frame: bytes) -> asyncio.Future:
@@ -173,15 +174,20 @@ class Connection:
         return frame
 
     async def _send(self, rid: str, frame: bytes, q: asyncio.Queue, deadline: float | None, timeout: float | None) -> bool:
-        """Send a request's frame. When the socket cannot take it at once (the router is
+        """Send a request's frame (:meth:`_sent`). Returns whether the socket took it."""
+        sock = self._ensure()
+        if not q.empty():
+            return False
+        return await self._sent(rid, _send_future(sock, frame), q, deadline, timeout)
+
+    async def _sent(self, rid: str, sending: asyncio.Future, q: asyncio.Queue, deadline: float | None, timeout: float | None) -> bool:
+        """Wait for a request's send. When the socket cannot take the frame at once (the router is
         unreachable, slow to read, or refused the connection: no pipe), wait no longer than
         ``deadline``, and only until an error for the call arrives on ``q`` (the watchdog's, or a
         refusal's; the caller reads it); the queued send is then withdrawn (pyzmq skips a
         cancelled send future). Returns whether the socket took the frame."""
-        sock = self._ensure()
-        if not q.empty():
+        if sending.cancelled():
             return False
-        sending = _send_future(sock, frame)
         if sending.done():  # taken at once (or an error other than EAGAIN: raised)
             sending.result()
             return True
@@ -225,6 +231,22 @@ class Connection:
             sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is dropped, not logged
             asyncio.get_running_loop().call_later(keep_s, sending.cancel)
 
+    def open(self, msg: P.Generate | P.Choose) -> Opened:
+        """Register ``msg``'s replies and start its send now, not at the first step of a task
+        (pyzmq sends at once unless the socket cannot take the frame): pass the result to
+        :meth:`events`, and :meth:`forget` the id when that is done (a task cancelled before its
+        first step never runs the generator, whose end would)."""
+        frame = self._encode(msg)
+        sock = self._ensure()
+        q: asyncio.Queue = asyncio.Queue()
+        self._register(msg.id, q)
+        return q, _send_future(sock, frame)
+
+    def forget(self, rid: str) -> None:
+        """Drop call ``rid`` if :meth:`events` never ran for it, aborting it on the server."""
+        if self._pending.pop(rid, None) is not None:
+            self._send_nowait(P.encode(P.Abort(id=rid)), keep_s=ABORT_SEND_S)
+
     async def call(self, msg, timeout: float | None):
         """One request, one reply (health, stats)."""
         frame = self._encode(msg)
@@ -244,17 +266,15 @@ class Connection:
             raise error_from_code(reply.code, reply.message)
         return reply
 
-    async def events(self, msg: P.Generate | P.Choose, timeout: float | None) -> AsyncIterator:
+    async def events(self, msg: P.Generate | P.Choose, timeout: float | None, opened: Opened | None = None) -> AsyncIterator:
         """The replies to a generate or choose up to its final one (an error raises); leaving early,
-        or running past ``timeout``, aborts the request on the server."""
-        frame = self._encode(msg)
-        self._ensure()
-        q: asyncio.Queue = asyncio.Queue()
-        self._register(msg.id, q)
+        or running past ``timeout``, aborts the request on the server. ``opened``: what
+        :meth:`open` returned for ``msg`` (its send started); None: sent here."""
+        q, sending = self.open(msg) if opened is None else opened
         deadline = None if timeout is None else time.monotonic() + timeout
         done = sent = False
         try:
-            sent = await self._send(msg.id, frame, q, deadline, timeout)  # (False: an error came before the socket took it)
+            sent = await self._sent(msg.id, sending, q, deadline, timeout)  # (False: an error came before the socket took it)
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:

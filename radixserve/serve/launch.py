@@ -191,7 +191,14 @@ def serve(cfg: ServeConfig, *, log_level: str = "INFO") -> int:
         if cfg.http_port is not None:  # OpenAI-compatible HTTP API (radixserve/serve/openai/)
             from radixserve.serve.openai import start_gateway
 
-            gateway = start_gateway(cfg, _loopback(address), config.limits, tenant_secret=router.tenants.secret, router_key=router.gateway_key)
+            gateway = start_gateway(
+                cfg,
+                _loopback(address),
+                config.limits,
+                tenant_secret=router.tenants.secret,
+                router_key=router.gateway_key,
+                admission=router.admission.refuses,
+            )
         supervisor = router.supervisor = spawn_workers(cfg, _loopback(router.worker_address), router.secret, log_level)
         http_at = f", HTTP at {gateway.url}/v1" if gateway is not None else ""
         if cfg.workers:

@@ -59,10 +59,19 @@ def test_deep_msgpack_gets_an_error_reply_and_the_router_stays_up(router):
     ctx.destroy(linger=0)
 
 
-@pytest.fixture(scope="module")
-def gateway(router):
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def gateway(router, request):
+    """The guards hold with either HTTP protocol (serve uses httptools when it is installed)."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
     gw = GatewayServer(
-        Gateway(GatewayConfig(router=router.address, model_names=["m"])), "127.0.0.1", 0, header_timeout_s=1.0, body_timeout_s=1.0, max_connections=40
+        Gateway(GatewayConfig(router=router.address, model_names=["m"])),
+        "127.0.0.1",
+        0,
+        header_timeout_s=1.0,
+        body_timeout_s=1.0,
+        max_connections=40,
+        http=request.param,
     ).start()
     yield gw
     gw.stop()
@@ -106,6 +115,14 @@ def _closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
         return False
     except OSError:
         return True
+
+
+def test_a_request_head_is_bounded(gateway):
+    """A head past 64 KiB is refused (400) and its connection closed, whichever the protocol."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000)
+        reply = _read_response(s, 5.0)
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:100]
 
 
 def test_partial_headers_time_out_and_connections_are_capped(gateway):

@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from radixserve.sampling_params import SamplingParams, StructuredOutput
 from radixserve.serve.metrics import GatewayMetrics, prometheus_text
 from radixserve.serve.openai import responses as R
 from radixserve.serve.openai.errors import APIError, api_error_from, bad
-from radixserve.serve.openai.plumbing import read_json, with_disconnect
+from radixserve.serve.openai.plumbing import gather_all, read_json, start_all, with_disconnect
 from radixserve.serve.openai.prompts import chat_chars, chat_ids, chat_messages, completion_prompts
 from radixserve.serve.openai.schema import (
     ChatRequest,
@@ -36,6 +36,7 @@ from radixserve.serve.openai.schema import (
     sampling_params,
     structured_field,
 )
+from radixserve.serve.openai.shed import Shedder
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.router.core import shareable
 from radixserve.tools.chat import ToolRequest
@@ -116,7 +117,11 @@ def _jobs(prompts: list, params: SamplingParams, n: int) -> list[tuple[int, Any,
 class Gateway:
     """The Starlette app and its state (router client, tokenizer, tenants, metrics)."""
 
-    def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None):
+    def __init__(self, config: GatewayConfig, tokenizer=None, tenants: Tenants | None = None, client=None, admission: Callable[[str], bool] | None = None):
+        """``admission(tenant)``: True when the router would certainly refuse a new job of that
+        queue share ``overloaded`` (serve passes its in-process router's
+        :meth:`~radixserve.serve.router.admission.AdmissionView.refuses`): such a completion is
+        answered 503 before anything else is done with it. None: every request goes to the router."""
         self.config = config
         self.tokenizer = shareable(tokenizer)  # the loop and the pool's threads call it at once
         self._token_texts = R.TokenTexts(self.tokenizer)
@@ -124,6 +129,7 @@ class Gateway:
         self.client = client  # AsyncClient, created on the serving loop when None
         self.created = int(time.time())
         self.meters = GatewayMetrics(lambda: self.inflight)
+        self.shedder = None if admission is None else Shedder(admission, self.tenants, self.meters.count)
         self.inflight = 0
         self._warned: set[str] = set()
         self._context: tuple[int, int] | None = None  # see _router_limits
@@ -160,7 +166,8 @@ class Gateway:
         async def on_any(request, exc: Exception):
             return self._error(api_error_from(exc), route="other")
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: on_http, Exception: on_any})
+        app = Starlette(routes=routes, exception_handlers={HTTPException: on_http, Exception: on_any})
+        return app if self.shedder is None else self.shedder.wrap(app)
 
     def _json(self, data, status: int = 200, headers: dict | None = None, route: str = "other"):
         from starlette.responses import Response
@@ -282,16 +289,6 @@ class Gateway:
         finally:
             self._tokenizing -= 1
 
-    async def _run_all(self, jobs, namespace) -> list:
-        client = await self._ensure_client()
-        tasks = [asyncio.ensure_future(client.generate(p, namespace=namespace, timeout=None, params=sp)) for _, p, sp in jobs]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-
     async def _handle(self, request, chat: bool):
         route = "chat" if chat else "completions"
         self.inflight += 1
@@ -304,7 +301,13 @@ class Gateway:
                     response = await self._stream(request, prep)
                     streaming = True  # the stream's generator ends the in-flight count
                     return response
-                outs = await with_disconnect(request, self._run_all(prep.jobs, prep.namespace))
+                tasks = start_all(await self._ensure_client(), prep.jobs, prep.namespace)
+                try:
+                    outs = await with_disconnect(request, gather_all(tasks))
+                finally:  # also when the gathering was cancelled before it began
+                    for t in tasks:
+                        if not t.done():
+                            t.cancel()
             except Exception as exc:
                 max_tokens_param = prep.max_tokens_param if prep is not None else "max_tokens"
                 return self._error(api_error_from(exc, "messages" if chat else "prompt", max_tokens_param), route)

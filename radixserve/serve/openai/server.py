@@ -8,123 +8,37 @@ import asyncio
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError
 from radixserve.serve.openai.app import Gateway, GatewayConfig
+from radixserve.serve.openai.protocols import protocol
 from radixserve.serve.openai.tenants import Tenants
 from radixserve.serve.tenants import configured_keys
 
 log = logging.getLogger("radixserve.http")
 
 
-def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections: int):
-    """uvicorn's h11 protocol with the guards uvicorn lacks. A request must arrive in time: its
-    head within ``header_timeout_s`` of its first byte (or of the connection), its body within
-    ``body_timeout_s`` of its head (else 408, and the connection is closed). At most
-    ``max_connections`` are open: past that, a new connection closes the one idle the longest
-    (between requests, or still sending its head; no key is known then), or is itself closed when
-    every connection is busy with a request. Idle keep-alive connections (205 of them locked every
-    tenant out) and unauthenticated ones (answered 401 at once) thus never hold capacity."""
-    import h11
-    import msgspec
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    from radixserve.serve.openai.errors import APIError
-
-    idle: dict[GuardedH11Protocol, None] = {}  # connections that went idle, oldest first (each checked when taken)
-
-    def close_idle() -> bool:
-        """Close the connection idle the longest; False when none is."""
-        while idle:
-            conn = next(iter(idle))
-            del idle[conn]
-            if not conn.busy and not conn.transport.is_closing():
-                conn.transport.close()
-                return True
-        return False
-
-    class GuardedH11Protocol(H11Protocol):
-        _timer = None
-        _waiting_for: str | None = None  # "head" or "body": what the timer waits for
-
-        @property
-        def busy(self) -> bool:
-            """A request is in progress: its response is not complete yet."""
-            return self.cycle is not None and not self.cycle.response_complete
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > max_connections and not close_idle():
-                log.warning("HTTP connection cap (%d) reached, every connection busy; closing a new one", max_connections)
-                transport.close()
-                return
-            idle[self] = None
-            self._wait_for("head", header_timeout_s)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            idle.pop(self, None)
-            idle[self] = None  # the newest idle one
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            state = self.conn.their_state
-            if state is h11.IDLE:
-                self._wait_for("head", header_timeout_s)  # part of a request head
-            elif state is h11.SEND_BODY:
-                self._wait_for("body", body_timeout_s)  # the head is in, the body on its way
-            else:
-                self._stop_waiting()
-
-        def _wait_for(self, what: str, seconds: float) -> None:
-            if self._waiting_for != what:
-                self._stop_waiting()
-                self._waiting_for = what
-                self._timer = self.loop.call_later(seconds, self._late)
-
-        def _stop_waiting(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._waiting_for = None
-
-        def _late(self) -> None:
-            what, self._timer, self._waiting_for = self._waiting_for, None, None
-            state = self.conn.their_state
-            if self.transport.is_closing() or state is not (h11.IDLE if what == "head" else h11.SEND_BODY):
-                return
-            if what == "body" and self.cycle is not None:
-                self._refuse_late_body()
-            self.transport.close()
-
-        def _refuse_late_body(self) -> None:
-            """408 (unless the answer has begun); the app reads the request as abandoned."""
-            if not self.cycle.response_started:
-                err = APIError(408, f"the request body did not arrive within {body_timeout_s:g} s of its head", code="request_timeout")
-                body = msgspec.json.encode(err.body())
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
-                self.transport.write(
-                    self.conn.send(h11.Response(status_code=408, headers=headers)) + self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
-                )
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-
-        def connection_lost(self, exc) -> None:
-            self._stop_waiting()
-            idle.pop(self, None)
-            super().connection_lost(exc)
-
-    return GuardedH11Protocol
-
-
 class GatewayServer:
     """uvicorn serving a :class:`Gateway` on a thread with its own (uvloop) event loop.
     ``header_timeout_s``: time a connection has to send a complete request head;
     ``body_timeout_s``: time, after the head, for the body; ``max_connections``: open connections
-    at most (beyond: the one idle the longest is closed, or the new one when none is)."""
+    at most (beyond: the one idle the longest is closed, or the new one when none is); ``http``:
+    the HTTP protocol, ``httptools`` or ``h11`` (None: httptools when installed)."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, *, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0, max_connections: int = 1024):
+    def __init__(
+        self,
+        gateway: Gateway,
+        host: str,
+        port: int,
+        *,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        max_connections: int = 1024,
+        http: str | None = None,
+    ):
         import uvicorn
 
         self.gateway = gateway
@@ -140,9 +54,10 @@ class GatewayServer:
             lifespan="off",
             log_level="warning",
             access_log=False,
+            proxy_headers=False,  # nothing reads the client's address; a middleware less per request
             timeout_keep_alive=15,
             timeout_graceful_shutdown=3,
-            http=_guarded_h11(header_timeout_s, body_timeout_s, max_connections),
+            http=protocol(http, header_timeout_s, body_timeout_s, max_connections, gateway),
             h11_max_incomplete_event_size=64 * 1024,
         )
         self.server = uvicorn.Server(self.config)
@@ -182,11 +97,20 @@ def _keys(args) -> dict[str, str]:
 
 
 def start_gateway(
-    args, router_address: str, limits: P.Limits, tokenizer=None, *, tenant_secret: bytes | None = None, router_key: str | None = None
+    args,
+    router_address: str,
+    limits: P.Limits,
+    tokenizer=None,
+    *,
+    tenant_secret: bytes | None = None,
+    router_key: str | None = None,
+    admission: Callable[[str], bool] | None = None,
 ) -> GatewayServer:
     """Start the gateway for ``radixserve serve`` (``args``: its parsed options). ``tenant_secret``:
     the router's (so a tenant's namespace is the same over HTTP and ZMQ); ``router_key``: the key
-    the gateway's requests carry to the router (:func:`radixserve.serve.auth.gateway_key`)."""
+    the gateway's requests carry to the router (:func:`radixserve.serve.auth.gateway_key`);
+    ``admission``: the in-process router's :meth:`AdmissionView.refuses
+    <radixserve.serve.router.admission.AdmissionView.refuses>` (refusals answered at once)."""
     keys = _keys(args)
     if tokenizer is None:
         from radixserve.serve.router import load_tokenizer
@@ -205,7 +129,7 @@ def start_gateway(
     )
     try:
         server = GatewayServer(
-            Gateway(config, tokenizer, Tenants(keys, tenant_secret)),
+            Gateway(config, tokenizer, Tenants(keys, tenant_secret), admission=admission),
             args.host,
             args.http_port,
             header_timeout_s=getattr(args, "http_header_timeout", 10.0),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from radixserve import protocol as P
 from radixserve.serve.metrics import MetricsLog
+from radixserve.serve.router.admission import AdmissionView
 from radixserve.serve.router.dispatch import Dispatcher
 from radixserve.serve.router.front import ClientFront
 from radixserve.serve.router.index_sync import IndexSync
@@ -132,6 +133,11 @@ class Router:
         return self.transport.worker_address
 
     @property
+    def admission(self) -> AdmissionView:
+        """What a new job would get, as the loop last published it (the in-process gateway reads it)."""
+        return self.dispatcher.admission
+
+    @property
     def counters(self) -> dict[str, int]:
         return self.metrics.counters
 
@@ -190,9 +196,17 @@ class Router:
             self.transport.reply_error(
                 identity, getattr(msg, "id", ""), P.INTERNAL, f"router error handling the request ({type(exc).__name__}); it was not run"
             )
+        finally:
+            self.dispatcher.publish()
 
     def on_worker_frames(self, parts: list[bytes]) -> None:
         """A message on the worker socket: the peer holds the secret (CURVE let it in)."""
+        try:
+            self._on_worker_frames(parts)
+        finally:
+            self.dispatcher.publish()
+
+    def _on_worker_frames(self, parts: list[bytes]) -> None:
         identity = parts[0]
         worker = self.registry.of(identity)
         msg = self.transport.worker_message(parts)
@@ -261,6 +275,8 @@ class Router:
                 self.tick(time.monotonic())
             except Exception:  # one error must not end the liveness checks and restarts for good
                 self.metrics.task_failed("ticker")
+            finally:
+                self.dispatcher.publish()
 
     def tick(self, now: float) -> None:
         """Every ``heartbeat_s``: restart local workers that are due, declare silent or exited
@@ -304,6 +320,7 @@ class Router:
         if self.shutting_down:
             return
         self.dispatcher.shutting_down = True
+        self.dispatcher.publish()  # the gateway passes everything on: the router answers shutting_down
         log.info("shutting down: %d queued, %d in flight", len(self.jobs.queue), len(self.jobs.works))
         self.dispatcher.fail_queue(P.SHUTTING_DOWN, "the router is shutting down")
         for w in self.registry.workers.values():

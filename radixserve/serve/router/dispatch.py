@@ -8,6 +8,7 @@ import logging
 import time
 
 from radixserve import protocol as P
+from radixserve.serve.router.admission import AdmissionView
 from radixserve.serve.router.jobs import JobTable
 from radixserve.serve.router.registry import WorkerRegistry
 from radixserve.serve.router.sockets import Transport
@@ -29,6 +30,15 @@ class Dispatcher:
         self.transport = transport
         self.metrics = metrics
         self.shutting_down = False  # no new jobs, no restarts (Router.shutdown)
+        # what a new job would get, for the in-process gateway; two ticks without a publication: stale
+        self.admission = AdmissionView(max_age_s=2 * config.heartbeat_s)
+
+    def publish(self) -> None:
+        """Publish the admission state (:mod:`~radixserve.serve.router.admission`). The router
+        calls it after each message, tick and admission after tokenizing: whatever could open room."""
+        queue = self.jobs.queue
+        full = len(queue) >= self.config.max_queue and not self.shutting_down and not self.registry.candidates()
+        self.admission.publish(full, queue)
 
     # -- admission and routing -----------------------------------------------------------------
     def admit(self, job: Job) -> None:

@@ -42,6 +42,16 @@ class FairQueue:
         jobs = self._by_tenant.get(tenant)
         return len(jobs) if jobs else 0
 
+    def holdings(self) -> dict[str, int]:
+        """Queued jobs per tenant (a copy; tenants with none are absent)."""
+        return {tenant: len(jobs) for tenant, jobs in self._by_tenant.items()}
+
+    @staticmethod
+    def gives_way(most: int, held: int) -> bool:
+        """The rule of :meth:`push_out`: whether the largest holder of a full queue (holding
+        ``most``) gives up its newest job to a newcomer whose tenant holds ``held``."""
+        return most >= held + 2
+
     def append(self, job: Job) -> None:
         if job.tenant not in self._by_tenant:
             self._by_tenant[job.tenant] = collections.deque()
@@ -86,7 +96,7 @@ class FairQueue:
         if not self._by_tenant:
             return None
         holder, jobs = max(self._by_tenant.items(), key=lambda kv: len(kv[1]))
-        if len(jobs) < self.count(tenant) + 2:
+        if not self.gives_way(len(jobs), self.count(tenant)):
             return None
         job = jobs.pop()
         self._drop_if_empty(holder)

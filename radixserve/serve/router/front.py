@@ -15,6 +15,7 @@ from typing import Any
 from radixserve import protocol as P
 from radixserve.errors import RadixServeError, TooLongError, UnauthorizedError
 from radixserve.limits import check_prompt_tokens
+from radixserve.serve.router.admission import http_tenant
 from radixserve.serve.router.dispatch import Dispatcher
 from radixserve.serve.router.jobs import JobKey, JobTable
 from radixserve.serve.router.registry import WorkerRegistry
@@ -99,7 +100,7 @@ class ClientFront:
         key = msg.api_key
         if key is not None and hmac.compare_digest(key.encode("utf-8", "surrogatepass"), self.gateway_key.encode()):
             self.transport.trust(identity)
-            return f"http:{msg.namespace or ''}", msg.namespace
+            return http_tenant(msg.namespace), msg.namespace
         if not self.tenants.required:
             return f"conn:{identity.hex()}", msg.namespace
         tenant = self.tenants.tenant(key)
@@ -185,6 +186,8 @@ class ClientFront:
                 except Exception:  # a bug must not leave the call without a reply
                     log.exception("router failed admitting a tokenized request")
                     self.transport.reply_error(identity, msg.id, P.INTERNAL, "router error admitting the request")
+                finally:
+                    self.dispatcher.publish()
 
         future.add_done_callback(done)
 
