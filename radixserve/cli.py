@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from radixserve.config import MODEL_HELP  # the demo's --model help too
@@ -394,10 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     from radixserve.errors import RadixServeError
 
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # (here, so a reader that left shows as BrokenPipeError below, not at exit)
+        return rc
     except RadixServeError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`radixserve stats ... | head -1`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (Python's advice: else the flush at exit raises again)
+        return 1
 
 
 if __name__ == "__main__":

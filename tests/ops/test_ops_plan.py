@@ -209,3 +209,14 @@ def test_default_is_the_builtin_model_without_smollm2(monkeypatch):
     cfg = builtin_config()
     assert (s.num_layers, s.num_kv_heads, s.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     assert s.weights_bytes > 0 and s.name.startswith("builtin")
+
+
+def test_output_piped_into_a_reader_that_leaves_early_ends_quietly(tiny_dir):
+    # `radixserve plan | head -1`: the reader closes the pipe after one line; no BrokenPipeError
+    # traceback (issue 49: `radixserve stats ADDR | head -1` printed one)
+    proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "plan", "--model", str(tiny_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the command writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
