@@ -181,8 +181,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     grammar_timeout: Annotated[
         Seconds,
         _help(
-            "seconds a structured-output grammar may take to compile in a local worker "
-            "(in a child process, killed past it; the request gets bad_request) "
+            "CPU-seconds a structured-output grammar may take to compile in a local worker "
+            "(in a child process at the lowest priority, killed past it or past 3x it in wall time; the request gets bad_request) "
             "(default: 10)"
         ),
     ] = 10.0
@@ -229,6 +229,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     ] = 5.0
     grammar_timeout: Annotated[
         Seconds,
-        _help("seconds a structured-output grammar may take to compile (in a child process, killed past it; the request gets bad_request) (default: 10)"),
+        _help(
+            "CPU-seconds a structured-output grammar may take to compile (in a child process at the lowest priority, "
+            "killed past it or past 3x it in wall time; the request gets bad_request) (default: 10)"
+        ),
     ] = 10.0
     log_level: str = "INFO"

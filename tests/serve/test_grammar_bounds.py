@@ -174,3 +174,35 @@ def test_the_compile_process_runs_below_its_worker(info):
             await pool.aclose()
 
     asyncio.run(main())
+
+
+def test_the_compile_limit_is_cpu_time_not_the_machines_load(info):
+    """The compile process runs at the lowest priority, so on a busy machine a cheap grammar may
+    wait for CPU longer than the limit: it must not be refused for that. Here the process is
+    stopped (SIGSTOP) for 1.5 s of a 1 s limit while a tiny grammar waits in it, then resumed: it
+    compiles (it used no CPU meanwhile). A wall-clock limit refused it."""
+    import os
+    import signal
+
+    from radixserve.serve.grammar_pool import WALL_LIMIT_FACTOR, GrammarPool
+
+    assert WALL_LIMIT_FACTOR * 1.0 > 2.0  # (the wall cap is past the pause)
+
+    async def main():
+        pool = GrammarPool(info, timeout_s=1.0)
+        try:
+            assert await pool.compile(StructuredOutput(choice=["yes", "no"]), "ns", "w0") is not None  # the process is up
+            child = pool._proc.pid
+            os.kill(child, signal.SIGSTOP)
+            try:
+                waiting = asyncio.ensure_future(pool.compile(StructuredOutput(choice=["a", "b", "c"]), "ns", "w1"))
+                await asyncio.sleep(1.5)
+                assert not waiting.done()
+            finally:
+                os.kill(child, signal.SIGCONT)
+            assert await asyncio.wait_for(waiting, 10.0) is not None
+            assert pool.stats["grammar_timeouts"] == 0
+        finally:
+            await pool.aclose()
+
+    asyncio.run(main())
