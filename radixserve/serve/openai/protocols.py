@@ -12,7 +12,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixserve.serve.openai.app import Gateway
@@ -58,6 +58,101 @@ class _Intake:
             self.loop = None  # quiet: nothing scheduled until the next request
 
 
+class _Connections:
+    """The open connections of one guarded protocol class: the idle ones (between requests, or
+    still sending a head), oldest first, each checked when taken; the cap; the intake."""
+
+    def __init__(self, max_connections: int, per_turn: int):
+        self.max_connections = max_connections
+        self.idle: dict = {}
+        self.intake = _Intake(per_turn)
+
+    def close_idle(self) -> bool:
+        """Close the connection idle the longest; False when none is."""
+        while self.idle:
+            conn = next(iter(self.idle))
+            del self.idle[conn]
+            if not conn.busy and not conn.transport.is_closing():
+                conn.transport.close()
+                return True
+        return False
+
+
+class _Guarded:
+    """What both guarded protocols share, mixed in before uvicorn's protocol class: the connection
+    cap, the idle list, the intake's hand-over and the head/body timer. A subclass sets
+    ``_conns`` and ``_header_timeout_s`` and defines ``_take(data)`` (the bytes parsed) and
+    ``_late()`` (the timer's end)."""
+
+    _conns: _Connections
+    _header_timeout_s: float
+    _timer = None
+    _waiting_for: str | None = None  # "head" or "body": what the timer waits for
+    _held: list[bytes] | None = None  # bytes of a new request waiting for its turn (_Intake)
+    cycle: Any
+    transport: Any
+    loop: Any
+    connections: Any
+
+    @property
+    def busy(self) -> bool:
+        """A request is in progress: its response is not complete yet."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        if len(self.connections) > self._conns.max_connections and not self._conns.close_idle():
+            log.warning("HTTP connection cap (%d) reached, every connection busy; closing a new one", self._conns.max_connections)
+            transport.close()
+            return
+        self._conns.idle[self] = None
+        self._wait_for("head", self._header_timeout_s)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        self._conns.idle.pop(self, None)
+        self._conns.idle[self] = None  # the newest idle one
+
+    def _hold_or_take(self, data: bytes, new_request: bool) -> None:
+        """Parse ``data``, unless it starts a new request whose turn has not come (_Intake)."""
+        if self._held is not None:
+            self._held.append(data)
+            return
+        if new_request and not self.busy and not self._conns.intake.admit(self, self.loop):
+            self._held = [data]
+            return
+        self._take(data)
+
+    def take_in(self) -> None:
+        """The held request's turn (_Intake)."""
+        held, self._held = self._held, None
+        if held is not None and not self.transport.is_closing():
+            self._take(b"".join(held))
+
+    def _take(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _late(self) -> None:
+        raise NotImplementedError
+
+    def _wait_for(self, what: str, seconds: float) -> None:
+        if self._waiting_for != what:
+            self._stop_waiting()
+            self._waiting_for = what
+            self._timer = self.loop.call_later(seconds, self._late)
+
+    def _stop_waiting(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._waiting_for = None
+
+    def connection_lost(self, exc) -> None:
+        self._held = None  # its turn, if it comes, finds nothing
+        self._stop_waiting()
+        self._conns.idle.pop(self, None)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
 def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections: int, per_turn: int = 8):
     """uvicorn's h11 protocol with the guards uvicorn lacks. A request must arrive in time: its
     head within ``header_timeout_s`` of its first byte (or of the connection), its body within
@@ -72,57 +167,12 @@ def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections
 
     from radixserve.serve.openai.errors import APIError
 
-    idle: dict[GuardedH11Protocol, None] = {}  # connections that went idle, oldest first (each checked when taken)
-    intake = _Intake(per_turn)
-
-    def close_idle() -> bool:
-        """Close the connection idle the longest; False when none is."""
-        while idle:
-            conn = next(iter(idle))
-            del idle[conn]
-            if not conn.busy and not conn.transport.is_closing():
-                conn.transport.close()
-                return True
-        return False
-
-    class GuardedH11Protocol(H11Protocol):
-        _timer = None
-        _waiting_for: str | None = None  # "head" or "body": what the timer waits for
-        _held: list[bytes] | None = None  # bytes of a new request waiting for its turn (_Intake)
-
-        @property
-        def busy(self) -> bool:
-            """A request is in progress: its response is not complete yet."""
-            return self.cycle is not None and not self.cycle.response_complete
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > max_connections and not close_idle():
-                log.warning("HTTP connection cap (%d) reached, every connection busy; closing a new one", max_connections)
-                transport.close()
-                return
-            idle[self] = None
-            self._wait_for("head", header_timeout_s)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            idle.pop(self, None)
-            idle[self] = None  # the newest idle one
+    class GuardedH11Protocol(_Guarded, H11Protocol):
+        _conns = _Connections(max_connections, per_turn)
+        _header_timeout_s = header_timeout_s
 
         def data_received(self, data: bytes) -> None:
-            if self._held is not None:
-                self._held.append(data)
-                return
-            if self.conn.their_state is h11.IDLE and not self.busy and not intake.admit(self, self.loop):
-                self._held = [data]
-                return
-            self._take(data)
-
-        def take_in(self) -> None:
-            """The held request's turn (_Intake)."""
-            held, self._held = self._held, None
-            if held is not None and not self.transport.is_closing():
-                self._take(b"".join(held))
+            self._hold_or_take(data, new_request=self.conn.their_state is h11.IDLE)
 
         def _take(self, data: bytes) -> None:
             super().data_received(data)
@@ -133,17 +183,6 @@ def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections
                 self._wait_for("body", body_timeout_s)  # the head is in, the body on its way
             else:
                 self._stop_waiting()
-
-        def _wait_for(self, what: str, seconds: float) -> None:
-            if self._waiting_for != what:
-                self._stop_waiting()
-                self._waiting_for = what
-                self._timer = self.loop.call_later(seconds, self._late)
-
-        def _stop_waiting(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._waiting_for = None
 
         def _late(self) -> None:
             what, self._timer, self._waiting_for = self._waiting_for, None, None
@@ -165,12 +204,6 @@ def _guarded_h11(header_timeout_s: float, body_timeout_s: float, max_connections
                 )
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-
-        def connection_lost(self, exc) -> None:
-            self._held = None  # its turn, if it comes, finds nothing
-            self._stop_waiting()
-            idle.pop(self, None)
-            super().connection_lost(exc)
 
     return GuardedH11Protocol
 
@@ -202,66 +235,21 @@ def _guarded_httptools(
 
     from radixserve.serve.openai.errors import APIError
 
-    idle: dict[GuardedHttpToolsProtocol, None] = {}  # connections that went idle, oldest first (each checked when taken)
-    intake = _Intake(per_turn)
-
-    def close_idle() -> bool:
-        """Close the connection idle the longest; False when none is."""
-        while idle:
-            conn = next(iter(idle))
-            del idle[conn]
-            if not conn.busy and not conn.transport.is_closing():
-                conn.transport.close()
-                return True
-        return False
-
     late = APIError(408, f"the request body did not arrive within {body_timeout_s:g} s of its head", code="request_timeout")
     late_body = msgspec.json.encode(late.body())
     late_response = (
         b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(late_body) + late_body
     )
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _timer = None
-        _waiting_for: str | None = None  # "head" or "body": what the timer waits for
-        _held: list[bytes] | None = None  # bytes of a new request waiting for its turn (_Intake)
+    class GuardedHttpToolsProtocol(_Guarded, HttpToolsProtocol):
+        _conns = _Connections(max_connections, per_turn)
+        _header_timeout_s = header_timeout_s
         _in_head = True  # no request, or one whose head is not complete yet
         _head_bytes = 0  # bytes received while in the head
         _refused = False  # answered at its head (shed): the connection is closing
 
-        @property
-        def busy(self) -> bool:
-            """A request is in progress: its response is not complete yet."""
-            return self.cycle is not None and not self.cycle.response_complete
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > max_connections and not close_idle():
-                log.warning("HTTP connection cap (%d) reached, every connection busy; closing a new one", max_connections)
-                transport.close()
-                return
-            idle[self] = None
-            self._wait_for("head", header_timeout_s)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            idle.pop(self, None)
-            idle[self] = None  # the newest idle one
-
         def data_received(self, data: bytes) -> None:
-            if self._held is not None:
-                self._held.append(data)
-                return
-            if self._in_head and not self._head_bytes and not self.busy and not intake.admit(self, self.loop):
-                self._held = [data]
-                return
-            self._take(data)
-
-        def take_in(self) -> None:
-            """The held request's turn (_Intake)."""
-            held, self._held = self._held, None
-            if held is not None and not self.transport.is_closing():
-                self._take(b"".join(held))
+            self._hold_or_take(data, new_request=self._in_head and not self._head_bytes)
 
         def _take(self, data: bytes) -> None:
             if self._in_head:
@@ -303,17 +291,6 @@ def _guarded_httptools(
             self._in_head = True
             self._stop_waiting()
 
-        def _wait_for(self, what: str, seconds: float) -> None:
-            if self._waiting_for != what:
-                self._stop_waiting()
-                self._waiting_for = what
-                self._timer = self.loop.call_later(seconds, self._late)
-
-        def _stop_waiting(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._waiting_for = None
-
         def _late(self) -> None:
             what, self._timer, self._waiting_for = self._waiting_for, None, None
             if self.transport.is_closing() or self._in_head != (what == "head"):
@@ -325,12 +302,6 @@ def _guarded_httptools(
                 cycle.disconnected = True  # the app reads the request as abandoned
                 cycle.message_event.set()
             self.transport.close()
-
-        def connection_lost(self, exc) -> None:
-            self._held = None  # its turn, if it comes, finds nothing
-            self._stop_waiting()
-            idle.pop(self, None)
-            super().connection_lost(exc)
 
     return GuardedHttpToolsProtocol
 
