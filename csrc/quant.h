@@ -52,6 +52,7 @@ struct Part {
   const uint8_t* data;
   const int32_t* row_map;  // nullptr: in order
   int64_t qtype, rows, row_bytes, first;  // first: this part's first output column
+  int64_t data_rows;                       // rows of data (the map's entries lie below)
 };
 
 inline const uint8_t* row_of(const Part& p, int64_t n) {

@@ -75,15 +75,16 @@ def test_parts_of_mixed_types_row_maps_bias_and_strided_rows():
     k = 512
     raws = [blocks(12, 48, k, 1), blocks(14, 16, k, 2), blocks(8, 21, k, 3)]  # a Q4_K_M-like q / v / other
     types = [12, 14, 8]
-    perm = torch.randperm(48, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-    w = torch.cat([reference(raws[0], 12)[perm.long()], reference(raws[1], 14), reference(raws[2], 8)]).double()
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(0)).to(torch.int32)  # all rows: computed in order, then gathered
+    some = torch.tensor([3, 3, 0, 15, 7], dtype=torch.int32)  # fewer rows than the data, one twice: read through the map
+    w = torch.cat([reference(raws[0], 12)[perm.long()], reference(raws[1], 14)[some.long()], reference(raws[2], 8)]).double()
     bias = torch.randn(w.shape[0])
     x_all = torch.randn(70, 2 * k)
     for m in (1, 3, 8, 70):
         x = x_all[:m, :k]  # rows strided (ldx = 2K)
         ref = torch.nn.functional.linear(x.double(), w, bias.double())
         for impl in (0, *IMPLS):
-            y = ops.qlinear(x, [torch.from_numpy(r) for r in raws], types, [perm, NO_MAP, NO_MAP], bias, impl)
+            y = ops.qlinear(x, [torch.from_numpy(r) for r in raws], types, [perm, some, NO_MAP], bias, impl)
             assert relative_error(y, ref) < 2e-6, (m, impl)
 
 
@@ -157,17 +158,18 @@ def test_int8_parts_of_mixed_types_row_maps_bias_and_strided_rows():
     k = 512
     types = [12, 14, 6, 2]
     raws = [blocks(12, 48, k, 1), blocks(14, 16, k, 2), blocks(6, 21, k, 3), blocks(2, 9, k, 4)]
-    perm = torch.randperm(48, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-    bias = torch.randn(48 + 16 + 21 + 9)
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(0)).to(torch.int32)  # all rows: computed in order, then gathered
+    some = torch.tensor([3, 3, 0, 15, 7], dtype=torch.int32)  # fewer rows than the data, one twice: read through the map
+    bias = torch.randn(48 + 5 + 21 + 9)
     x_all = torch.randn(12, 2 * k)
     for m in (1, 4, 8, 12):
         x = x_all[:m, :k]  # rows strided (ldx = 2K)
-        y = ops.qlinear(x, [torch.from_numpy(r) for r in raws], types, [perm, NO_MAP, NO_MAP, NO_MAP], bias, 4)
+        y = ops.qlinear(x, [torch.from_numpy(r) for r in raws], types, [perm, some, NO_MAP, NO_MAP], bias, 4)
         xc = x.contiguous()
         want = torch.cat(
             [
                 int8_reference(raws[0], 12, xc)[:, perm.long()],
-                int8_reference(raws[1], 14, xc),
+                int8_reference(raws[1], 14, xc)[:, some.long()],
                 xc.double() @ reference(raws[2], 6).double().T,
                 int8_reference(raws[3], 2, xc),
             ],
