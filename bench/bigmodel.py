@@ -13,12 +13,19 @@ child process per load (so each starts with an empty heap):
 - ``radixserve plan``'s weight bytes for the file against what the engine holds;
 - batch-1 decode: the median step of the generation, in ms and tok/s, against the quantized
   weight bytes over the read bandwidth (``bench roofline``'s measurement).
+
+``--llama-bench PATH`` puts llama.cpp's batch-1 decode beside it: before each load, llama.cpp's
+``llama-bench -m FILE -n TOKENS -p 0 -t THREADS -r 2`` on the same file (nothing else; its flags
+are printed), then the load's decode; each round prints both tok/s and their ratio, and the last
+line the median of the rounds' ratios. On these VMs, whose memory bandwidth drifts by tens of
+percent from minute to minute, only ratios of neighbouring runs tell the engines apart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -81,6 +88,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=4096, help="the engine's KV pool")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens generated after the load")
     parser.add_argument("--loads", type=int, default=2, help="loads timed (the first may read the file from disk)")
+    parser.add_argument(
+        "--llama-bench",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench binary: a tgN run of it on the same file before each load, and each round's ratio (installs nothing)",
+    )
     parser.add_argument("--max-rss-ratio", type=float, default=1.15, help="the RSS target: at most this times the file's size, plus the KV pool")
     parser.add_argument("--json", action="store_true")
 
@@ -164,8 +177,12 @@ def run(args) -> int:
         write(args, path)
     size = path.stat().st_size
     planned = read_model_shape(str(path), dequantize=args.weights == "dequantize").weights_bytes
-    loads = []
+    llama_cmd = llama_bench_command(args, path)
+    if llama_cmd and not args.json:
+        print(f"llama.cpp each round: {shlex.join(llama_cmd)}", flush=True)
+    loads, rounds = [], []
     for i in range(args.loads):
+        llama_tok_s = llama_bench(llama_cmd) if llama_cmd else None
         out = subprocess.run(
             [sys.executable, "-c", CHILD, str(path), str(args.threads), str(args.kv_cache_tokens), str(args.tokens), args.weights, args.quant_compute],
             capture_output=True,
@@ -176,6 +193,11 @@ def run(args) -> int:
             return 1
         loads.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"load {i + 1}: {loads[-1]['load_s']:.1f} s", file=sys.stderr)
+        if llama_tok_s is not None:
+            ours = 1e3 / loads[-1]["decode_ms"]
+            rounds.append({"llama_cpp_tok_s": llama_tok_s, "radixserve_tok_s": ours, "ratio": ours / llama_tok_s})
+            if not args.json:
+                print(f"  round {i + 1}: llama.cpp {llama_tok_s:.2f} tok/s, radixserve {ours:.2f} tok/s: {ours / llama_tok_s:.2f}x", flush=True)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -199,6 +221,9 @@ def run(args) -> int:
         "threads": args.threads,
     }
     result["floor_ms"] = last["read_bytes"] / bw * 1e3
+    if rounds:
+        result["llama_cpp_rounds"] = rounds
+        result["ratio_median"] = statistics.median(r["ratio"] for r in rounds)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -221,4 +246,30 @@ def run(args) -> int:
         f"{result['read_bytes'] / 1e9:.2f} GB / {result['bandwidth_gb_s']:.1f} GB/s = {result['floor_ms']:.1f} ms "
         f"({result['decode_ms'] / result['floor_ms']:.2f}x)"
     )
+    if rounds:
+        ratios = ", ".join(f"{r['ratio']:.2f}" for r in rounds)
+        print(
+            f"  batch-1 decode against llama.cpp: {result['ratio_median']:.2f}x, the median of {len(rounds)} rounds' ratios "
+            f"({ratios}; above 1: radixserve is faster)"
+        )
     return 0
+
+
+def llama_bench_command(args, path: Path) -> list[str] | None:
+    if not args.llama_bench:
+        return None
+    binary = Path(args.llama_bench).expanduser()
+    if not binary.is_file() or not os.access(binary, os.X_OK):
+        raise SystemExit(f"--llama-bench {args.llama_bench}: no such executable (bench/README.md says how to build llama-bench)")
+    return [args.llama_bench, "-m", str(path), "-n", str(args.tokens), "-p", "0", "-t", str(args.threads), "-r", "2", "-o", "json"]
+
+
+def llama_bench(cmd: list[str]) -> float:
+    """llama-bench's mean decode tok/s over its repetitions."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
+    try:
+        return float(json.loads(out.stdout)[0]["avg_ts"])
+    except (ValueError, LookupError, TypeError) as exc:
+        raise SystemExit(f"llama-bench printed no result ({exc}): {out.stdout[-2000:]}") from None

@@ -12,6 +12,12 @@ worktree add /tmp/base HEAD~1``) under a namespace of their own and times them n
 call by call in one process; each line adds the median over repeats of each repeat's own ratio
 (against / this: above 1, this checkout is faster). On these VMs, whose speed drifts by tens of
 percent from minute to minute, only such ratios tell a few percent apart.
+
+``--model GGUF`` times a model's own quantized linear layers instead (``--shapes`` and ``--qtype``
+unused): the engine loads the file as ``serve`` would (its weights mapped, q/k row maps and all),
+and each timed pass calls every one of its quantized layers once, in the order a decode step
+does, at ``--rows`` rows, so that a pass reads all of its quantized weights, as a batch-1 step
+does; GB/s counts them all. With ``--against``, passes alternate between the builds.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=40, help="timed calls per shape and build")
     parser.add_argument("--mib", type=int, default=256, help="MiB of weight copies each shape rotates over")
     parser.add_argument("--against", metavar="DIR", default=None, help="another checkout's csrc/: time its quant kernels next to these, alternating")
+    parser.add_argument(
+        "--model", metavar="GGUF", default=None, help="time passes over this GGUF model's own quantized layers, in step order, instead of --shapes"
+    )
     parser.add_argument("--json", action="store_true")
 
 
@@ -116,13 +125,15 @@ def run(args) -> int:
     no_map = [torch.empty(0, dtype=torch.int32)]
     qt = QTYPE_IDS[args.qtype]
     results = []
-    if not args.json:
+    if not args.json and not args.model:
         print(
             f"{args.qtype} weights, {args.impl} activations, {args.threads} thread(s); each shape's copies fill {args.mib} MiB; "
             f"median of {args.repeats} calls{'; against / this above 1: this checkout is faster' if args.against else ''}",
             flush=True,
         )
-    for n, k in shapes:
+    if args.model:
+        results.extend(model_passes(args, builds, rows, impl))
+    for n, k in [] if args.model else shapes:
         first = _weight(n, k, args.qtype, seed=n * 31 + k)
         copies = [first] + [first.clone() for _ in range(max(2, args.mib * 2**20 // first.numel() - 1))]
         for m in rows:
@@ -152,3 +163,51 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"qtype": args.qtype, "impl": args.impl, "threads": args.threads, "against": args.against, "results": results}))
     return 0
+
+
+def model_passes(args, builds, rows: list[int], impl: int) -> list[dict]:
+    """``--model``: passes over the model's quantized layers, per rows of x and build."""
+    import torch
+
+    from radixserve import Engine
+    from radixserve.kernels.quant import QuantLinear
+
+    engine = Engine(args.model, kv_cache_tokens=256, max_running=1)
+    layers = [m for m in engine.loaded.model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise SystemExit(f"--model {args.model}: no layer is kept quantized (see the engine's log)")
+    nbytes = sum(m.nbytes for m in layers)
+    if not args.json:
+        print(
+            f"{Path(args.model).name}: {len(layers)} quantized layers, {nbytes / 1e6:,.1f} MB, {args.impl} activations, "
+            f"{args.threads} thread(s); median of {args.repeats} passes{'; against / this above 1: this checkout is faster' if args.against else ''}",
+            flush=True,
+        )
+    out = []
+    for m in rows:
+        g = torch.Generator().manual_seed(m)
+        xs = [torch.randn(m, layer.in_features, generator=g) for layer in layers]
+        for label, b in builds[1:]:  # (the same arithmetic: a build that differs is not comparable)
+            for layer, x in zip(layers[:8], xs, strict=False):
+                ref = builds[0][1].qlinear(x, *layer._args, None, impl)
+                torch.testing.assert_close(b.qlinear(x, *layer._args, None, impl), ref, rtol=1e-5, atol=1e-4, msg=f"{label} differs")
+        times: dict[str, list[float]] = {label: [] for label, _ in builds}
+        for _ in range(args.repeats):
+            for label, b in builds:
+                start = time.perf_counter()
+                for layer, x in zip(layers, xs, strict=True):
+                    b.qlinear(x, *layer._args, None, impl)
+                times[label].append(time.perf_counter() - start)
+        row = {"model": str(args.model), "rows": m, "bytes": nbytes, "layers": len(layers)}
+        for label, _ in builds:
+            med = statistics.median(times[label])
+            row[label] = {"ms": med * 1e3, "gb_s": nbytes / med / 1e9}
+        if args.against:
+            row["against_over_this"] = statistics.median(a / t for a, t in zip(times["against"], times["this"], strict=True))
+        out.append(row)
+        if not args.json:
+            text = f"  pass, rows {m:>3}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
+            if args.against:
+                text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
+            print(text, flush=True)
+    return out

@@ -90,13 +90,23 @@ Layout layout_of(int64_t qtype) {
   }
 }
 
+// Whether a type's weights are w = s u + o (an offset per group, times sum x), not s (u - c) (c times -sum q).
+constexpr bool has_offset(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ4_K; }
+
+// Activations are arranged once per layout and kind of record (below): two types of one layout
+// that differ in has_offset read two arrangements.
+constexpr int kArrangements = 2 * kLayouts;
+int arrangement_of(int64_t qtype) { return 2 * layout_of(qtype) + (has_offset(qtype) ? 1 : 0); }
+
 // One layout's arrays for all rows: row m's chunk c starts at bytes + (m * chunks + c) * vectors *
-// 64, and its record per accumulator (16 x 32 bits) at groups + ((m * chunks + c) * accs + acc) *
-// 16: per group of lanes (16 / group of them), d in words 0-3, -sum q in 4-7 (int32) and sum x in
-// 8-11 (the sums over all the group's values). A record, not lane vectors: per chunk of x the
-// kernels then read 64 + 64 bytes, not 64 + 192, and at K = 11,008 the larger working set no longer
-// fit in L1 beside the streaming weights (13-15 GB/s against 31 at K = 4,096, Llama-2-7B's down
-// projection against its gate and up).
+// 64, and its record per accumulator (8 x 32 bits) at groups + ((m * chunks + c) * accs + acc) * 8:
+// per group of lanes (16 / group of them), d in words 0-3, then in words 4-7 what the type's
+// constant term needs, summed over all the group's values: sum x (fp32) for a type with an offset,
+// else -sum q (int32). A record, not lane vectors, and only the term that is read: x's working set
+// must fit in L1 beside the streaming weights. At K = 11,008 (Llama-2-7B's down projection), lane
+// vectors (64 + 192 bytes per 64 values) ran at 13-15 GB/s against 31 at K = 4,096; records of
+// both terms (64 + 64 bytes) at about 0.87x K = 4,096's GB/s; these (64 + 32) at ... (bench/RESULTS.md
+// section 45).
 struct Arranged {
   int64_t chunks = 0;
   LayoutShape s{};
@@ -108,7 +118,7 @@ struct Arranged {
 
 struct Int8Activations::Impl {
   int64_t M, K;
-  Arranged layouts[kLayouts];
+  Arranged layouts[kArrangements];
 };
 
 namespace {
@@ -176,12 +186,12 @@ void quantize(const float* x, int64_t ldx, int64_t M, int64_t K, Natural& n) {
 
 // The natural arrays arranged in layout l: each vector's bytes by a byte permute of the chunk's
 // (vpermb), each accumulator's lanes picked from the chunk's sums of 4 (its vectors' added).
-void arrange(Layout l, const Natural& n, int64_t M, Arranged& a) {
+void arrange(Layout l, bool offset, const Natural& n, int64_t M, Arranged& a) {
   a.s = shape_of(l);
   a.chunks = n.Kp / a.s.chunk;
   const int64_t units = M * a.chunks;
   a.bytes.resize(static_cast<size_t>(units * a.s.vectors * 64));
-  a.groups.assign(static_cast<size_t>(units * a.s.accs * 16), 0);
+  a.groups.assign(static_cast<size_t>(units * a.s.accs * 8), 0);
   __m512i bytes[2], group[2];  // per vector: its byte i's chunk offset; its lane's chunk group of 4
   for (int v = 0; v < a.s.vectors; ++v) {
     bytes[v] = byte_index([&](int i) { return offset_of(l, v, i); });
@@ -214,14 +224,14 @@ void arrange(Layout l, const Natural& n, int64_t M, Arranged& a) {
       _mm512_store_si512(nl, nq);
       _mm512_store_ps(xl, xs);
       _mm512_store_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(group[acc], 3), dv));
-      int32_t* rec = a.groups.data() + (u * a.s.accs + acc) * 16;
+      int32_t* rec = a.groups.data() + (u * a.s.accs + acc) * 8;
       for (int g = 0; g < 16 / a.s.group; ++g) {
         int32_t n = 0;
         float x = 0.0f;
         for (int i = g * a.s.group; i < (g + 1) * a.s.group; ++i) n += nl[i], x += xl[i];
         std::memcpy(rec + g, dl + g * a.s.group, 4);
-        rec[4 + g] = n;
-        std::memcpy(rec + 8 + g, &x, 4);
+        if (offset) std::memcpy(rec + 4 + g, &x, 4);
+        else rec[4 + g] = n;
       }
     }
   }
@@ -393,23 +403,22 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
   constexpr bool k_quant = f.block == 256;
   constexpr LayoutShape s = shape_of(QT == kQ4_0 || QT == kQ4_1 ? kNibbles32 : QT == kQ8_0 ? kBytes : QT == kQ4_K ? kNibblesK : kSixBit);
   constexpr int64_t blocks_per_chunk = k_quant ? 1 : s.chunk / 32;
-  constexpr bool offset = QT == kQ4_1 || QT == kQ4_K;  // w = s u + o (else w = s (u - c))
+  constexpr bool offset = has_offset(QT);  // w = s u + o (else w = s (u - c))
   const Decoder<QT> decode;
   // plain constants for the lambdas below (GCC 12 fails to compile their use of the structs)
-  constexpr int64_t kFBytes = f.bytes, kXBytes = s.vectors * 64, kRec = s.accs * 16;
+  constexpr int64_t kFBytes = f.bytes, kXBytes = s.vectors * 64, kRec = s.accs * 8;
   constexpr int kAccs = s.accs;
   constexpr bool kTwo = s.accs == 1 && s.vectors == 2;
   const int64_t chunks = a.chunks, blocks = K / f.block;
   const int8_t* xb = a.bytes.data() + m0 * chunks * s.vectors * 64;
-  const int32_t* rec = a.groups.data() + m0 * chunks * s.accs * 16;
+  const int32_t* rec = a.groups.data() + m0 * chunks * s.accs * 8;
   // a record's words to lanes: d to every lane of its group; -sum q and sum x to the group's first
   // lane (its lanes' products share one scale and one offset, so one lane may carry the whole sum)
   constexpr int G = s.group;
   const __m512i to_d = dword_index([](int l) { return l / G; });
-  const __m512i to_nq = dword_index([](int l) { return 4 + l / G; });
-  const __m512i to_xs = dword_index([](int l) { return 8 + l / G; });
+  const __m512i to_term = dword_index([](int l) { return 4 + l / G; });
   const __mmask16 first = static_cast<__mmask16>(G == 4 ? 0x1111 : 0x0101);
-  const int64_t bstride = chunks * s.vectors * 64, lstride = chunks * s.accs * 16;  // per row of x
+  const int64_t bstride = chunks * s.vectors * 64, lstride = chunks * s.accs * 8;  // per row of x
   const int64_t span = (n1 - n0) / R;  // R streams: row r of step i is n0 + r span + i
   for (int64_t i = 0; i < span; ++i) {
     const int64_t n = n0 + i;
@@ -428,11 +437,11 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
         const int8_t* xv = xb + m * bstride + c * kXBytes;
         const int32_t* rp = rec + m * lstride + c * kRec;
         unrolled<kAccs>([&](auto v) {  // accumulator v: vector v, or (one accumulator) both
-          const __m512i g = _mm512_load_si512(rp + 16 * v);
+          const __m512i g = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(rp + 8 * v)));
           const __m512i x0 = _mm512_load_si512(xv + 64 * v);
           __m512i init;
           if constexpr (offset) init = _mm512_setzero_si512();
-          else init = _mm512_slli_epi32(_mm512_maskz_permutexvar_epi32(first, to_nq, g), Decoder<QT>::kShift);
+          else init = _mm512_slli_epi32(_mm512_maskz_permutexvar_epi32(first, to_term, g), Decoder<QT>::kShift);
           const __m512 dx = _mm512_permutexvar_ps(to_d, _mm512_castsi512_ps(g));
           __m512i x1;
           if constexpr (kTwo) x1 = _mm512_load_si512(xv + 64);
@@ -441,7 +450,7 @@ void columns_int8(const Part& p, int64_t n0, int64_t n1, const Arranged& a, int6
             if constexpr (kTwo) sum = _mm512_dpbusd_epi32(sum, w[r].u[1], x1);
             __m512& t = acc[r * MB + m];
             t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w[r].s[v], dx), t);
-            if constexpr (offset) t = _mm512_fmadd_ps(w[r].o[v], _mm512_maskz_permutexvar_ps(first, to_xs, _mm512_castsi512_ps(g)), t);
+            if constexpr (offset) t = _mm512_fmadd_ps(w[r].o[v], _mm512_maskz_permutexvar_ps(first, to_term, _mm512_castsi512_ps(g)), t);
           });
         });
       });
@@ -483,12 +492,12 @@ Int8Activations::Int8Activations(const float* x, int64_t ldx, int64_t M, int64_t
   TORCH_CHECK(K % 32 == 0, "int8 activations: K=", K, " is not a multiple of 32");
   Natural natural;
   quantize(x, ldx, M, K, natural);
-  bool done[kLayouts] = {};
+  bool done[kArrangements] = {};
   for (const Part& p : parts) {
     if (!int8_supports(p.qtype)) continue;
-    const Layout l = layout_of(p.qtype);
-    if (!done[l]) arrange(l, natural, M, impl_->layouts[l]);
-    done[l] = true;
+    const int i = arrangement_of(p.qtype);
+    if (!done[i]) arrange(layout_of(p.qtype), has_offset(p.qtype), natural, M, impl_->layouts[i]);
+    done[i] = true;
   }
 #else
   (void)x, (void)ldx, (void)parts;
@@ -500,7 +509,7 @@ Int8Activations::~Int8Activations() { delete impl_; }
 
 void Int8Activations::columns(const Part& p, int64_t n0, int64_t n1, float* y, int64_t ldy) const {
 #if defined(RADIXSERVE_QUANT_INT8)
-  const Arranged& a = impl_->layouts[layout_of(p.qtype)];
+  const Arranged& a = impl_->layouts[arrangement_of(p.qtype)];
   const int64_t M = impl_->M, K = impl_->K;
   switch (p.qtype) {
     case kQ4_0: return columns_int8_rows<kQ4_0>(p, n0, n1, a, M, K, y, ldy);

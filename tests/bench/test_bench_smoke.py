@@ -311,13 +311,35 @@ def test_peers_radixserve_alone(tiny_model):
     assert 0 < fleet["computed_prompt_tokens"] < fleet["prompt_tokens"]  # turn 2 reuses turn 1's KV
 
 
-def test_bigmodel_on_a_tiny_shape(tmp_path):
-    res = run_bench("bigmodel", "--shape", "tiny", "--mix", "q4_k_m", "--dir", str(tmp_path), "--tokens", "6", "--kv-cache-tokens", "256")
+def test_bigmodel_on_a_tiny_shape_beside_a_fake_llama_bench(tmp_path):
+    # a stand-in llama-bench (CI has none) that logs its arguments and prints llama-bench's JSON
+    fake = tmp_path / "llama-bench"
+    log = "open(sys.argv[0] + '.log', 'a').write(' '.join(sys.argv[1:]) + '\\n')"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n{log}\nprint(json.dumps([{{'avg_ts': 250.0}}]))\n")
+    fake.chmod(0o755)
+    res = run_bench(
+        "bigmodel", "--shape", "tiny", "--mix", "q4_k_m", "--dir", str(tmp_path), "--tokens", "6", "--kv-cache-tokens", "256", "--llama-bench", str(fake)
+    )
     assert Path(res["file"]).is_file() and res["file_bytes"] > 0
     assert res["plan_weight_bytes"] == res["held_weight_bytes"]  # plan counts what the engine holds
     assert len(res["load_s"]) == 2 and all(s > 0 for s in res["load_s"])
     assert 0 < res["rss_base"] <= res["rss_loaded"] <= res["rss_after"] and res["kv_bytes"] > 0
     assert res["decode_ms"] > 0 and res["floor_ms"] > 0 and res["read_bytes"] < res["file_bytes"]
+    # one llama-bench run before each load, on the same file, tokens and threads; each round's ratio
+    runs = (tmp_path / "llama-bench.log").read_text().splitlines()
+    assert runs == [f"-m {res['file']} -n 6 -p 0 -t 1 -r 2 -o json"] * 2
+    assert [r["llama_cpp_tok_s"] for r in res["llama_cpp_rounds"]] == [250.0, 250.0]
+    assert all(r["ratio"] == pytest.approx(r["radixserve_tok_s"] / 250.0) for r in res["llama_cpp_rounds"])
+    assert res["ratio_median"] == pytest.approx(
+        sorted(r["ratio"] for r in res["llama_cpp_rounds"])[0] / 2 + sorted(r["ratio"] for r in res["llama_cpp_rounds"])[1] / 2
+    )
+    # qlinear --model: passes over that model's own quantized layers
+    from radixserve.kernels import quant
+
+    if quant.ops() is not None:
+        out = run_bench("qlinear", "--model", res["file"], "--rows", "1,2", "--repeats", "3", "--impl", "int8" if quant.ops().has_int8() else "fp32")
+        assert [r["rows"] for r in out["results"]] == [1, 2]
+        assert all(r["layers"] == 2 * 4 + 1 and r["bytes"] <= res["read_bytes"] and r["this"]["gb_s"] > 0 for r in out["results"])
 
 
 # -- bench peers --peer llamacpp, against fake servers (CI has no llama-server) ----------------------
