@@ -105,8 +105,8 @@ int arrangement_of(int64_t qtype) { return 2 * layout_of(qtype) + (has_offset(qt
 // else -sum q (int32). A record, not lane vectors, and only the term that is read: x's working set
 // must fit in L1 beside the streaming weights. At K = 11,008 (Llama-2-7B's down projection), lane
 // vectors (64 + 192 bytes per 64 values) ran at 13-15 GB/s against 31 at K = 4,096; records of
-// both terms (64 + 64 bytes) at about 0.87x K = 4,096's GB/s; these (64 + 32) at ... (bench/RESULTS.md
-// section 45).
+// both terms (64 + 64 bytes) about 0.85x K = 4,096's GB/s; these (64 + 32) were x1.03-1.04 faster
+// than those at K = 11,008 and 16,384 (bench/RESULTS.md section 45).
 struct Arranged {
   int64_t chunks = 0;
   LayoutShape s{};
