@@ -549,11 +549,12 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     xq.emplace(xp, ldx, M, K, parts);
   auto int8_part = [&](const Part& p) { return xq.has_value() && int8_supports(p.qtype); };
   if (xq) {
-    // blocks of about 256 columns (at least one per thread, at least 16 columns each, at most 64)
-    // handed out one at a time: a thread that a neighbour slows down takes fewer, rather than holding
-    // the call up with its equal share (bench/RESULTS.md section 45)
+    // blocks of about 256 columns, a multiple of the threads (at least 16 columns each, at most 64 or
+    // one per thread), handed out one at a time: a thread that a neighbour slows down takes fewer,
+    // rather than holding the call up with its equal share (bench/RESULTS.md section 45)
     const int64_t threads = at::get_num_threads();
-    const int64_t blocks = std::max<int64_t>(1, std::min({std::max(N / 256, threads), N / 16, std::max<int64_t>(64, threads)}));
+    const int64_t per_thread = std::max<int64_t>(1, std::min<int64_t>(N / 256, 64) / threads);
+    const int64_t blocks = std::max<int64_t>(1, std::min(threads * per_thread, N / 16));
     radixserve::parallel_tasks(blocks, [&](auto next) {
       for (int64_t t = next(); t < blocks; t = next()) {
         const int64_t n0 = N * t / blocks / 16 * 16, n1 = t + 1 == blocks ? N : N * (t + 1) / blocks / 16 * 16;
