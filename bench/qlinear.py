@@ -166,17 +166,21 @@ def run(args) -> int:
 
 
 def model_passes(args, builds, rows: list[int], impl: int) -> list[dict]:
-    """``--model``: passes over the model's quantized layers, per rows of x and build."""
+    """``--model``: passes over the model's quantized layers, per rows of x and build; each call is
+    timed on its own too, and summed per kind of layer (the name's last part: qkv_proj, down_proj, ...)."""
     import torch
 
     from radixserve import Engine
     from radixserve.kernels.quant import QuantLinear
 
     engine = Engine(args.model, kv_cache_tokens=256, max_running=1)
-    layers = [m for m in engine.loaded.model.modules() if isinstance(m, QuantLinear)]
-    if not layers:
+    named = [(name.rsplit(".", 1)[-1], m) for name, m in engine.loaded.model.named_modules() if isinstance(m, QuantLinear)]
+    if not named:
         raise SystemExit(f"--model {args.model}: no layer is kept quantized (see the engine's log)")
-    nbytes = sum(m.nbytes for m in layers)
+    layers = [m for _, m in named]
+    kinds = list(dict.fromkeys(kind for kind, _ in named))
+    kind_bytes = {kind: sum(m.nbytes for k, m in named if k == kind) for kind in kinds}
+    nbytes = sum(kind_bytes.values())
     if not args.json:
         print(
             f"{Path(args.model).name}: {len(layers)} quantized layers, {nbytes / 1e6:,.1f} MB, {args.impl} activations, "
@@ -191,23 +195,32 @@ def model_passes(args, builds, rows: list[int], impl: int) -> list[dict]:
             for layer, x in zip(layers[:8], xs, strict=False):
                 ref = builds[0][1].qlinear(x, *layer._args, None, impl)
                 torch.testing.assert_close(b.qlinear(x, *layer._args, None, impl), ref, rtol=1e-5, atol=1e-4, msg=f"{label} differs")
-        times: dict[str, list[float]] = {label: [] for label, _ in builds}
+        times: dict[tuple[str, str], list[float]] = {(label, kind): [] for label, _ in builds for kind in ["pass", *kinds]}
         for _ in range(args.repeats):
             for label, b in builds:
+                per_kind = dict.fromkeys(kinds, 0.0)
                 start = time.perf_counter()
-                for layer, x in zip(layers, xs, strict=True):
+                for (kind, layer), x in zip(named, xs, strict=True):
+                    t0 = time.perf_counter()
                     b.qlinear(x, *layer._args, None, impl)
-                times[label].append(time.perf_counter() - start)
-        row = {"model": str(args.model), "rows": m, "bytes": nbytes, "layers": len(layers)}
-        for label, _ in builds:
-            med = statistics.median(times[label])
-            row[label] = {"ms": med * 1e3, "gb_s": nbytes / med / 1e9}
-        if args.against:
-            row["against_over_this"] = statistics.median(a / t for a, t in zip(times["against"], times["this"], strict=True))
-        out.append(row)
-        if not args.json:
-            text = f"  pass, rows {m:>3}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
+                    per_kind[kind] += time.perf_counter() - t0
+                times[(label, "pass")].append(time.perf_counter() - start)
+                for kind, t in per_kind.items():
+                    times[(label, kind)].append(t)
+        for kind in ["pass", *kinds]:
+            count = len(layers) if kind == "pass" else sum(k == kind for k, _ in named)
+            size = nbytes if kind == "pass" else kind_bytes[kind]
+            row = {"model": str(args.model), "rows": m, "kind": kind, "layers": count, "bytes": size}
+            for label, _ in builds:
+                med = statistics.median(times[(label, kind)])
+                row[label] = {"ms": med * 1e3, "gb_s": size / med / 1e9}
             if args.against:
-                text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
-            print(text, flush=True)
+                row["against_over_this"] = statistics.median(a / t for a, t in zip(times[("against", kind)], times[("this", kind)], strict=True))
+            out.append(row)
+            if not args.json:
+                name = f"pass, rows {m}" if kind == "pass" else f"  {kind} x{count}"
+                text = f"  {name:<22}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
+                if args.against:
+                    text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
+                print(text, flush=True)
     return out

@@ -338,8 +338,12 @@ def test_bigmodel_on_a_tiny_shape_beside_a_fake_llama_bench(tmp_path):
 
     if quant.ops() is not None:
         out = run_bench("qlinear", "--model", res["file"], "--rows", "1,2", "--repeats", "3", "--impl", "int8" if quant.ops().has_int8() else "fp32")
-        assert [r["rows"] for r in out["results"]] == [1, 2]
-        assert all(r["layers"] == 2 * 4 + 1 and r["bytes"] <= res["read_bytes"] and r["this"]["gb_s"] > 0 for r in out["results"])
+        kinds = ["pass", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
+        assert [(r["rows"], r["kind"]) for r in out["results"]] == [(m, kind) for m in (1, 2) for kind in kinds]
+        for r in out["results"]:
+            assert r["layers"] == (2 * 4 + 1 if r["kind"] == "pass" else 1 if r["kind"] == "lm_head" else 2) and r["this"]["gb_s"] > 0
+        passes = [r for r in out["results"] if r["kind"] == "pass"]
+        assert all(p["bytes"] <= res["read_bytes"] and p["bytes"] == sum(r["bytes"] for r in out["results"][1:6]) for p in passes)
 
 
 # -- bench peers --peer llamacpp, against fake servers (CI has no llama-server) ----------------------
