@@ -8,29 +8,15 @@ import random
 import time
 
 import pytest
+from test_remote_workers import _RecordingTransport  # (the router's transport without sockets)
 
 from radixserve import protocol as P
 from radixserve.sampling_params import SamplingParams
 from radixserve.serve.router import Router, RouterConfig
 from radixserve.serve.router.admission import AdmissionView, http_tenant
 from radixserve.serve.router.fair_queue import FairQueue
-from radixserve.serve.router.sockets import Transport
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class _RecordingTransport(Transport):
-    """The router's transport without sockets: what it sends, to clients or workers, in order."""
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.sent: list = []
-
-    def send(self, identity: bytes, msg) -> None:
-        self.sent.append(msg)
-
-    def send_worker(self, identity: bytes, msg) -> None:
-        self.sent.append(msg)
 
 
 def _router(**config) -> tuple[Router, list]:
