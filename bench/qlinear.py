@@ -148,18 +148,7 @@ def run(args) -> int:
                     start = time.perf_counter()
                     b.qlinear(x, [w], [qt], no_map, None, impl)
                     times[label].append(time.perf_counter() - start)
-            row = {"shape": f"{n}x{k}", "rows": m, "bytes": first.numel()}
-            for label, _ in builds:
-                med = statistics.median(times[label])
-                row[label] = {"ms": med * 1e3, "gb_s": first.numel() / med / 1e9}
-            if args.against:
-                row["against_over_this"] = statistics.median(a / t for a, t in zip(times["against"], times["this"], strict=True))
-            results.append(row)
-            if not args.json:
-                text = f"  {n:>6} x {k:<6} rows {m:>3}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
-                if args.against:
-                    text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
-                print(text, flush=True)
+            results.append(summarize({"shape": f"{n}x{k}", "rows": m, "bytes": first.numel()}, times, f"{n:>6} x {k:<6} rows {m:>3}", args.json))
     if args.json:
         print(json.dumps({"qtype": args.qtype, "impl": args.impl, "threads": args.threads, "against": args.against, "results": results}))
     return 0
@@ -211,16 +200,23 @@ def model_passes(args, builds, rows: list[int], impl: int) -> list[dict]:
             count = len(layers) if kind == "pass" else sum(k == kind for k, _ in named)
             size = nbytes if kind == "pass" else kind_bytes[kind]
             row = {"model": str(args.model), "rows": m, "kind": kind, "layers": count, "bytes": size}
-            for label, _ in builds:
-                med = statistics.median(times[(label, kind)])
-                row[label] = {"ms": med * 1e3, "gb_s": size / med / 1e9}
-            if args.against:
-                row["against_over_this"] = statistics.median(a / t for a, t in zip(times[("against", kind)], times[("this", kind)], strict=True))
-            out.append(row)
-            if not args.json:
-                name = f"pass, rows {m}" if kind == "pass" else f"  {kind} x{count}"
-                text = f"  {name:<22}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
-                if args.against:
-                    text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
-                print(text, flush=True)
+            name = f"pass, rows {m}" if kind == "pass" else f"  {kind} x{count}"
+            out.append(summarize(row, {label: times[(label, kind)] for label, _ in builds}, f"{name:<22}", args.json))
     return out
+
+
+def summarize(row: dict, times: dict[str, list[float]], name: str, quiet: bool) -> dict:
+    """``row`` with each build's median ms and GB/s of ``row["bytes"]`` (``times``: seconds per
+    repeat, by build label) and, with an "against" build, the median of the repeats' ratios; prints
+    its line unless ``quiet``."""
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        row[label] = {"ms": med * 1e3, "gb_s": row["bytes"] / med / 1e9}
+    if "against" in times:
+        row["against_over_this"] = statistics.median(a / t for a, t in zip(times["against"], times["this"], strict=True))
+    if not quiet:
+        text = f"  {name}: {row['this']['ms']:8.3f} ms {row['this']['gb_s']:6.1f} GB/s"
+        if "against" in times:
+            text += f" | against {row['against']['ms']:8.3f} ms {row['against']['gb_s']:6.1f} GB/s | against / this x{row['against_over_this']:.2f}"
+        print(text, flush=True)
+    return row

@@ -15,7 +15,8 @@
 //   up, each keep the type the file gave them). row_maps[i], int32 [Ni] or empty, names the row of
 //   part i that each of its outputs reads: llama.cpp's q/k row permutation is undone so, with no
 //   copy of the weights (a map over all of a part's rows reorders its outputs after the product,
-//   which reads the rows in their stored order). x is fp32 [M, K] (rows may be strided, the last dimension contiguous).
+//   which reads the rows in their stored order). x is fp32 [M, K] (rows may be strided, the last
+//   dimension contiguous).
 //   fp32 arithmetic throughout (each weight rounded to fp32 once, as gguf's dequantize does, but
 //   with q s + o fused), so the results are those of dequantize-then-matmul up to summation order.
 //   Two AVX-512 paths:
@@ -488,8 +489,9 @@ torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, co
 torch::Tensor finish(const std::vector<Part>& permuted, const torch::Tensor* bias, torch::Tensor& y) {
   const int64_t M = y.size(0), N = y.size(1);
   float* yp = y.data_ptr<float>();
+  std::vector<float> in_order;
   for (const Part& p : permuted) {
-    std::vector<float> in_order(static_cast<size_t>(p.rows));
+    in_order.resize(static_cast<size_t>(p.rows));
     for (int64_t m = 0; m < M; ++m) {
       float* row = yp + m * N + p.first;
       std::copy(row, row + p.rows, in_order.begin());
