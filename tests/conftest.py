@@ -128,10 +128,13 @@ def pytest_sessionstart(session):
     checkout's first build takes a minute or two; left to whichever test came first, it could
     fall to the worker processes of a test cluster, whose wait for them to be ready it outlasts,
     and inside a test it would count against that test's timeout. Where it cannot be built, the
-    torch paths run instead (one warning)."""
+    torch paths run instead (one warning), except under ``RADIXSERVE_REQUIRE_EXT=1`` (.ci/run sets it):
+    there a build that fails stops the run, rather than letting the kernels' tests skip and the
+    rest pass on the torch paths."""
     from radixserve.kernels import build
 
-    build.load()
+    if build.load() is None and os.environ.get("RADIXSERVE_REQUIRE_EXT") == "1":
+        pytest.exit("RADIXSERVE_REQUIRE_EXT=1 and the csrc/ extension did not build (its error is logged above)", returncode=1)
 
 
 @pytest.fixture(scope="session")
