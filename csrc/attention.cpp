@@ -1200,15 +1200,6 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
   });
 }
 
-// decode.cpp
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
-                            const std::vector<torch::Tensor>& packed,
-                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
-                            torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                            const std::vector<torch::Tensor>& prefix, const std::vector<torch::Tensor>& quant);
-
 // The attention module's ops (this file's, prefill.cpp's and decode.cpp's) as torch ops, like
 // layers.cpp's and linear.cpp's: torch.ops.radixserve_attention.<op>. The namespace is a macro
 // so that another version of these three files (bench/kernels.py --against) can load next to
@@ -1260,11 +1251,5 @@ RADIXSERVE_TORCH_LIBRARY(RADIXSERVE_ATTENTION_NS, m) {
   m.def("merge_state(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> Tensor", &merge_state);
   // Write new K/V rows [T, Hkv, D] into cache slots [T] of k_cache/v_cache (in place)
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()", &store_kv);
-  // A decode batch's decoder layers in one call (decode.cpp): x updated in place as the residual
-  // stream, the caches written; returns the last MLP output. (No defaults: a Tensor[] cannot have one.)
-  m.def("decode_layers(Tensor(a!) x, Tensor[] params, Tensor[] packed, Tensor(b!)[] k_caches, "
-        "Tensor(c!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor qo_indptr, Tensor kv_indptr, "
-        "Tensor kv_indices, Tensor kv_last_page_len, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "float scale, Tensor[] prefix, Tensor[] quant) -> Tensor",
-        &decode_layers);
+  // decode_layers and its DecodeWeights: decode.cpp
 }

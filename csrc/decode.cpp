@@ -118,7 +118,7 @@ struct QuantWeight {
   int64_t impl = 0;  // qlinear's impl: 0, or 4 (int8 activations where the types have kernels)
 };
 
-// `quant` (decode_layers' argument) as one QuantWeight per linear layer: for each, an int64 tensor
+// `quant` (DecodeWeights' argument) as one QuantWeight per linear layer: for each, an int64 tensor
 // [parts, impl, qtype...] and then each part's data and row map; an empty list: every weight dense.
 std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, int64_t linears) {
   std::vector<QuantWeight> out(static_cast<size_t>(linears));
@@ -126,21 +126,21 @@ std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, 
   size_t i = 0;
   for (auto& q : out) {
     TORCH_CHECK(i < quant.size() && quant[i].scalar_type() == at::kLong && quant[i].is_contiguous(),
-                "decode_layers: quant must hold an int64 [parts, impl, qtypes...] tensor per linear layer");
+                "DecodeWeights: quant must hold an int64 [parts, impl, qtypes...] tensor per linear layer");
     const int64_t* meta = quant[i].data_ptr<int64_t>();
     const int64_t parts = quant[i].numel() ? meta[0] : 0;  // (a dense weight's: [0])
     TORCH_CHECK(parts == 0 || quant[i].numel() == 2 + parts,
-                "decode_layers: a linear layer's [parts, impl, qtypes...] tensor has the wrong length");
+                "DecodeWeights: a linear layer's [parts, impl, qtypes...] tensor has the wrong length");
     ++i;
     if (parts) q.impl = meta[1];
     for (int64_t p = 0; p < parts; ++p) {
-      TORCH_CHECK(i + 1 < quant.size(), "decode_layers: quant ends inside a linear layer's parts");
+      TORCH_CHECK(i + 1 < quant.size(), "DecodeWeights: quant ends inside a linear layer's parts");
       q.qtypes.push_back(meta[2 + p]);
       q.parts.push_back(quant[i++]);
       q.maps.push_back(quant[i++]);
     }
   }
-  TORCH_CHECK(i == quant.size(), "decode_layers: quant has more tensors than its linear layers take");
+  TORCH_CHECK(i == quant.size(), "DecodeWeights: quant has more tensors than its linear layers take");
   return out;
 }
 
@@ -156,36 +156,54 @@ at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, cons
   return onednn_op().call(x, packed, bias_of(b), "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-}  // namespace
-
 // per layer: ln1, W_qkv, b_qkv, W_o, b_o, ln2, W_gu, b_gu, W_down, b_down
 constexpr int64_t kPerLayer = 10;
 
-// x [T, hidden] (the embeddings; updated in place as the residual stream); params: kPerLayer
-// tensors per layer in that order (empty tensors for absent biases); packed: each layer's
-// prepacked (oneDNN or AMX GEMM) qkv, o, gate_up and down weights, an empty tensor for a weight
-// on the small-M kernel (an empty list: all of them on the kernel); k_caches, v_caches: each
-// layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's dtype; slots [T] int64; the
-// FlashInfer-format metadata of a batch that is all on the decode kernel. prefix: empty, or, for a
-// batch of decodes whose first rows are in cascade groups (in row order), the groups' shared-prefix
-// metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), the other four then being the
-// members' own suffixes followed by the whole contexts of the decodes in no group: each layer
-// attends to both and merges the grouped rows by LSE, as radixserve/attention/cpu_backend.py
-// does. quant: empty, or for each layer's qkv, o, gate_up and down weights in turn an int64 tensor
-// [parts, qtype...] then each part's GGUF blocks and row map (no parts: that weight is dense),
-// for weights held in their quantized blocks (radixserve.kernels.quant.QuantLinear: quant.cpp's
-// qlinear, in fp32). Returns the last layer's MLP output (the pending residual).
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
-                            const std::vector<torch::Tensor>& packed,
-                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor qo_indptr,
-                            torch::Tensor kv_indptr, torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                            const std::vector<torch::Tensor>& prefix, const std::vector<torch::Tensor>& quant) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(params.size()) == kPerLayer * layers &&
-                  static_cast<int64_t>(v_caches.size()) == layers,
-              "decode_layers: need ", kPerLayer, " parameters and one K and one V cache per layer");
+// The weights of a model's decoder layers as decode_layers reads them, checked and taken apart once
+// (a torch custom class that radixserve.kernels.fused_decode builds at a model's first decode
+// batch). Passed as two lists at every step instead, their thousand-odd tensors (a 30-layer
+// quantized model's) cost about 0.14 ms a step to convert and take apart, 2% of SmolLM2's batch-1
+// step on 2 threads.
+// params: kPerLayer tensors per layer in that order (empty tensors for absent biases). quant: empty,
+// or for each layer's qkv, o, gate_up and down weights in turn an int64 tensor [parts, impl,
+// qtype...] then each part's GGUF blocks and row map (no parts: that weight is dense), for weights
+// held in their quantized blocks (radixserve.kernels.quant.QuantLinear: quant.cpp's qlinear, in
+// fp32; impl 4 takes int8 activations where the types have kernels).
+struct DecodeWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> params;
+  std::vector<QuantWeight> quant;  // one per linear layer
+  int64_t layers;
+
+  DecodeWeights(std::vector<at::Tensor> params_, const std::vector<at::Tensor>& quant_)
+      : params(std::move(params_)), layers(static_cast<int64_t>(params.size()) / kPerLayer) {
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(params.size()) == kPerLayer * layers,
+                "DecodeWeights: need ", kPerLayer, " parameters per layer, got ", params.size());
+    quant = quant_weights(quant_, 4 * layers);
+  }
+};
+
+// x [T, hidden] (the embeddings; updated in place as the residual stream); weights: the layers'
+// (DecodeWeights); packed: each layer's prepacked (oneDNN or AMX GEMM) qkv, o, gate_up and down
+// weights, an empty tensor for a weight on the small-M kernel or quantized (an empty list: all of
+// them); k_caches, v_caches: each layer's [pages, page_size, Hkv, D]; cos, sin [T, D/2] in x's
+// dtype; slots [T] int64; the FlashInfer-format metadata of a batch that is all on the decode
+// kernel. prefix: empty, or, for a batch of decodes whose first rows are in cascade groups (in row
+// order), the groups' shared-prefix metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len),
+// the other four then being the members' own suffixes followed by the whole contexts of the
+// decodes in no group: each layer attends to both and merges the grouped rows by LSE, as
+// radixserve/attention/cpu_backend.py does. Returns the last layer's MLP output (the pending
+// residual).
+torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, torch::Tensor x,
+                            const std::vector<torch::Tensor>& packed, const std::vector<torch::Tensor>& k_caches,
+                            const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor slots, torch::Tensor qo_indptr, torch::Tensor kv_indptr,
+                            torch::Tensor kv_indices, torch::Tensor kv_last_page_len, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                            const std::vector<torch::Tensor>& prefix) {
+  const int64_t layers = weights->layers;
+  const std::vector<torch::Tensor>& params = weights->params;
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
+              "decode_layers: need one K and one V cache per layer (", layers, ")");
   TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == 4 * layers,
               "decode_layers: packed must be empty or hold 4 prepacked weights per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be a contiguous [tokens, hidden] tensor");
@@ -197,7 +215,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
   // the rows in cascade groups (the first ones); 0 without a prefix level
   const int64_t grouped = prefix.empty() ? 0 : prefix[0][prefix[0].size(0) - 1].item<int64_t>();
   TORCH_CHECK(grouped >= 0 && grouped <= T, "decode_layers: the prefix level covers ", grouped, " of ", T, " rows");
-  const std::vector<QuantWeight> qws = quant_weights(quant, 4 * layers);
+  const std::vector<QuantWeight>& qws = weights->quant;
   std::optional<at::Tensor> pending;
   const at::Tensor none;  // (undefined: the small-M kernel)
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -246,4 +264,26 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
     pending = product(op, act, w[8], w[9], pw(3), qw[3]);
   }
   return *pending;
+}
+
+}  // namespace
+
+// Registered with the attention module's ops (attention.cpp), under the same namespace macro.
+#ifndef RADIXSERVE_ATTENTION_NS
+#define RADIXSERVE_ATTENTION_NS radixserve_attention
+#endif
+#define RADIXSERVE_STR_(x) #x
+#define RADIXSERVE_STR(x) RADIXSERVE_STR_(x)
+#define RADIXSERVE_TORCH_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)  // (expands the macro first)
+
+RADIXSERVE_TORCH_FRAGMENT(RADIXSERVE_ATTENTION_NS, m) {
+  m.class_<DecodeWeights>("DecodeWeights").def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>>());
+  // A decode batch's decoder layers in one call: x updated in place as the residual stream, the
+  // caches written; returns the last MLP output. (No defaults: a Tensor[] cannot have one.)
+  m.def("decode_layers(__torch__.torch.classes." RADIXSERVE_STR(RADIXSERVE_ATTENTION_NS)
+        ".DecodeWeights weights, Tensor(a!) x, Tensor[] packed, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+        "Tensor cos, Tensor sin, Tensor slots, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
+        "Tensor kv_last_page_len, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
+        "Tensor[] prefix) -> Tensor",
+        &decode_layers);
 }

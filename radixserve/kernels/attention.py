@@ -39,6 +39,9 @@ class AttentionOps:
     """(k_cache, v_cache, slots, k, v): rows ``[T, Hkv, D]`` into int64 flat slots, in place."""
     decode_layers: Callable[..., torch.Tensor]
     """A decode batch's decoder layers in one call (:mod:`radixserve.kernels.fused_decode`)."""
+    decode_weights: Callable[[list[torch.Tensor], list[torch.Tensor]], object]
+    """(params, quant): the layers' weights as ``decode_layers`` takes them, checked and taken
+    apart once (the custom class ``DecodeWeights``)."""
     bf16_brgemm: Callable[[], bool]
     """Whether ``prefill_attention`` runs bf16 on brgemm (AMX) on this CPU."""
     bf16_dpbf16: Callable[[], bool]
@@ -58,7 +61,8 @@ def ops(namespace: str = NAMESPACE) -> AttentionOps | None:
         ns = build.ops(namespace, "paged_attention") if namespace == NAMESPACE else _loaded(namespace)
         if ns is None:
             return None
-        found = _cache[namespace] = AttentionOps(**{name: getattr(ns, name).default for name in AttentionOps.__dataclass_fields__})
+        fields = {name: getattr(ns, name).default for name in AttentionOps.__dataclass_fields__ if name != "decode_weights"}
+        found = _cache[namespace] = AttentionOps(**fields, decode_weights=getattr(torch.classes, namespace).DecodeWeights)
     return found
 
 

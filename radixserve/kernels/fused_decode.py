@@ -31,7 +31,7 @@ log = logging.getLogger("radixserve")
 
 ENV = "RADIXSERVE_FUSED_DECODE"
 _DTYPES = (torch.float32, torch.bfloat16)
-_DENSE = torch.tensor([0])  # decode_layers' quant entry of a dense weight: no parts
+_DENSE = torch.tensor([0])  # DecodeWeights' quant entry of a dense weight: no parts
 _NO_MAP = torch.empty(0, dtype=torch.int32)  # a quantized part read in order
 
 
@@ -77,13 +77,16 @@ class FusedDecode:
     def __init__(self) -> None:
         self.enabled = enabled()
         self._params: list[torch.Tensor] | bool | None = None  # None: not checked yet
+        # decode_layers' weights argument (its DecodeWeights): the parameters and the quantized
+        # weights, with int8 activations where their types have kernels, and with fp32 ones (for
+        # batches whose rows are not all decodes)
+        self._weights: object | None = None
+        self._weights_fp32: object | None = None
         self._shape: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # heads, KV heads, head_dim, eps
         self._ops: attention.AttentionOps | None = None  # (radixserve.kernels.attention.ops)
         self.batches = 0  # batches whose layers ran in one call
         # each layer's qkv, o, gate_up and down: (weight, bias, packed-copy cache), None for a quantized one
         self._linears: list[tuple[torch.Tensor, torch.Tensor | None, lin.PackedWeight] | None] = []
-        self._quant: list[torch.Tensor] = []  # decode_layers' quant argument (empty: every weight dense)
-        self._quant_fp32: list[torch.Tensor] = []  # the same with every layer's impl fp32 (rows not all decodes)
         self._not_prepacked: set[int] = set()  # row counts some linear layer runs on neither path
         self._none = torch.empty(0)  # a weight on the small-M kernel (decode.cpp reads empty as that)
 
@@ -118,8 +121,8 @@ class FusedDecode:
         self.batches += 1
         assert self._ops is not None  # (set by _build)
         return self._ops.decode_layers(
+            self._weights if quant.int8_rows() else self._weights_fp32,
             x,
-            self._params,
             packed,
             args.k_caches,
             args.v_caches,
@@ -136,7 +139,6 @@ class FusedDecode:
             eps,
             args.scale,
             list(args.prefix),
-            self._quant if quant.int8_rows() else self._quant_fp32,
         )
 
     def _prepacked(self, rows: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -158,16 +160,20 @@ class FusedDecode:
                 self._not_prepacked.add(rows)
                 return None
             out.append(self._none if buf is None else buf)
-        return out
+        return out if any(t is not self._none for t in out) else []  # (empty: every weight on the kernel or quantized)
 
     def _build(self, model: DecodeModel, dtype: torch.dtype) -> list[torch.Tensor] | bool:
         why = unsupported(model, dtype)
         if why is not None:
             log.info("fused decode layers off for this model: %s", why)
             return False
-        self._ops = attention.ops()
+        self._ops = ops = attention.ops()
+        assert ops is not None  # (unsupported checked)
         none = torch.empty(0, dtype=dtype)  # an absent bias (decode.cpp reads an empty tensor as none)
         params: list[torch.Tensor] = []
+        # DecodeWeights' quant argument (empty: every weight dense), and the same with every layer's impl fp32
+        quant_int8: list[torch.Tensor] = []
+        quant_fp32: list[torch.Tensor] = []
         described = model.decode_layers()
         assert not isinstance(described, str)  # (unsupported said so)
         for layer in described:
@@ -175,26 +181,28 @@ class FusedDecode:
             for m in layer.linears:
                 if isinstance(m, QuantLinear):
                     self._linears.append(None)
-                    self._quant += [torch.tensor([len(m.parts), m.impl, *(p.qtype for p in m.parts)])]
-                    self._quant_fp32 += [torch.tensor([len(m.parts), quant.IMPL_FP32, *(p.qtype for p in m.parts)])]
+                    quant_int8 += [torch.tensor([len(m.parts), m.impl, *(p.qtype for p in m.parts)])]
+                    quant_fp32 += [torch.tensor([len(m.parts), quant.IMPL_FP32, *(p.qtype for p in m.parts)])]
                     for p in m.parts:
-                        self._quant += [p.data, _NO_MAP if p.row_map is None else p.row_map]
-                        self._quant_fp32 += self._quant[-2:]
+                        quant_int8 += [p.data, _NO_MAP if p.row_map is None else p.row_map]
+                        quant_fp32 += quant_int8[-2:]
                     weights.append(None)
                 else:
                     assert isinstance(m, lin.Linear)
                     self._linears.append((m.weight, m.bias, m.packed))
-                    self._quant.append(_DENSE)
-                    self._quant_fp32.append(_DENSE)
+                    quant_int8.append(_DENSE)
+                    quant_fp32.append(_DENSE)
                     weights.append(m.weight)
             bias = [cast("torch.Tensor | None", m.bias) for m in layer.linears]
             for t in (layer.input_norm, weights[0], bias[0], weights[1], bias[1], layer.post_norm, weights[2], bias[2], weights[3], bias[3]):
                 params.append(none if t is None else t)  # (the parameters themselves, as the layers read them)
-        if all(q is _DENSE for q in self._quant):
-            self._quant = self._quant_fp32 = []
+        if all(q is _DENSE for q in quant_int8):
+            quant_int8 = quant_fp32 = []
+        self._weights = ops.decode_weights(params, quant_int8)
+        self._weights_fp32 = ops.decode_weights(params, quant_fp32) if quant_fp32 else self._weights
         first = described[0]
         self._shape = (first.num_heads, first.num_kv_heads, first.head_dim, float(first.eps[0]))
-        if self._quant and all(m is None for m in self._linears):
+        if quant_int8 and all(m is None for m in self._linears):
             log.info("decode batches run their decoder layers in one native call, quantized weights at every row count (%s=0 turns this off)", ENV)
         else:
             log.info(

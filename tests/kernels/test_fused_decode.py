@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.kernels import fused_decode, gemm
+from radixserve.kernels import attention, fused_decode, gemm
 from radixserve.kernels import linear as lin
 from radixserve.testing import make_tiny_model_dir
 
@@ -177,6 +177,25 @@ def test_models_it_cannot_take_run_layer_by_layer(tmp_path, monkeypatch, tiny_mo
     plain, _, engine = _run(tiny_models["llama"], "float32", prompts, monkeypatch, fused=True)
     assert hooked == plain
     assert engine.runner.model.fused_decode.batches == GREEDY.max_tokens - 1  # decodes only, not the prefill
+
+
+def test_decode_weights_refuse_malformed_lists():
+    """``DecodeWeights`` (decode_layers' weights, taken apart once) names what is wrong with its
+    lists rather than reading past them at a later step."""
+    ops = attention.ops()
+    if ops is None:
+        pytest.skip("the CPU extension is not built")
+    params = [torch.ones(4)] * 10
+    ops.decode_weights(params, [])  # one dense layer
+    with pytest.raises(RuntimeError, match="10 parameters per layer"):
+        ops.decode_weights(params[:9], [])
+    dense = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="int64 .parts, impl, qtypes"):
+        ops.decode_weights(params, [torch.tensor([0.0])] * 4)
+    with pytest.raises(RuntimeError, match="quant ends inside a linear layer's parts"):
+        ops.decode_weights(params, [dense] * 3 + [torch.tensor([1, 4, 2])])
+    with pytest.raises(RuntimeError, match="quant has more tensors"):
+        ops.decode_weights(params, [dense] * 5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
