@@ -7,7 +7,8 @@
 // step of the bench model's eight layers, a third of the bandwidth floor
 // (``python -m bench roofline``). Here the layer loop runs in C++ and calls the same operators:
 // the radixserve_layers and radixserve_linear ops through the dispatcher (their own argument
-// checks included), store_kv and paged_attention (attention.cpp) directly. The results are
+// checks included), store_kv and paged_attention (attention.cpp) and quant.cpp's qlinear, over
+// weights checked once (DecodeWeights), directly. The results are
 // bit-identical to the layer-by-layer path, which tests/test_fused_decode.py checks.
 //
 // Per layer (Llama-family, no QK norm; radixserve/model/llama.py):
@@ -24,6 +25,8 @@
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include "quant.h"
 
 #include <optional>
 #include <string>
@@ -78,14 +81,6 @@ const c10::TypedOperatorHandle<AmxFn>& amx_op() {
   return op;
 }
 
-// quant.cpp's product over GGUF blocks, likewise (only a model with quantized weights needs it).
-using QLinearFn = at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
-                             const std::vector<at::Tensor>&, const std::optional<at::Tensor>&, int64_t);
-const c10::TypedOperatorHandle<QLinearFn>& qlinear_op() {
-  static const c10::TypedOperatorHandle<QLinearFn> op = find_op<QLinearFn>("radixserve_quant::qlinear");
-  return op;
-}
-
 // The AMX GEMM with SiLU-and-mul in its epilogue (gate_up's product and activation in one pass).
 using AmxGluFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
 const c10::TypedOperatorHandle<AmxGluFn>& amx_glu_op() {
@@ -107,16 +102,9 @@ std::optional<at::Tensor> bias_of(const at::Tensor& b) {
 // Whether a prepacked weight is the AMX GEMM's tiles (else oneDNN's copy, or none: the small-M kernel).
 bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.numel() > 0 && !packed.is_mkldnn(); }
 
-// x W^T + b as radixserve.kernels.linear.linear computes it for x's rows: the small-M kernel, or
-// the GEMM over the weight's prepacked copy ``packed`` (undefined or empty where the kernel runs):
-// oneDNN's (a mkldnn tensor) or the AMX GEMM's (pack_amx's 4-D tiles).
-// A linear layer's weight kept in GGUF blocks (quant.cpp's qlinear): its parts, their types and
-// row maps; no parts: a dense weight.
-struct QuantWeight {
-  std::vector<at::Tensor> parts, maps;
-  std::vector<int64_t> qtypes;
-  int64_t impl = 0;  // qlinear's impl: 0, or 4 (int8 activations where the types have kernels)
-};
+// A linear layer's weight kept in GGUF blocks (quant.cpp's qlinear over its parts, their types and
+// row maps, checked once); none: a dense weight.
+using QuantWeight = std::optional<radixserve::quant::QuantProduct>;
 
 // `quant` (DecodeWeights' argument) as one QuantWeight per linear layer: for each, an int64 tensor
 // [parts, impl, qtype...] and then each part's data and row map; an empty list: every weight dense.
@@ -132,23 +120,31 @@ std::vector<QuantWeight> quant_weights(const std::vector<torch::Tensor>& quant, 
     TORCH_CHECK(parts == 0 || quant[i].numel() == 2 + parts,
                 "DecodeWeights: a linear layer's [parts, impl, qtypes...] tensor has the wrong length");
     ++i;
-    if (parts) q.impl = meta[1];
+    if (parts == 0) continue;
+    std::vector<at::Tensor> data, maps;
+    std::vector<int64_t> qtypes;
     for (int64_t p = 0; p < parts; ++p) {
       TORCH_CHECK(i + 1 < quant.size(), "DecodeWeights: quant ends inside a linear layer's parts");
-      q.qtypes.push_back(meta[2 + p]);
-      q.parts.push_back(quant[i++]);
-      q.maps.push_back(quant[i++]);
+      qtypes.push_back(meta[2 + p]);
+      data.push_back(quant[i++]);
+      maps.push_back(quant[i++]);
     }
+    q.emplace(std::move(data), qtypes, std::move(maps), meta[1]);
   }
   TORCH_CHECK(i == quant.size(), "DecodeWeights: quant has more tensors than its linear layers take");
   return out;
 }
 
+// x W^T + b as the layer-by-layer path computes it for x's rows. A quantized weight: quant.cpp's
+// qlinear in fp32, as radixserve.kernels.quant.QuantLinear. A dense one, as
+// radixserve.kernels.linear.linear: the small-M kernel, or the GEMM over the weight's prepacked copy
+// ``packed`` (undefined or empty where the kernel runs): oneDNN's (a mkldnn tensor) or the AMX
+// GEMM's (pack_amx's 4-D tiles).
 at::Tensor product(const Ops& op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                    const at::Tensor& packed, const QuantWeight& qw) {
-  if (!qw.parts.empty()) {  // fp32 arithmetic, as radixserve.kernels.quant.QuantLinear
-    const at::Tensor y = qlinear_op().call(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), qw.parts, qw.qtypes,
-                                           qw.maps, bias_of(b), qw.impl);
+  if (qw) {
+    const at::Tensor y =
+        radixserve::quant::linear(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), *qw, bias_of(b));
     return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
   }
   if (!packed.defined() || packed.numel() == 0) return op.linear.call(x, w, bias_of(b), false, 0);
@@ -254,7 +250,7 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
     // radixserve.kernels.linear.linear_silu_and_mul takes it; else the product, then the activation
     const at::Tensor& pgu = pw(2);
     at::Tensor act;
-    if (amx_packed(pgu) && qw[2].parts.empty()) {
+    if (amx_packed(pgu) && !qw[2]) {
       act = amx_glu_op().call(h, pgu, bias_of(w[7]));
     } else {
       const at::Tensor gate_up = product(op, h, w[6], w[7], pgu, qw[2]);

@@ -502,15 +502,18 @@ torch::Tensor finish(const std::vector<Part>& permuted, const torch::Tensor* bia
   return y;
 }
 
-torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
-                      const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
+void check_x_and_impl(const torch::Tensor& x, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "qlinear: x must be a float32 CPU tensor [M, K], last dimension contiguous");
   TORCH_CHECK(impl >= 0 && impl <= 4,
               "qlinear: impl must be 0 (auto), 1 (portable), 2 (AVX-512 rows), 3 (AVX-512 tiles) or 4 (auto, int8 activations)");
   TORCH_CHECK(impl < 2 || impl == 4 || has_avx512(), "qlinear: this build has no AVX-512 path");
+}
+
+// x W^T + b over checked parts (check_parts).
+torch::Tensor product(const torch::Tensor& x, std::vector<Part> parts, const c10::optional<torch::Tensor>& bias,
+                      int64_t impl) {
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<Part> parts = check_parts(weights, qtypes, row_maps, K);
   const int64_t N = parts.back().first + parts.back().rows;
   // A part whose map permutes all its rows (llama.cpp's q/k order) is multiplied in the order of its
   // data, then its outputs are put in the map's order: read in the map's order, a head's rows are
@@ -602,7 +605,36 @@ torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return finish(permuted, bp ? &b : nullptr, y);
 }
 
+torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
+                      const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
+  check_x_and_impl(x, impl);
+  return product(x, check_parts(weights, qtypes, row_maps, x.size(1)), bias, impl);
+}
+
 }  // namespace
+
+namespace radixserve::quant {
+
+QuantProduct::QuantProduct(std::vector<torch::Tensor> weights, const std::vector<int64_t>& qtypes,
+                           std::vector<torch::Tensor> row_maps, int64_t impl_)
+    : weights_(std::move(weights)), row_maps_(std::move(row_maps)), impl(impl_) {
+  TORCH_CHECK(!weights_.empty() && weights_.size() == qtypes.size(), "QuantProduct: one type per weight");
+  const Format f = format_of(qtypes[0]);
+  TORCH_CHECK(f.block > 0, "qlinear: unsupported GGUF type id ", qtypes[0]);
+  TORCH_CHECK(weights_[0].dim() == 2 && weights_[0].size(1) % f.bytes == 0, "qlinear: weight 0 must be rows of ",
+              f.bytes, "-byte blocks");
+  K = weights_[0].size(1) / f.bytes * f.block;
+  parts = check_parts(weights_, qtypes, row_maps_, K);
+  N = parts.back().first + parts.back().rows;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const QuantProduct& w, const c10::optional<torch::Tensor>& bias) {
+  check_x_and_impl(x, w.impl);
+  TORCH_CHECK(x.size(1) == w.K, "qlinear: x has ", x.size(1), " columns, the weight ", w.K);
+  return product(x, w.parts, bias, w.impl);
+}
+
+}  // namespace radixserve::quant
 
 TORCH_LIBRARY(radixserve_quant, m) {
   m.def("dequantize(Tensor data, int qtype, int k, Tensor rows) -> Tensor", &dequantize);

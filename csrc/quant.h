@@ -82,6 +82,21 @@ inline void for_row_runs(int64_t M, Fn&& fn) {
   }
 }
 
+// ---- csrc/quant.cpp: the product over weights checked once ----------------------------------------
+// A linear layer's quantized weight as the qlinear op takes it (its parts' blocks, types and row
+// maps), checked and taken apart once, for a caller that multiplies by it at every step
+// (decode.cpp's layers): the op checks its lists at each call, about 1-2 us of a SmolLM2 layer's.
+struct QuantProduct {
+  QuantProduct(std::vector<torch::Tensor> weights, const std::vector<int64_t>& qtypes,
+               std::vector<torch::Tensor> row_maps, int64_t impl);
+  std::vector<torch::Tensor> weights_, row_maps_;  // (own the parts' data)
+  std::vector<Part> parts;
+  int64_t K = 0, N = 0, impl = 0;
+};
+
+// x [M, K] (fp32) times w, plus bias: what the qlinear op computes over w's lists.
+torch::Tensor linear(const torch::Tensor& x, const QuantProduct& w, const c10::optional<torch::Tensor>& bias);
+
 // ---- csrc/quant_int8.cpp: products against activations quantized to int8 -----------------------
 // Whether this build has the int8 kernels (AVX-512 with VNNI and VBMI), and for which types.
 bool int8_built();
