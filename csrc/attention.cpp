@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 
 #include "paged_common.h"
+#include "parallel.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -37,6 +38,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,6 +57,11 @@ constexpr int kGemmRows = 8;  // items with at least this many rows use the GEMM
 constexpr int kBlockN = 256;  // keys per tile of the GEMM-tiled path
 constexpr int kMaxDim = 256;  // largest head_dim
 constexpr int kMinSplit = 256;  // fewest keys per context split
+// ... of an item with fewer than kGemmRows rows per KV head (a decode). Such an item covers all of a
+// sequence's KV heads, so each slot's K/V is read as one run, and a batch of few sequences is split
+// over the keys rather than the heads: a SmolLM2 decode (3 KV heads, 2 threads) at 200-264 tokens
+// of context ran 1.3x faster so than as one item per head (bench/RESULTS.md section 46)
+constexpr int kMinSplitFewRows = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 2^x for x in [-126, 127]: round to nearest integer n, 2^(x-n) by a degree-7 Taylor polynomial
@@ -127,6 +134,7 @@ struct Item {
   // The GEMM path's K/V of (seq, head) already gathered to fp32 ([kv_len][dim] K, then V), shared
   // by all of that pair's query blocks; nullptr: the item gathers its tiles itself.
   const float* kv = nullptr;
+  int64_t merge = -1;  // a split's index in run()'s merges
 };
 
 // Cap on the fp32 K/V gathered once per (sequence, KV head) for reuse by its query blocks.
@@ -711,6 +719,16 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
   };
   const __m512 vscale = _mm512_set1_ps(kBf16 ? p.scale_log2 : 1.0f);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  // the first tile's slots prefetched like every next one's (an item, a split above all, starts cold)
+  for (int pos = it.k0; pos < std::min(rows.kend, it.k0 + kChunk); ++pos) {
+    const int64_t off = slot_of(pos) * p.slot_stride + head_off;
+    const char* kb = reinterpret_cast<const char*>(p.k + off);
+    const char* vb = reinterpret_cast<const char*>(p.v + off);
+    for (int b = 0; b < span; b += 64) {
+      _mm_prefetch(kb + b, _MM_HINT_T0);
+      _mm_prefetch(vb + b, _MM_HINT_T0);
+    }
+  }
   for (int c = it.k0; c < rows.kend; c += kChunk) {
     const int n = std::min(kChunk, rows.kend - c);
     for (int pos = c + kChunk; pos < std::min(rows.kend, c + 2 * kChunk); ++pos) {
@@ -923,7 +941,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
     if (qo_len == 0) continue;
     if (qo_len * G < kGemmRows) {
       int per = std::min(num_kv_heads, kMaxRows / (qo_len * G));
-      if (kv_len < 2 * kMinSplit && static_cast<int64_t>(num_seqs) * num_kv_heads < target * per)
+      if (kv_len < 2 * kMinSplitFewRows && static_cast<int64_t>(num_seqs) * num_kv_heads < target * per)
         per = static_cast<int>(std::max<int64_t>(1, static_cast<int64_t>(num_seqs) * num_kv_heads / target));
       for (int h = 0; h < num_kv_heads; h += per)
         base.push_back({s, h, std::min(num_kv_heads, h + per), 0, G, 0, qo_len, 0, kv_len, -1});
@@ -942,8 +960,21 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
     const int qo_len = p.qo_indptr[b.seq + 1] - p.qo_indptr[b.seq];
     const int keys = b.k1 - b.k0;
     int splits = 1;
-    if (static_cast<int64_t>(base.size()) < target && b.t1 - b.t0 == qo_len)
-      splits = static_cast<int>(std::min<int64_t>((target + base.size() - 1) / base.size(), keys / kMinSplit));
+    if (static_cast<int64_t>(base.size()) < target && b.t1 - b.t0 == qo_len) {
+      // few-row items (decodes) split into about one item per thread: each split starts its stream
+      // of K/V afresh, which costs more than the balance that more items would buy
+      const bool few = head_rows(b) < kGemmRows;
+      const int min_keys = few ? kMinSplitFewRows : kMinSplit;
+      const int64_t want = few ? threads : target;
+      splits = static_cast<int>(std::min<int64_t>((want + base.size() - 1) / base.size(), keys / min_keys));
+      // as many items as threads share evenly, where a split count short of this one makes them so
+      // (3 items on 2 threads split into 6, not 9)
+      for (int s = splits; s >= 2; --s)
+        if (static_cast<int64_t>(base.size()) * s % threads == 0) {
+          splits = s;
+          break;
+        }
+    }
     if (splits <= 1) {
       items.push_back(b);
       continue;
@@ -953,6 +984,7 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
     merges.push_back({static_cast<int64_t>(items.size()), splits});
     for (int i = 0; i < splits; ++i) {
       Item it = b;
+      it.merge = static_cast<int64_t>(merges.size()) - 1;
       it.k0 = b.k0 + i * per;
       it.k1 = std::min(b.k1, it.k0 + per);
       it.partial = partial_rows;
@@ -1016,51 +1048,56 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
         }
   };
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // A split context's merge, by LSE, into the item's rows (each merged by whichever thread finishes
+  // its last split, in the same parallel region).
+  auto merge = [&](int64_t mi, float* o, float* ls) {
+    const auto [first, count] = merges[mi];
+    const Item& head = items[first];
+    const int rows = item_rows(head);
+    for (int r = 0; r < rows; ++r) {
+      float mx = kNegInf;
+      for (int64_t i = 0; i < count; ++i) mx = std::max(mx, part_lse[items[first + i].partial + r]);
+      float* orow = o + r * D;
+      std::fill(orow, orow + D, 0.0f);
+      if (mx == kNegInf) {
+        ls[r] = kNegInf;
+        continue;
+      }
+      float wsum = 0.0f;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t pr = items[first + i].partial + r;
+        const float w = exp2_approx(part_lse[pr] - mx);
+        if (part_lse[pr] == kNegInf) continue;
+        wsum += w;
+        const float* src = part_out.data() + pr * D;
+        for (int d = 0; d < D; ++d) orow[d] += w * src[d];
+      }
+      const float inv = 1.0f / wsum;
+      for (int d = 0; d < D; ++d) orow[d] *= inv;
+      ls[r] = mx + std::log2(wsum);
+    }
+    write(head, o, ls);
+  };
+  std::unique_ptr<std::atomic<int64_t>[]> splits_left(new std::atomic<int64_t>[merges.size()]);
+  for (size_t mi = 0; mi < merges.size(); ++mi) splits_left[mi].store(merges[mi].second, std::memory_order_relaxed);
+
+  // items handed out one at a time: their costs differ (a context's last split is shorter), and a
+  // thread that a neighbour slows down takes fewer
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  radixserve::parallel_tasks(n_items, [&](auto next) {
     Scratch w;
     const std::unique_ptr<float[]> o(new float[kMaxRows * kMaxDim]);  // (start_rows zeroes the rows it uses)
     float ls[kMaxRows];
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = next(); i < n_items; i = next()) {
       const Item& it = items[i];
-      if (it.partial >= 0) {
-        attend(p, it, part_out.data() + it.partial * D, part_lse.data() + it.partial, w);
-      } else {
+      if (it.partial < 0) {
         attend(p, it, o.get(), ls, w);
         write(it, o.get(), ls);
+        continue;
       }
-    }
-  });
-  if (merges.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(kMaxRows * kMaxDim);
-    float ls[kMaxRows];
-    for (int64_t mi = begin; mi < end; ++mi) {
-      const auto [first, count] = merges[mi];
-      const Item& head = items[first];
-      const int rows = item_rows(head);
-      for (int r = 0; r < rows; ++r) {
-        float mx = kNegInf;
-        for (int64_t i = 0; i < count; ++i) mx = std::max(mx, part_lse[items[first + i].partial + r]);
-        float* orow = o.data() + r * D;
-        std::fill(orow, orow + D, 0.0f);
-        if (mx == kNegInf) {
-          ls[r] = kNegInf;
-          continue;
-        }
-        float wsum = 0.0f;
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t pr = items[first + i].partial + r;
-          const float w = exp2_approx(part_lse[pr] - mx);
-          if (part_lse[pr] == kNegInf) continue;
-          wsum += w;
-          const float* src = part_out.data() + pr * D;
-          for (int d = 0; d < D; ++d) orow[d] += w * src[d];
-        }
-        const float inv = 1.0f / wsum;
-        for (int d = 0; d < D; ++d) orow[d] *= inv;
-        ls[r] = mx + std::log2(wsum);
-      }
-      write(head, o.data(), ls);
+      attend(p, it, part_out.data() + it.partial * D, part_lse.data() + it.partial, w);
+      // the last of its context's splits to finish merges them (acq_rel: the others' partials are seen)
+      if (splits_left[it.merge].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(it.merge, o.get(), ls);
     }
   });
 }
