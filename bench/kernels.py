@@ -42,6 +42,9 @@ HELP = "one layer of CPU attention per batch shape: csrc/ decode kernel vs flash
 CASES = {
     "decode64x2200": [(1, 2200)] * 64,
     "decode1x2200": [(1, 2200)],
+    # one agent's decode over a short and a mid context (the split over keys of a lone decode)
+    "decode1x264": [(1, 264)],
+    "decode1x1024": [(1, 1024)],
     "fresh2048": [(2048, 2048)],
     "extend16x128/2176": [(128, 2176)] * 16,
     "extend16x8/2200": [(8, 2200)] * 16,
@@ -100,6 +103,7 @@ def add_arguments(parser) -> None:
 
 
 AGAINST_SOURCES = ("attention.cpp", "prefill.cpp", "decode.cpp")
+QUANT_SOURCES = ("quant.cpp", "quant_int8.cpp")
 
 
 def build_against(csrc: str | Path):
@@ -122,11 +126,15 @@ def build_against(csrc: str | Path):
     print(f"  loading {csrc}'s attention kernels from {directory} (the first time: a minute or two to build)", flush=True, file=sys.stderr)
     name = f"radixserve_attention_{tag}"
     pybind = "PYBIND11_MODULE" in (csrc / "attention.cpp").read_text()
+    # a decode.cpp that multiplies by quantized weights itself links quant.cpp's product: those two
+    # files come along, their ops under the same namespace of their own
+    quant = '#include "quant.h"' in (csrc / "decode.cpp").read_text()
+    sources = AGAINST_SOURCES + (QUANT_SOURCES if quant else ())
     loaded = cpp_extension.load(
         name=name,
-        sources=[str(staged / s) for s in AGAINST_SOURCES],
+        sources=[str(staged / s) for s in sources],
         build_directory=str(directory),
-        extra_cflags=build.CFLAGS + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"]),
+        extra_cflags=build.CFLAGS + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"]) + ([f"-DRADIXSERVE_QUANT_NS={name}_quant"] if quant else []),
         extra_ldflags=["-fopenmp"],
         verbose=False,
         is_python_module=pybind,

@@ -72,7 +72,7 @@ def build_against(csrc: str | Path):
         if path.suffix not in (".h", ".cpp"):
             continue
         text = path.read_text()
-        if path.name == "quant.cpp":
+        if path.name == "quant.cpp" and "RADIXSERVE_QUANT_NS" not in text:  # (older: no namespace macro)
             if "TORCH_LIBRARY(radixserve_quant," not in text:
                 raise SystemExit(f"--against {csrc}: its quant.cpp registers no radixserve_quant ops")
             text = text.replace("TORCH_LIBRARY(radixserve_quant,", f"TORCH_LIBRARY({name},")
@@ -84,7 +84,7 @@ def build_against(csrc: str | Path):
         name=name,
         sources=[str(staged / s) for s in SOURCES],
         build_directory=str(directory),
-        extra_cflags=build.CFLAGS,
+        extra_cflags=[*build.CFLAGS, f"-DRADIXSERVE_QUANT_NS={name}"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
         is_python_module=False,

@@ -636,7 +636,14 @@ torch::Tensor linear(const torch::Tensor& x, const QuantProduct& w, const c10::o
 
 }  // namespace radixserve::quant
 
-TORCH_LIBRARY(radixserve_quant, m) {
+// The namespace is a macro so that another version of this file can load next to this one under a
+// name of its own (bench/kernels.py and bench/qlinear.py --against: -DRADIXSERVE_QUANT_NS=...).
+#ifndef RADIXSERVE_QUANT_NS
+#define RADIXSERVE_QUANT_NS radixserve_quant
+#endif
+#define RADIXSERVE_QUANT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // (expands the macro before TORCH_LIBRARY pastes it)
+
+RADIXSERVE_QUANT_LIBRARY(RADIXSERVE_QUANT_NS, m) {
   m.def("dequantize(Tensor data, int qtype, int k, Tensor rows) -> Tensor", &dequantize);
   m.def("qlinear(Tensor x, Tensor[] weights, int[] qtypes, Tensor[] row_maps, Tensor? bias, int impl=0) -> Tensor",
         &qlinear);

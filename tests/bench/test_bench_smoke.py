@@ -582,8 +582,9 @@ def test_qlinear_shapes_rows_and_types():
 
 
 def test_qlinear_against_stages_a_renamed_copy(tmp_path, monkeypatch):
-    # --against builds another checkout's quant kernels under a namespace of their own: the staged
-    # quant.cpp registers that name, the other sources are copied as they are (the build is mocked)
+    # --against builds another checkout's quant kernels under a namespace of their own: a quant.cpp
+    # with the namespace macro gets it as a -D flag, an older one (no macro) is renamed in its staged
+    # copy; the other sources are copied as they are (the build is mocked)
     import torch
     from torch.utils import cpp_extension
 
@@ -591,16 +592,23 @@ def test_qlinear_against_stages_a_renamed_copy(tmp_path, monkeypatch):
     from radixserve.kernels import build
 
     calls = []
-    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
     monkeypatch.setattr(torch, "ops", type("Ops", (), {"__getattr__": lambda self, name: name})())
     name = qlinear.build_against(ROOT / "csrc")
     tag = build._sources_tag(ROOT / "csrc")
     assert name == f"radixserve_quant_{tag}" and calls[0]["name"] == name
+    assert f"-DRADIXSERVE_QUANT_NS={name}" in calls[0]["extra_cflags"]
     staged = Path(calls[0]["sources"][0]).parent
-    assert f"TORCH_LIBRARY({name}," in (staged / "quant.cpp").read_text()
-    assert "TORCH_LIBRARY(radixserve_quant," not in (staged / "quant.cpp").read_text()
+    assert (staged / "quant.cpp").read_text() == (ROOT / "csrc" / "quant.cpp").read_text()
     assert (staged / "quant_int8.cpp").read_text() == (ROOT / "csrc" / "quant_int8.cpp").read_text()
     assert (staged / "quant.h").is_file()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "quant.cpp").write_text("TORCH_LIBRARY(radixserve_quant, m) {}\n")
+    (old / "quant_int8.cpp").write_text("\n")
+    name = qlinear.build_against(old)
+    staged = Path(calls[1]["sources"][0]).parent
+    assert (staged / "quant.cpp").read_text() == f"TORCH_LIBRARY({name}, m) {{}}\n"
     with pytest.raises(SystemExit, match="no quant.cpp"):
-        qlinear.build_against(tmp_path)
+        qlinear.build_against(tmp_path / "cache")
