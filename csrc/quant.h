@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -116,6 +117,7 @@ class Int8Activations {
  private:
   struct Impl;
   Impl* impl_;
+  static std::unique_ptr<Impl>& spare();  // the calling thread's buffers of its last one, for its next
 };
 
 }  // namespace radixserve::quant

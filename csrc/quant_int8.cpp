@@ -22,8 +22,8 @@
 #include "quant.h"
 
 #include <algorithm>
-#include <utility>
 #include <cmath>
+#include <memory>
 
 #include "aligned.h"
 
@@ -486,11 +486,22 @@ void columns_int8_rows(const Part& p, int64_t n0, int64_t n1, const Arranged& a,
 
 }  // namespace
 
+// A decode step constructs 120 of these one after another (SmolLM2), each on the calling thread:
+// allocating each one's seven buffers afresh cost about a microsecond a product. So a thread keeps
+// the buffers of its last one (its Impl and its quantized x) and the next reuses their capacity.
+std::unique_ptr<Int8Activations::Impl>& Int8Activations::spare() {
+  thread_local std::unique_ptr<Impl> impl;
+  return impl;
+}
+
 Int8Activations::Int8Activations(const float* x, int64_t ldx, int64_t M, int64_t K, const std::vector<Part>& parts)
-    : impl_(new Impl{M, K, {}}) {
+    : impl_(nullptr) {
 #if defined(RADIXSERVE_QUANT_INT8)
   TORCH_CHECK(K % 32 == 0, "int8 activations: K=", K, " is not a multiple of 32");
-  Natural natural;
+  impl_ = spare() ? spare().release() : new Impl{};
+  impl_->M = M;
+  impl_->K = K;
+  thread_local Natural natural;  // (filled afresh: quantize assigns every buffer)
   quantize(x, ldx, M, K, natural);
   bool done[kArrangements] = {};
   for (const Part& p : parts) {
@@ -500,12 +511,15 @@ Int8Activations::Int8Activations(const float* x, int64_t ldx, int64_t M, int64_t
     done[i] = true;
   }
 #else
-  (void)x, (void)ldx, (void)parts;
+  (void)x, (void)ldx, (void)M, (void)K, (void)parts;
   TORCH_CHECK(false, "int8 activations: this build has no int8 kernels (AVX-512 VNNI and VBMI)");
 #endif
 }
 
-Int8Activations::~Int8Activations() { delete impl_; }
+Int8Activations::~Int8Activations() {
+  if (spare()) delete impl_;
+  else spare().reset(impl_);
+}
 
 void Int8Activations::columns(const Part& p, int64_t n0, int64_t n1, float* y, int64_t ldy) const {
 #if defined(RADIXSERVE_QUANT_INT8)
