@@ -719,19 +719,9 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
   };
   const __m512 vscale = _mm512_set1_ps(kBf16 ? p.scale_log2 : 1.0f);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  // the first tile's slots prefetched like every next one's (an item, a split above all, starts cold)
-  for (int pos = it.k0; pos < std::min(rows.kend, it.k0 + kChunk); ++pos) {
-    const int64_t off = slot_of(pos) * p.slot_stride + head_off;
-    const char* kb = reinterpret_cast<const char*>(p.k + off);
-    const char* vb = reinterpret_cast<const char*>(p.v + off);
-    for (int b = 0; b < span; b += 64) {
-      _mm_prefetch(kb + b, _MM_HINT_T0);
-      _mm_prefetch(vb + b, _MM_HINT_T0);
-    }
-  }
-  for (int c = it.k0; c < rows.kend; c += kChunk) {
-    const int n = std::min(kChunk, rows.kend - c);
-    for (int pos = c + kChunk; pos < std::min(rows.kend, c + 2 * kChunk); ++pos) {
+  // The slots of the tile from key c on (K and V of the item's heads) into L1.
+  auto prefetch_tile = [&](int c) {
+    for (int pos = c; pos < std::min(rows.kend, c + kChunk); ++pos) {
       const int64_t off = slot_of(pos) * p.slot_stride + head_off;
       const char* kb = reinterpret_cast<const char*>(p.k + off);
       const char* vb = reinterpret_cast<const char*>(p.v + off);
@@ -740,6 +730,11 @@ void attend_small_512(const Problem<T>& p, const Item& it, float* out, float* ls
         _mm_prefetch(vb + b, _MM_HINT_T0);
       }
     }
+  };
+  prefetch_tile(it.k0);  // (the first tile too: an item, a split above all, starts cold)
+  for (int c = it.k0; c < rows.kend; c += kChunk) {
+    const int n = std::min(kChunk, rows.kend - c);
+    prefetch_tile(c + kChunk);
     int64_t slot_base[kChunk];
     for (int j = 0; j < n; ++j) slot_base[j] = slot_of(c + j) * p.slot_stride + head_off;
     for (int h = 0; h < NH; ++h) {
