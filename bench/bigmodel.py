@@ -45,6 +45,16 @@ SHAPES = {
         vocab_size=512,
         rope_theta=10000.0,
     ),  # (for the smoke test)
+    "smollm2-overhead": dict(
+        arch="llama",
+        hidden_size=576,
+        intermediate_size=64,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=1024,
+        rope_theta=10000.0,
+    ),  # SmolLM2-135M's layers and attention around a narrow MLP: 17 MB of weights, a step of overheads
     "llama2-7b": dict(
         arch="llama",
         hidden_size=4096,

@@ -214,12 +214,12 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
   const std::vector<QuantWeight>& qws = weights->quant;
   std::optional<at::Tensor> pending;
   const at::Tensor none;  // (undefined: the small-M kernel)
+  const at::Tensor h = at::empty_like(x);  // each norm's output, read by the product after it
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = params.data() + layer * kPerLayer;
     const at::Tensor* pk = packed.empty() ? nullptr : packed.data() + layer * 4;
     const auto pw = [&](int i) -> const at::Tensor& { return pk == nullptr ? none : pk[i]; };
     const QuantWeight* qw = qws.data() + layer * 4;
-    at::Tensor h = at::empty_like(x);
     op.norm.call(x, pending, w[0], eps, h);
     const at::Tensor qkv = product(op, h, w[1], w[2], pw(0), qw[0]);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv_proj has ", qkv.size(1),
@@ -244,7 +244,6 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
         attn.narrow(0, 0, grouped).copy_(merged);  // the rows after them are in no group
     }
     const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1), qw[1]);
-    h = at::empty_like(x);
     op.norm.call(x, o, w[5], eps, h);
     // silu(gate) * up: on the AMX GEMM's packed copy in its epilogue, as
     // radixserve.kernels.linear.linear_silu_and_mul takes it; else the product, then the activation

@@ -39,6 +39,7 @@ inline PagedShape check_paged_inputs(const torch::Tensor& q, const torch::Tensor
   check_index(kv_indptr, "kv_indptr");
   check_index(kv_indices, "kv_indices");
   check_index(kv_last_page_len, "kv_last_page_len");
+  TORCH_CHECK(qo_indptr.size(0) >= 1, "qo_indptr must hold at least one entry");
   const int num_seqs = qo_indptr.size(0) - 1;
   TORCH_CHECK(kv_indptr.size(0) == num_seqs + 1 && kv_last_page_len.size(0) == num_seqs, "metadata sizes disagree");
   const int hq = q.size(1), D = q.size(2);
@@ -46,7 +47,8 @@ inline PagedShape check_paged_inputs(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= max_head_dim,
               "head_dim must match, be a multiple of 16 and <= ", max_head_dim);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(qo_indptr[num_seqs].item<int>() == q.size(0), "qo_indptr[-1] must equal the number of query rows");
+  // (read in place: indexing the tensor and item() cost two dispatcher calls in each layer's attention)
+  TORCH_CHECK(qo_indptr.data_ptr<int32_t>()[num_seqs] == q.size(0), "qo_indptr[-1] must equal the number of query rows");
   return {num_seqs, hq, hkv, D, static_cast<int>(k_cache.size(1))};
 }
 

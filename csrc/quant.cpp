@@ -489,7 +489,7 @@ torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, co
 torch::Tensor finish(const std::vector<Part>& permuted, const torch::Tensor* bias, torch::Tensor& y) {
   const int64_t M = y.size(0), N = y.size(1);
   float* yp = y.data_ptr<float>();
-  std::vector<float> in_order;
+  thread_local std::vector<float> in_order;  // (kept: a decode step finishes 60 of these)
   for (const Part& p : permuted) {
     in_order.resize(static_cast<size_t>(p.rows));
     for (int64_t m = 0; m < M; ++m) {
@@ -502,6 +502,21 @@ torch::Tensor finish(const std::vector<Part>& permuted, const torch::Tensor* bia
   return y;
 }
 
+// A part whose map permutes all its rows (llama.cpp's q/k order) is multiplied in the order of its
+// data, then its outputs are put in the map's order (finish): read in the map's order, a head's rows
+// are taken two apart, and int8 decode of Llama-2-7B's q/k/v ran at 20 GB/s against o's 32
+// (bench/RESULTS.md section 45). Clears those parts' maps in `parts` and returns them as they were.
+std::vector<Part> split_permuted(std::vector<Part>& parts) {
+  std::vector<Part> permuted;
+  for (Part& p : parts) {
+    if (p.row_map && p.rows == p.data_rows) {
+      permuted.push_back(p);
+      p.row_map = nullptr;
+    }
+  }
+  return permuted;
+}
+
 void check_x_and_impl(const torch::Tensor& x, int64_t impl) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "qlinear: x must be a float32 CPU tensor [M, K], last dimension contiguous");
@@ -510,22 +525,12 @@ void check_x_and_impl(const torch::Tensor& x, int64_t impl) {
   TORCH_CHECK(impl < 2 || impl == 4 || has_avx512(), "qlinear: this build has no AVX-512 path");
 }
 
-// x W^T + b over checked parts (check_parts).
-torch::Tensor product(const torch::Tensor& x, std::vector<Part> parts, const c10::optional<torch::Tensor>& bias,
-                      int64_t impl) {
+// x W^T + b over checked parts as split_permuted leaves them: `parts` in the order of their data,
+// `permuted` the ones whose outputs finish puts in their maps' order.
+torch::Tensor product(const torch::Tensor& x, const std::vector<Part>& parts, const std::vector<Part>& permuted,
+                      const c10::optional<torch::Tensor>& bias, int64_t impl) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t N = parts.back().first + parts.back().rows;
-  // A part whose map permutes all its rows (llama.cpp's q/k order) is multiplied in the order of its
-  // data, then its outputs are put in the map's order: read in the map's order, a head's rows are
-  // taken two apart, and int8 decode of Llama-2-7B's q/k/v ran at 20 GB/s against o's 32
-  // (bench/RESULTS.md section 45).
-  std::vector<Part> permuted;
-  for (Part& p : parts) {
-    if (p.row_map && p.rows == p.data_rows) {
-      permuted.push_back(p);
-      p.row_map = nullptr;
-    }
-  }
   const float* bp = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -608,7 +613,9 @@ torch::Tensor product(const torch::Tensor& x, std::vector<Part> parts, const c10
 torch::Tensor qlinear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes,
                       const std::vector<torch::Tensor>& row_maps, const c10::optional<torch::Tensor>& bias, int64_t impl) {
   check_x_and_impl(x, impl);
-  return product(x, check_parts(weights, qtypes, row_maps, x.size(1)), bias, impl);
+  std::vector<Part> parts = check_parts(weights, qtypes, row_maps, x.size(1));
+  const std::vector<Part> permuted = split_permuted(parts);
+  return product(x, parts, permuted, bias, impl);
 }
 
 }  // namespace
@@ -625,13 +632,14 @@ QuantProduct::QuantProduct(std::vector<torch::Tensor> weights, const std::vector
               f.bytes, "-byte blocks");
   K = weights_[0].size(1) / f.bytes * f.block;
   parts = check_parts(weights_, qtypes, row_maps_, K);
+  permuted = split_permuted(parts);
   N = parts.back().first + parts.back().rows;
 }
 
 torch::Tensor linear(const torch::Tensor& x, const QuantProduct& w, const c10::optional<torch::Tensor>& bias) {
   check_x_and_impl(x, w.impl);
   TORCH_CHECK(x.size(1) == w.K, "qlinear: x has ", x.size(1), " columns, the weight ", w.K);
-  return product(x, w.parts, bias, w.impl);
+  return product(x, w.parts, w.permuted, bias, w.impl);
 }
 
 }  // namespace radixserve::quant

@@ -91,7 +91,8 @@ struct QuantProduct {
   QuantProduct(std::vector<torch::Tensor> weights, const std::vector<int64_t>& qtypes,
                std::vector<torch::Tensor> row_maps, int64_t impl);
   std::vector<torch::Tensor> weights_, row_maps_;  // (own the parts' data)
-  std::vector<Part> parts;
+  std::vector<Part> parts;     // in the order of their data (the maps that permute a whole part cleared)
+  std::vector<Part> permuted;  // those parts as checked: their outputs are put in their maps' order
   int64_t K = 0, N = 0, impl = 0;
 };
 
