@@ -359,8 +359,10 @@ def run(args) -> int:
         result["decode_step_fallback_ms"] = steps[fallback] * 1e3
         result["ratio_fallback"] = steps[fallback] / floor
     # the fused decode layers (one native call per step) against the same kernels layer by layer
+    # (only where the fast steps did run fused: a batch it does not take, say more rows than the
+    # small-M kernel's under MKL, ran layer by layer in both modes)
     result["fused_layers"] = model.fused_decode.batches > 0
-    if "layers" in steps:
+    if "layers" in steps and result["fused_layers"]:
         result["decode_step_layers_ms"] = steps["layers"] * 1e3
     gemv_rows = [int(r) for r in args.gemv_rows.split(",")]
     gemv = quant_gemv_table if quantized else (lambda m, *a: gemv_table(m.config, param_dtype, *a))
@@ -382,7 +384,7 @@ def run(args) -> int:
         print("  KV pool fragmented first: half its pages held, the other half freed in a random order")
     if args.shared_prefix:
         print(f"  {args.shared_prefix} shared prefix tokens (+ {args.context} own): {result['cascade_steps']} of {step_no} decode steps ran in cascade groups")
-    if "layers" in steps:
+    if "decode_step_layers_ms" in result:
         print(
             f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "
             f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)"
