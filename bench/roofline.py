@@ -23,7 +23,9 @@ row counts: the kernel, ``F.linear`` in the model's dtype and in fp32 (MKL), and
 prepacked GEMM where torch has it for the dtype, in ms and GB/s of weights read, with weights
 rotated over ``--gemv-mib`` MiB of copies so they come from memory, as in a decode step.
 ``--fragment`` scatters the KV pool's free pages first (half held, the rest freed in a random
-order), so the requests' pages come from a pool such as a long-running server has.
+order), so the requests' pages come from a pool such as a long-running server has. The pool's
+pages are written once before anything runs (``KVPool.commit``): a server's pool is in memory once
+it has been through it, and a step that wrote into fresh pages would time their page faults.
 """
 
 from __future__ import annotations
@@ -278,6 +280,11 @@ def run(args) -> int:
         raise SystemExit("--batch must be at least 1")
     bw = bandwidth(args.buffer_mib)
     engine = Engine(args.model, dtype=args.dtype, max_running=args.batch, seed=0)
+    # the steady state: the pool's pages in memory, as a server has them once it has been through
+    # its pool (and llama.cpp from the start), rather than a fault at each page's first write
+    # (the pages this run takes, lowest first; --fragment scatters them over the whole pool)
+    per_request = args.shared_prefix + args.context + 3 * args.steps + 8  # (up to three alternating modes)
+    engine.pool.commit(None if args.fragment else args.batch * (-(-per_request // engine.pool.page_size) + 1))
     model = engine.runner.model
     weight_bytes = model.weight_bytes()  # (GGUF weights held quantized: their blocks' bytes)
     # A/B: the decode steps alternate between the fast path (the small-M kernel, or bf16 on AMX the

@@ -28,6 +28,8 @@
 
 #include "quant.h"
 
+#include <immintrin.h>
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -105,6 +107,22 @@ bool amx_packed(const at::Tensor& packed) { return packed.defined() && packed.nu
 // A linear layer's weight kept in GGUF blocks (quant.cpp's qlinear over its parts, their types and
 // row maps, checked once); none: a dense weight.
 using QuantWeight = std::optional<radixserve::quant::QuantProduct>;
+
+// The KV slots a layer's store will write (each token's K and V rows), requested for writing at the
+// layer's start, so that the store's read-for-ownership misses overlap the q/k/v product: with the
+// pool's pages resident, the store took 0.9-1.1 us a layer without this and 0.3-0.5 with it
+// (SmolLM2's shapes; bench/RESULTS.md section 47). (A page's first write faults: a prefetch cannot
+// help there.)
+void prefetch_slots(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slots, int64_t T) {
+  const int64_t row = k_cache.stride(1) * k_cache.element_size();  // (check_paged_inputs: contiguous)
+  const char* kc = static_cast<const char*>(k_cache.data_ptr());
+  const char* vc = static_cast<const char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < row; b += 64) {
+      _mm_prefetch(kc + slots[t] * row + b, _MM_HINT_ET0);
+      _mm_prefetch(vc + slots[t] * row + b, _MM_HINT_ET0);
+    }
+}
 
 // `quant` (DecodeWeights' argument) as one QuantWeight per linear layer: for each, an int64 tensor
 // [parts, impl, qtype...] and then each part's data and row map; an empty list: every weight dense.
@@ -215,11 +233,15 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
   std::optional<at::Tensor> pending;
   const at::Tensor none;  // (undefined: the small-M kernel)
   const at::Tensor h = at::empty_like(x);  // each norm's output, read by the product after it
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == T,
+              "decode_layers: slots must be a contiguous int64 [tokens] tensor");
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = params.data() + layer * kPerLayer;
     const at::Tensor* pk = packed.empty() ? nullptr : packed.data() + layer * 4;
     const auto pw = [&](int i) -> const at::Tensor& { return pk == nullptr ? none : pk[i]; };
     const QuantWeight* qw = qws.data() + layer * 4;
+    // (store_kv checks the caches and the slots' range; a prefetch of a bad address is dropped)
+    prefetch_slots(k_caches[layer], v_caches[layer], slots.data_ptr<int64_t>(), T);
     op.norm.call(x, pending, w[0], eps, h);
     const at::Tensor qkv = product(op, h, w[1], w[2], pw(0), qw[0]);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv_proj has ", qkv.size(1),

@@ -92,6 +92,19 @@ class KVPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def commit(self, pages: int | None = None) -> None:
+        """Write the first ``pages`` pages now (default: all), the ones :meth:`alloc` hands out
+        first: on the CPU they then hold memory from the start, as a
+        server's do once it has been through its pool, instead of each faulting at its first write
+        (on a 2-core Zen 4 VM, about 3 us a layer of a SmolLM2 decode step while a context grows
+        into fresh pages; bench/RESULTS.md section 47). The benchmarks call it to time the steady
+        state, as llama.cpp's cleared KV buffer has it from the start. It zeroes every slot, so
+        only a pool with no page handed out may take it."""
+        if len(self._free) != self.num_pages:
+            raise InvariantError(f"KVPool.commit: {self.num_pages - len(self._free)} pages are in use; it would zero them")
+        for t in [*self.k, *self.v, *getattr(self, "k_scale", ()), *getattr(self, "v_scale", ())]:
+            t[:pages].zero_()
+
     def alloc(self, n: int) -> list[int] | None:
         """``n`` free pages, or None (and nothing taken) when fewer are free.
 

@@ -139,3 +139,31 @@ def test_a_cpu_pool_costs_the_memory_of_the_pages_written(kv_dtype):
     assert torch.equal(pool.k_slots(3).index_select(0, slots), torch.ones(8, 4, 256))
     assert pool.k[3].data_ptr() % 64 == 0 and pool.v[0].is_contiguous()
     assert me.memory_info().rss - before < 64 << 20
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_pool_commit_writes_the_first_pages_of_a_pool_in_no_use(kv_dtype):
+    """KVPool.commit (the benchmarks' steady state): the first ``pages`` pages of every tensor
+    reach memory (and are zero), the rest stay uncommitted; a pool with pages handed out refuses."""
+    import psutil
+    import torch
+
+    from radixserve.errors import InvariantError
+    from radixserve.kv.pool import KVPool
+
+    me = psutil.Process()
+    pool = KVPool(
+        num_layers=2, num_pages=8192, page_size=4, num_kv_heads=4, head_dim=256, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype
+    )  # 128 MiB of K and V per layer as float32 (half that as int8)
+    before = me.memory_info().rss
+    pool.commit(1024)  # an eighth
+    grown = me.memory_info().rss - before
+    per_page = sum(t[0].numel() * t.element_size() for t in [*pool.k, *pool.v, *getattr(pool, "k_scale", ()), *getattr(pool, "v_scale", ())])
+    assert 0.9 * 1024 * per_page <= grown < 1024 * per_page + (48 << 20)
+    assert pool.k[1][:1024].abs().sum() == 0 and pool.v[0][1023].abs().sum() == 0
+    pages = pool.alloc(2)
+    with pytest.raises(InvariantError, match="2 pages are in use"):
+        pool.commit()
+    pool.free(pages)
+    pool.commit()
+    assert me.memory_info().rss - before >= 0.9 * 8192 * per_page
