@@ -62,6 +62,10 @@ def ops(namespace: str = NAMESPACE) -> AttentionOps | None:
         if ns is None:
             return None
         fields = {name: getattr(ns, name).default for name in AttentionOps.__dataclass_fields__ if name != "decode_weights"}
+        # decode_layers takes a custom class, and torch's overload of such an op walks every
+        # argument (the 2 x layers KV caches too) for torch.export's fake objects before each call:
+        # about 30 us of a SmolLM2 step. The engine never passes one: the op itself, then.
+        fields["decode_layers"] = getattr(fields["decode_layers"], "_op", fields["decode_layers"])
         found = _cache[namespace] = AttentionOps(**fields, decode_weights=getattr(torch.classes, namespace).DecodeWeights)
     return found
 
