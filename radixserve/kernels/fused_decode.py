@@ -149,6 +149,8 @@ class FusedDecode:
         some weight takes neither (the row counts found so are remembered)."""
         if rows in self._not_prepacked:
             return None
+        if not any(self._linears):  # (every weight quantized: the common GGUF case, at each step)
+            return []
         out = []
         for linear in self._linears:
             if linear is None:  # quantized: quant.cpp's qlinear at any row count
@@ -202,7 +204,7 @@ class FusedDecode:
         self._weights_fp32 = ops.decode_weights(params, quant_fp32) if quant_fp32 else self._weights
         first = described[0]
         self._shape = (first.num_heads, first.num_kv_heads, first.head_dim, float(first.eps[0]))
-        if quant_int8 and all(m is None for m in self._linears):
+        if quant_int8 and not any(self._linears):
             log.info("decode batches run their decoder layers in one native call, quantized weights at every row count (%s=0 turns this off)", ENV)
         else:
             log.info(
