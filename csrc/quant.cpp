@@ -468,9 +468,9 @@ torch::Tensor dequantize(const torch::Tensor& data, int64_t qtype, int64_t k, co
   if (rows.numel()) {
     ids = rows.to(at::kLong).contiguous();
     TORCH_CHECK(ids.dim() == 1, "dequantize: rows must be 1-D");
-    const auto mm = ids.aminmax();
-    TORCH_CHECK(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < data.size(0),
-                "dequantize: a row index is out of range [0, ", data.size(0), ")");
+    const int64_t* ip = ids.data_ptr<int64_t>();  // (checked in place: aminmax and two item() calls
+    for (int64_t i = 0; i < ids.numel(); ++i)      // cost more than a step's embedding lookup itself)
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < data.size(0), "dequantize: a row index is out of range [0, ", data.size(0), ")");
   }
   const int64_t R = rows.numel() ? ids.numel() : data.size(0);
   auto out = torch::empty({R, k}, data.options().dtype(at::kFloat));
