@@ -12,7 +12,8 @@ child process per load (so each starts with an empty heap):
   page touched), against ``--max-rss-ratio`` x the file's size plus the KV pool's bytes;
 - ``radixserve plan``'s weight bytes for the file against what the engine holds;
 - batch-1 decode: the median step of the generation, in ms and tok/s, against the quantized
-  weight bytes over the read bandwidth (``bench roofline``'s measurement).
+  weight bytes over the read bandwidth (``bench roofline``'s measurement), with the KV pages it
+  writes already in memory (``KVPool.commit``, as llama.cpp's cleared KV buffer has them).
 
 ``--llama-bench PATH`` puts llama.cpp's batch-1 decode beside it: before each load, llama.cpp's
 ``llama-bench -m FILE -n TOKENS -p 0 -t THREADS -r 2`` on the same file (nothing else; its flags
@@ -157,6 +158,7 @@ start = time.perf_counter()
 engine = Engine(sys.argv[1], kv_cache_tokens=int(sys.argv[3]), max_running=1, weights=sys.argv[5], quant_compute=sys.argv[6])
 load_s = time.perf_counter() - start
 loaded_rss = rss()
+engine.pool.commit(-(-(64 + int(sys.argv[4]) + 8) // engine.pool.page_size) + 1)  # (the pages it will use: no page faults timed)
 steps = []
 req = engine.make_request(list(range(7, 71)), SamplingParams(max_tokens=int(sys.argv[4]), temperature=0.0, ignore_eos=True))
 engine.add_request(req)
