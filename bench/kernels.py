@@ -107,8 +107,9 @@ QUANT_SOURCES = ("quant.cpp", "quant_int8.cpp")
 
 
 def build_against(csrc: str | Path):
-    """The attention ops of another checkout's ``csrc`` (its ``AGAINST_SOURCES``; the op libraries
-    of layers.cpp and linear.cpp stay this checkout's, which decode.cpp finds by name), built under
+    """The attention ops of another checkout's ``csrc`` (its ``AGAINST_SOURCES``, with quant.cpp and
+    layers.cpp where its decode.cpp calls them directly; linear.cpp's ops stay this checkout's, which
+    decode.cpp finds by name), built under
     a namespace of its own in the kernel cache so that they load next to this checkout's. A
     checkout whose attention.cpp still binds with pybind11 loads as a module of its own name."""
     from torch.utils import cpp_extension
@@ -129,12 +130,17 @@ def build_against(csrc: str | Path):
     # a decode.cpp that multiplies by quantized weights itself links quant.cpp's product: those two
     # files come along, their ops under the same namespace of their own
     quant = '#include "quant.h"' in (csrc / "decode.cpp").read_text()
-    sources = AGAINST_SOURCES + (QUANT_SOURCES if quant else ())
+    # ... and one that calls layers.cpp's rows (layers.h) links that file, its ops likewise renamed
+    layers = '#include "layers.h"' in (csrc / "decode.cpp").read_text()
+    sources = AGAINST_SOURCES + (QUANT_SOURCES if quant else ()) + (("layers.cpp",) if layers else ())
     loaded = cpp_extension.load(
         name=name,
         sources=[str(staged / s) for s in sources],
         build_directory=str(directory),
-        extra_cflags=build.CFLAGS + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"]) + ([f"-DRADIXSERVE_QUANT_NS={name}_quant"] if quant else []),
+        extra_cflags=build.CFLAGS
+        + ([] if pybind else [f"-DRADIXSERVE_ATTENTION_NS={name}"])
+        + ([f"-DRADIXSERVE_QUANT_NS={name}_quant"] if quant else [])
+        + ([f"-DRADIXSERVE_LAYERS_NS={name}_layers"] if layers else []),
         extra_ldflags=["-fopenmp"],
         verbose=False,
         is_python_module=pybind,

@@ -1126,6 +1126,31 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
   return {out, lse};
 }
 
+// decode_layers' attention (decode.cpp): paged_attention's kernel with no tensor made, on the query
+// rows at q (q_stride_t elements from token to token, heads head_dim apart: the q block of a fused
+// qkv output), into out [T, hq, head_dim] of the caches' dtype and lse [T, hq]. The caller has
+// checked the caches and the metadata as check_paged_inputs does.
+void paged_attention_into(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const void* q,
+                          int64_t q_stride_t, int64_t hq, const torch::Tensor& qo_indptr,
+                          const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
+                          const torch::Tensor& kv_last_page_len, double scale, bool causal, void* out, float* lse) {
+  const int num_seqs = static_cast<int>(qo_indptr.size(0)) - 1, hkv = static_cast<int>(k_cache.size(2));
+  const int D = static_cast<int>(k_cache.size(3));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention_into", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      Problem<scalar_t> p{static_cast<const scalar_t*>(q), q_stride_t, D,
+                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          static_cast<int64_t>(hkv) * D, qo_indptr.data_ptr<int32_t>(),
+                          kv_indptr.data_ptr<int32_t>(), kv_indices.data_ptr<int32_t>(),
+                          kv_last_page_len.data_ptr<int32_t>(), static_cast<int>(k_cache.size(1)),
+                          static_cast<int>(hq) / hkv, D, static_cast<float>(scale * 1.4426950408889634), causal};
+      run(p, num_seqs, hkv, static_cast<scalar_t*>(out), lse);
+    }
+  });
+}
+
 // Merge two attention states over disjoint KV sets: out [N, H, D], lse [N, H] (base 2, fp32).
 torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b) {
   TORCH_CHECK(out_a.sizes() == out_b.sizes() && out_a.dim() == 3 && out_a.scalar_type() == out_b.scalar_type(),

@@ -5,17 +5,19 @@
 // a third of a millisecond, and the norms, RoPE, KV store and attention take microseconds each.
 // The Python around them (module calls, argument checks, views) added about a millisecond per
 // step of the bench model's eight layers, a third of the bandwidth floor
-// (``python -m bench roofline``). Here the layer loop runs in C++ and calls the same operators:
-// the radixserve_layers and radixserve_linear ops through the dispatcher (their own argument
-// checks included), store_kv and paged_attention (attention.cpp) and quant.cpp's qlinear, over
-// weights checked once (DecodeWeights), directly. The results are
-// bit-identical to the layer-by-layer path, which tests/test_fused_decode.py checks.
+// (``python -m bench roofline``). Here the layer loop runs in C++ and calls the same kernels:
+// layers.cpp's norm, RoPE and SiLU over raw rows (layers.h), the decode attention kernel
+// (attention.cpp's paged_attention_into), the radixserve_linear ops through the dispatcher and
+// quant.cpp's qlinear, over weights checked once (DecodeWeights) and a batch checked once per call:
+// inside the loop no tensor view is made and no small op dispatched (each cost about half a
+// microsecond, a tenth of a SmolLM2 layer's non-weight time; bench/RESULTS.md section 48). The
+// results are bit-identical to the layer-by-layer path, which tests/test_fused_decode.py checks.
 //
 // Per layer (Llama-family, no QK norm; radixserve/model/llama.py):
 //   x += pending; h = rmsnorm(x) * ln1             add_rms_norm
 //   q, k, v = split(h W_qkv^T + b_qkv)             linear (views of one output)
 //   rotate q, k in place                           rope
-//   write k, v to the cache slots; attend          store_kv, paged_attention (decode kernel); in
+//   write k, v to the cache slots; attend          (a copy), paged_attention's kernel; in
 //                                                  cascade groups also prefill_attention over the
 //                                                  shared prefix, then merge_state
 //   x += o W_o^T + b_o; h = rmsnorm(x) * ln2      linear, add_rms_norm
@@ -26,10 +28,13 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "layers.h"
+#include "paged_common.h"
 #include "quant.h"
 
 #include <immintrin.h>
 
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,7 +44,10 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            torch::Tensor qo_indptr, torch::Tensor kv_indptr,
                                            torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                            double scale, bool causal);
-void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+void paged_attention_into(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const void* q,
+                          int64_t q_stride_t, int64_t hq, const torch::Tensor& qo_indptr,
+                          const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
+                          const torch::Tensor& kv_last_page_len, double scale, bool causal, void* out, float* lse);
 torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b);
 // prefill.cpp
 std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -49,10 +57,7 @@ std::vector<torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k_ca
 
 namespace {
 
-// The C++ signatures the ops were registered with (layers.cpp, linear.cpp).
-using NormFn = void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double, const at::Tensor&);
-using RopeFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using SiluFn = void(const at::Tensor&, const at::Tensor&);
+// The C++ signatures the ops were registered with (linear.cpp).
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, int64_t);
 // torch's oneDNN product over a prepacked weight (aten/src/ATen/native/mkldnn/Linear.cpp)
 using OnednnFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
@@ -64,9 +69,6 @@ c10::TypedOperatorHandle<Fn> find_op(const char* name) {
 }
 
 struct Ops {
-  c10::TypedOperatorHandle<NormFn> norm = find_op<NormFn>("radixserve_layers::add_rms_norm");
-  c10::TypedOperatorHandle<RopeFn> rope = find_op<RopeFn>("radixserve_layers::rope");
-  c10::TypedOperatorHandle<SiluFn> silu = find_op<SiluFn>("radixserve_layers::silu_and_mul");
   c10::TypedOperatorHandle<LinearFn> linear = find_op<LinearFn>("radixserve_linear::linear");
 };
 
@@ -225,7 +227,40 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
   TORCH_CHECK(prefix.empty() || prefix.size() == 4,
               "decode_layers: prefix must be empty or (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)");
   const Ops& op = ops();
-  const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t T = x.size(0), H = x.size(1), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const c10::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: x must be float32 or bfloat16, not ", dtype);
+  // The batch, checked once for every layer: the caches (one shape, x's dtype), the metadata
+  // (check_paged_inputs, on a q of the query heads' shape), the slots, the RoPE tables.
+  const at::Tensor& kc0 = k_caches[0];
+  TORCH_CHECK(kc0.device().is_cpu() && kc0.dim() == 4 && kc0.size(2) == num_kv_heads && kc0.size(3) == head_dim &&
+                  kc0.scalar_type() == dtype,
+              "decode_layers: the caches must be [pages, page_size, num_kv_heads, head_dim] tensors of x's dtype");
+  for (int64_t layer = 0; layer < layers; ++layer)
+    TORCH_CHECK(k_caches[layer].is_contiguous() && v_caches[layer].is_contiguous() &&
+                    k_caches[layer].sizes() == kc0.sizes() && v_caches[layer].sizes() == kc0.sizes() &&
+                    k_caches[layer].scalar_type() == dtype && v_caches[layer].scalar_type() == dtype,
+                "decode_layers: every layer's K and V cache must be contiguous, of one shape and dtype");
+  const at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());  // each layer's attention output
+  const at::Tensor lse = at::empty({T, num_heads}, x.options().dtype(at::kFloat));
+  radixserve::check_paged_inputs(attn, kc0, v_caches[0], qo_indptr, kv_indptr, kv_indices, kv_last_page_len, 256);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == T,
+              "decode_layers: slots must be a contiguous int64 [tokens] tensor");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = kc0.size(0) * kc0.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode_layers: slot ", sp[t], " is outside the caches' ", num_slots,
+                " slots");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == T && sin.size(0) == T && cos.size(1) == head_dim / 2 &&
+                  sin.size(1) == head_dim / 2 && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype && head_dim % 2 == 0,
+              "decode_layers: cos and sin must be [tokens, head_dim / 2] of x's dtype, last dimension contiguous");
+  for (int64_t layer = 0; layer < layers; ++layer)
+    for (int i : {0, 5}) {
+      const at::Tensor& ln = params[layer * kPerLayer + i];
+      TORCH_CHECK(ln.dim() == 1 && ln.size(0) == H && ln.is_contiguous() && ln.scalar_type() == dtype,
+                  "decode_layers: the norms' weights must be contiguous [hidden] tensors of x's dtype");
+    }
   // the rows in cascade groups (the first ones); 0 without a prefix level
   const int64_t grouped = prefix.empty() ? 0 : prefix[0][prefix[0].size(0) - 1].item<int64_t>();
   TORCH_CHECK(grouped >= 0 && grouped <= T, "decode_layers: the prefix level covers ", grouped, " of ", T, " rows");
@@ -233,51 +268,67 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
   std::optional<at::Tensor> pending;
   const at::Tensor none;  // (undefined: the small-M kernel)
   const at::Tensor h = at::empty_like(x);  // each norm's output, read by the product after it
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == T,
-              "decode_layers: slots must be a contiguous int64 [tokens] tensor");
+  const at::Tensor attn_rows = attn.view({T, q_size});
+  at::Tensor act;  // silu(gate) * up, once its width is known
+  const int64_t esize = x.element_size(), slot_bytes = kv_size * esize;
+  char* xp = static_cast<char*>(x.data_ptr());
+  char* hp = static_cast<char*>(h.data_ptr());
+  auto norm = [&](const at::Tensor* residual, const at::Tensor& weight) {
+    TORCH_CHECK(residual == nullptr || (residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                                        residual->scalar_type() == dtype),
+                "decode_layers: a product's output must be [tokens, hidden] of x's dtype");
+    radixserve::layers::add_rms_norm(dtype, xp, H, residual ? residual->data_ptr() : nullptr,
+                                     residual ? residual->stride(0) : 0, weight.data_ptr(), hp, H, T, H, eps);
+  };
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = params.data() + layer * kPerLayer;
     const at::Tensor* pk = packed.empty() ? nullptr : packed.data() + layer * 4;
     const auto pw = [&](int i) -> const at::Tensor& { return pk == nullptr ? none : pk[i]; };
     const QuantWeight* qw = qws.data() + layer * 4;
-    // (store_kv checks the caches and the slots' range; a prefetch of a bad address is dropped)
-    prefetch_slots(k_caches[layer], v_caches[layer], slots.data_ptr<int64_t>(), T);
-    op.norm.call(x, pending, w[0], eps, h);
+    const at::Tensor& k_cache = k_caches[layer];
+    const at::Tensor& v_cache = v_caches[layer];
+    prefetch_slots(k_cache, v_cache, sp, T);
+    norm(pending ? &*pending : nullptr, w[0]);
     const at::Tensor qkv = product(op, h, w[1], w[2], pw(0), qw[0]);
-    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv_proj has ", qkv.size(1),
-                " outputs, not (num_heads + 2 * num_kv_heads) * head_dim");
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    op.rope.call(q, k, cos, sin);
-    store_kv(k_caches[layer], v_caches[layer], slots, k, v);
-    std::vector<torch::Tensor> own = paged_attention(q, k_caches[layer], v_caches[layer], qo_indptr, kv_indptr,
-                                                     kv_indices, kv_last_page_len, scale, true);
-    at::Tensor attn = own[0];
-    if (grouped > 0) {  // level 0: each group's queries (the first rows) against its shared prefix, not causal
-      const std::vector<torch::Tensor> shared = prefill_attention(
-          q.narrow(0, 0, grouped), k_caches[layer], v_caches[layer], prefix[0], prefix[1], prefix[2], prefix[3], scale,
-          false, "auto");
-      const at::Tensor merged =
-          merge_state(shared[0], shared[1], own[0].narrow(0, 0, grouped), own[1].narrow(0, 0, grouped));
-      if (grouped == T)
-        attn = merged;
-      else
-        attn.narrow(0, 0, grouped).copy_(merged);  // the rows after them are in no group
+    TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.stride(1) == 1, "decode_layers: qkv_proj has ",
+                qkv.size(1), " outputs, not (num_heads + 2 * num_kv_heads) * head_dim");
+    // q, k and v: column blocks of qkv's rows
+    char* qp = static_cast<char*>(qkv.data_ptr());
+    const int64_t row = qkv.stride(0);  // (elements)
+    char* kp = qp + q_size * esize;
+    const char* vp = kp + kv_size * esize;
+    radixserve::layers::rope(dtype, qp, row, head_dim, kp, row, head_dim, cos.data_ptr(), cos.stride(0), sin.data_ptr(),
+                             sin.stride(0), T, num_heads, num_kv_heads, head_dim / 2);
+    char* kd = static_cast<char*>(k_cache.data_ptr());
+    char* vd = static_cast<char*>(v_cache.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {  // (slots checked above)
+      std::memcpy(kd + sp[t] * slot_bytes, kp + t * row * esize, slot_bytes);
+      std::memcpy(vd + sp[t] * slot_bytes, vp + t * row * esize, slot_bytes);
     }
-    const at::Tensor o = product(op, attn.view({T, q_size}), w[3], w[4], pw(1), qw[1]);
-    op.norm.call(x, o, w[5], eps, h);
+    paged_attention_into(k_cache, v_cache, qp, row, num_heads, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                         scale, true, attn.data_ptr(), lse.data_ptr<float>());
+    if (grouped > 0) {  // level 0: each group's queries (the first rows) against its shared prefix, not causal
+      const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+      const std::vector<torch::Tensor> shared = prefill_attention(
+          q.narrow(0, 0, grouped), k_cache, v_cache, prefix[0], prefix[1], prefix[2], prefix[3], scale, false, "auto");
+      attn.narrow(0, 0, grouped)
+          .copy_(merge_state(shared[0], shared[1], attn.narrow(0, 0, grouped), lse.narrow(0, 0, grouped)));
+    }
+    const at::Tensor o = product(op, attn_rows, w[3], w[4], pw(1), qw[1]);
+    norm(&o, w[5]);
     // silu(gate) * up: on the AMX GEMM's packed copy in its epilogue, as
     // radixserve.kernels.linear.linear_silu_and_mul takes it; else the product, then the activation
     const at::Tensor& pgu = pw(2);
-    at::Tensor act;
     if (amx_packed(pgu) && !qw[2]) {
-      act = amx_glu_op().call(h, pgu, bias_of(w[7]));
-    } else {
-      const at::Tensor gate_up = product(op, h, w[6], w[7], pgu, qw[2]);
-      act = at::empty({T, gate_up.size(1) / 2}, x.options());
-      op.silu.call(gate_up, act);
+      pending = product(op, amx_glu_op().call(h, pgu, bias_of(w[7])), w[8], w[9], pw(3), qw[3]);
+      continue;
     }
+    const at::Tensor gate_up = product(op, h, w[6], w[7], pgu, qw[2]);
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(0) == T && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+                "decode_layers: gate_up_proj must have an even number of outputs");
+    const int64_t inter = gate_up.size(1) / 2;
+    if (!act.defined() || act.size(1) != inter) act = at::empty({T, inter}, x.options());
+    radixserve::layers::silu_and_mul(dtype, gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), inter, T, inter);
     pending = product(op, act, w[8], w[9], pw(3), qw[3]);
   }
   return *pending;

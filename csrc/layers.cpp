@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "layers.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -171,16 +173,14 @@ void rope_items_avx512(R* qp, R* kp, const R* cp, const R* sp, int64_t qs0, int6
 #endif
 
 template <typename T>
-void add_rms_norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-                       double eps, const at::Tensor& out) {
+void add_rms_norm_impl(void* x, int64_t xs, const void* residual, int64_t rs, const void* weight, void* out, int64_t os,
+                       int64_t n, int64_t h, double eps) {
   using C = Cvt<T>;
   using R = typename C::raw;
-  const int64_t n = x.size(0), h = x.size(1);
-  R* xp = reinterpret_cast<R*>(x.data_ptr());
-  const R* rp = residual ? reinterpret_cast<const R*>(residual->data_ptr()) : nullptr;
-  const R* wp = reinterpret_cast<const R*>(weight.data_ptr());
-  R* op = reinterpret_cast<R*>(out.data_ptr());
-  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0);
+  R* xp = static_cast<R*>(x);
+  const R* rp = static_cast<const R*>(residual);
+  const R* wp = static_cast<const R*>(weight);
+  R* op = static_cast<R*>(out);
   const int64_t blocks = h / kLanes * kLanes;
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
@@ -242,25 +242,23 @@ void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "residual must match x");
   }
-  if (x.scalar_type() == at::kFloat)
-    add_rms_norm_impl<float>(x, residual, weight, eps, out);
-  else if (x.scalar_type() == at::kBFloat16)
-    add_rms_norm_impl<at::BFloat16>(x, residual, weight, eps, out);
-  else
-    TORCH_CHECK(false, "add_rms_norm supports float32 and bfloat16, not ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "add_rms_norm supports float32 and bfloat16, not ", x.scalar_type());
+  radixserve::layers::add_rms_norm(x.scalar_type(), x.data_ptr(), x.stride(0), residual ? residual->data_ptr() : nullptr,
+                                   residual ? residual->stride(0) : 0, weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                   x.size(0), x.size(1), eps);
 }
 
 template <typename T>
-void rope_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+void rope_impl(void* q, int64_t qs0, int64_t qs1, void* k, int64_t ks0, int64_t ks1, const void* cos, int64_t cs,
+               const void* sin, int64_t ss, int64_t t, int64_t hq, int64_t hk, int64_t half) {
   using C = Cvt<T>;
   using R = typename C::raw;
-  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), half = q.size(2) / 2, heads = hq + hk;
-  R* qp = reinterpret_cast<R*>(q.data_ptr());
-  R* kp = reinterpret_cast<R*>(k.data_ptr());
-  const R* cp = reinterpret_cast<const R*>(cos.data_ptr());
-  const R* sp = reinterpret_cast<const R*>(sin.data_ptr());
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t heads = hq + hk;
+  R* qp = static_cast<R*>(q);
+  R* kp = static_cast<R*>(k);
+  const R* cp = static_cast<const R*>(cos);
+  const R* sp = static_cast<const R*>(sin);
   at::parallel_for(0, t * heads, grain_rows(2 * half), [&](int64_t begin, int64_t end) {
 #ifdef RADIXSERVE_LAYERS_AVX512
     if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -296,12 +294,9 @@ void rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
               "q, k, cos and sin must share one dtype");
-  if (dtype == at::kFloat)
-    rope_impl<float>(q, k, cos, sin);
-  else if (dtype == at::kBFloat16)
-    rope_impl<at::BFloat16>(q, k, cos, sin);
-  else
-    TORCH_CHECK(false, "rope supports float32 and bfloat16, not ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope supports float32 and bfloat16, not ", dtype);
+  radixserve::layers::rope(dtype, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                           cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0), t, q.size(1), k.size(1), d / 2);
 }
 
 // e^x for x <= 88: x = n ln2 + r (Cody-Waite split of ln2, |r| <= ln2/2), e^r by a degree-7
@@ -331,13 +326,11 @@ using radixserve::silu_mul_v;
 #endif
 
 template <typename T>
-void silu_and_mul_impl(const at::Tensor& gate_up, const at::Tensor& out) {
+void silu_and_mul_impl(const void* gate_up, int64_t gs, void* out, int64_t os, int64_t n, int64_t inter) {
   using C = Cvt<T>;
   using R = typename C::raw;
-  const int64_t n = out.size(0), inter = out.size(1);
-  const R* gp = reinterpret_cast<const R*>(gate_up.data_ptr());
-  R* op = reinterpret_cast<R*>(out.data_ptr());
-  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  const R* gp = static_cast<const R*>(gate_up);
+  R* op = static_cast<R*>(out);
   at::parallel_for(0, n, grain_rows(inter, kGrainElemsSilu), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const R* g = gp + row * gs;
@@ -364,12 +357,10 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   TORCH_CHECK(gate_up.size(0) == out.size(0) && gate_up.size(1) == 2 * out.size(1) &&
                   gate_up.scalar_type() == out.scalar_type(),
               "gate_up must be [rows, 2 * cols] of out's dtype");
-  if (out.scalar_type() == at::kFloat)
-    silu_and_mul_impl<float>(gate_up, out);
-  else if (out.scalar_type() == at::kBFloat16)
-    silu_and_mul_impl<at::BFloat16>(gate_up, out);
-  else
-    TORCH_CHECK(false, "silu_and_mul supports float32 and bfloat16, not ", out.scalar_type());
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "silu_and_mul supports float32 and bfloat16, not ", out.scalar_type());
+  radixserve::layers::silu_and_mul(out.scalar_type(), gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
+                                   out.stride(0), out.size(0), out.size(1));
 }
 
 // Index of the first maximum of p[0, n), or of the first NaN when there is one, as torch.max(dim)
@@ -426,14 +417,50 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 }  // namespace
 
-TORCH_LIBRARY(radixserve_layers, m) {
+namespace radixserve::layers {
+
+void add_rms_norm(c10::ScalarType dtype, void* x, int64_t xs, const void* residual, int64_t rs, const void* weight,
+                  void* out, int64_t os, int64_t n, int64_t h, double eps) {
+  if (dtype == at::kFloat)
+    add_rms_norm_impl<float>(x, xs, residual, rs, weight, out, os, n, h, eps);
+  else
+    add_rms_norm_impl<at::BFloat16>(x, xs, residual, rs, weight, out, os, n, h, eps);
+}
+
+void rope(c10::ScalarType dtype, void* q, int64_t qs0, int64_t qs1, void* k, int64_t ks0, int64_t ks1, const void* cos,
+          int64_t cs, const void* sin, int64_t ss, int64_t t, int64_t hq, int64_t hk, int64_t half) {
+  if (dtype == at::kFloat)
+    rope_impl<float>(q, qs0, qs1, k, ks0, ks1, cos, cs, sin, ss, t, hq, hk, half);
+  else
+    rope_impl<at::BFloat16>(q, qs0, qs1, k, ks0, ks1, cos, cs, sin, ss, t, hq, hk, half);
+}
+
+void silu_and_mul(c10::ScalarType dtype, const void* gate_up, int64_t gs, void* out, int64_t os, int64_t n,
+                  int64_t inter) {
+  if (dtype == at::kFloat)
+    silu_and_mul_impl<float>(gate_up, gs, out, os, n, inter);
+  else
+    silu_and_mul_impl<at::BFloat16>(gate_up, gs, out, os, n, inter);
+}
+
+}  // namespace radixserve::layers
+
+// The namespace is a macro so that another checkout's decode.cpp, which calls the functions above,
+// can load with this file under a name of its own (bench/kernels.py --against).
+#ifndef RADIXSERVE_LAYERS_NS
+#define RADIXSERVE_LAYERS_NS radixserve_layers
+#endif
+#define RADIXSERVE_LAYERS_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // (expands the macro first)
+#define RADIXSERVE_LAYERS_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+RADIXSERVE_LAYERS_LIBRARY(RADIXSERVE_LAYERS_NS, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(radixserve_layers, CPU, m) {
+RADIXSERVE_LAYERS_IMPL(RADIXSERVE_LAYERS_NS, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_and_mul", &silu_and_mul);
