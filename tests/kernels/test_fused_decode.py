@@ -208,6 +208,56 @@ def test_decode_weights_refuse_malformed_lists():
         ops.decode_weights(params, [dense] * 5)
 
 
+def test_decode_layers_refuse_a_bad_batch_before_writing_anything():
+    """``decode_layers`` checks a batch once, before its first layer (its loop then writes the
+    caches through raw pointers): a slot outside the caches, caches of different shapes or RoPE
+    tables of the wrong shape are refused with the cache and the residual stream untouched."""
+    ops = attention.ops()
+    if ops is None:
+        pytest.skip("the CPU extension is not built")
+    g = torch.Generator().manual_seed(0)
+    hidden, heads, kv_heads, dim, inter, layers = 32, 2, 1, 16, 24, 2
+
+    def w(*shape):
+        return 0.1 * torch.randn(*shape, generator=g)
+
+    none = torch.empty(0)
+    params = []
+    for _ in range(layers):
+        params += [1 + w(hidden), w((heads + 2 * kv_heads) * dim, hidden), none, w(hidden, heads * dim), none]
+        params += [1 + w(hidden), w(2 * inter, hidden), none, w(hidden, inter), none]
+    weights = ops.decode_weights(params, [])
+    pages, page_size = 4, 16
+    caches = [torch.zeros(pages, page_size, kv_heads, dim) for _ in range(2 * layers)]
+    x = w(1, hidden)
+    cos, sin = torch.ones(1, dim // 2), torch.zeros(1, dim // 2)
+    meta = [
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([6], dtype=torch.int32),
+    ]
+
+    def call(slot, k_caches=caches[:layers], cos=cos, x=x):
+        slots = torch.tensor([slot])
+        return ops.decode_layers(weights, x, [], k_caches, caches[layers:], cos, sin, slots, *meta, heads, kv_heads, dim, 1e-5, dim**-0.5, [])
+
+    before = x.clone()
+    for bad, match in (
+        (dict(slot=pages * page_size), "outside the caches"),
+        (dict(slot=-1), "outside the caches"),
+        (dict(slot=37, k_caches=[caches[0], torch.zeros(pages + 1, page_size, kv_heads, dim)]), "one shape and dtype"),
+        (dict(slot=37, cos=torch.ones(1, dim)), "cos and sin must be"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            call(**bad)
+        assert torch.equal(x, before) and all(not c.any() for c in caches)
+    out = call(37)  # slot 37: page 2, offset 5 (the context's sixth token)
+    assert out.shape == (1, hidden) and not torch.equal(x, before)
+    for c in caches:
+        assert c.view(-1, kv_heads * dim)[37].any() and not c.view(-1, kv_heads * dim)[:37].any()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
     """``bench roofline --batch N``: N requests decode together; where their layers run in one
