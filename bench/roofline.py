@@ -52,6 +52,14 @@ def add_arguments(parser) -> None:
         help="before the requests, hold a random half of the KV pool's pages and free the other half "
         "in a random order, as a long-running server's pool looks after requests came and went",
     )
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        default=None,
+        help="another checkout's csrc/: its decode_layers (and the kernels it calls, built as bench kernels --against "
+        "builds them) takes every other fused step, and the run prints both medians and the median ratio of adjacent "
+        "steps (on a noisy machine, an A/B of two builds that runs after another cannot tell 2%% from 20%%)",
+    )
     parser.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth buffer (MiB)")
     parser.add_argument("--gemv", action="store_true", help="also print the per-shape linear kernel table")
     parser.add_argument("--gemv-rows", default="1,8,16,32,64", help="row counts M of the --gemv table")
@@ -264,6 +272,19 @@ def print_gemv(table: list[dict], dtype: str, threads: int) -> None:
         )
 
 
+def against_decode(csrc: str, fused: bool):
+    """A fused decode of ``model`` on another checkout's ``csrc`` kernels (bench.kernels.build_against)."""
+    from bench.kernels import build_against
+    from radixserve.kernels import fused_decode
+
+    if not fused:
+        raise SystemExit("--against compares fused decode steps: this model or batch does not take the fused path")
+    ops = build_against(csrc)
+    if getattr(ops, "decode_weights", None) is None:
+        raise SystemExit(f"--against {csrc}: its kernels have no decode_layers to compare")
+    return fused_decode.FusedDecode(ops)  # (takes its weights apart at its first batch, as ours did)
+
+
 def run(args) -> int:
     import torch
 
@@ -304,7 +325,9 @@ def run(args) -> int:
     was_enabled = model.fused_decode.enabled
     fused = was_enabled and fused_decode.unsupported(model, param_dtype) is None
     first = "quantized" if quantized else "amx" if amx else "kernel" if kernel is not None else fallback
-    modes = [first] + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
+    modes = [first] + (["against"] if args.against else []) + (["layers"] if fused else []) + ([fallback] if kernel is not None else [])
+    ours = model.fused_decode
+    theirs = against_decode(args.against, fused) if args.against else None
     if args.fragment:  # (the held half is never freed: this engine serves nothing else)
         pool = engine.runner.pool
         pages = pool.alloc(pool.num_free) or []
@@ -330,7 +353,8 @@ def run(args) -> int:
                 lin._state["op"] = None if mode == fallback else kernel
                 if amx:  # (F.linear's steps: no packed copies either)
                     gemm._state["packed"] = None if mode == fallback else packed_ops
-            model.fused_decode.enabled = fused and mode == first
+            model.fused_decode = theirs if mode == "against" else ours
+            ours.enabled = fused and mode == first
             start = time.perf_counter()
             engine.step()
             times[mode].append(time.perf_counter() - start)
@@ -340,7 +364,8 @@ def run(args) -> int:
             lin._state["op"] = kernel
             if amx:
                 gemm._state["packed"] = packed_ops
-        model.fused_decode.enabled = was_enabled
+        model.fused_decode = ours
+        ours.enabled = was_enabled
     floor = weight_bytes / bw
     steps = {m: statistics.median(t[1:]) for m, t in times.items()}  # the first decode may still warm caches
     step = steps[modes[0]]
@@ -371,6 +396,15 @@ def run(args) -> int:
     result["fused_layers"] = model.fused_decode.batches > 0
     if "layers" in steps and result["fused_layers"]:
         result["decode_step_layers_ms"] = steps["layers"] * 1e3
+    if theirs is not None:  # each of our steps against the step after it, on the other build
+        pairs = [b / a for a, b in zip(times[first][1:], times["against"][1:], strict=False)]
+        result |= {
+            "against": args.against,
+            "decode_step_against_ms": steps["against"] * 1e3,
+            "against_over_this": statistics.median(pairs),
+            "against_pairs": len(pairs),
+            "against_fused": theirs.batches > 0,
+        }
     gemv_rows = [int(r) for r in args.gemv_rows.split(",")]
     gemv = quant_gemv_table if quantized else (lambda m, *a: gemv_table(m.config, param_dtype, *a))
     table = gemv(model, gemv_rows, args.gemv_mib) if args.gemv else None
@@ -395,6 +429,13 @@ def run(args) -> int:
         print(
             f"  same run, steps with the layers called one by one (RADIXSERVE_FUSED_DECODE=0): "
             f"{result['decode_step_layers_ms']:.2f} ms (one native call {steps['layers'] / step:.2f}x faster)"
+        )
+    if theirs is not None and theirs.batches == 0:
+        print(f"  (--against {args.against}: its decode_layers took none of its steps; they ran layer by layer)")
+    if theirs is not None:
+        print(
+            f"  same run, alternate steps on {args.against}'s kernels: {result['decode_step_against_ms']:.2f} ms; "
+            f"this checkout's step x{result['against_over_this']:.3f} faster (median over {result['against_pairs']} adjacent pairs)"
         )
     if kernel is not None:
         print(

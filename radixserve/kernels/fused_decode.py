@@ -74,8 +74,12 @@ class FusedDecode:
     first batch that could use it. ``enabled`` switches it for this model (default:
     :func:`enabled`); ``batches`` counts the batches it ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: attention.AttentionOps | None = None) -> None:
+        """``ops``: the attention module's ops to run (default: this checkout's,
+        :func:`radixserve.kernels.attention.ops`); ``python -m bench roofline --against`` passes
+        another build's."""
         self.enabled = enabled()
+        self._given_ops = ops
         self._params: list[torch.Tensor] | bool | None = None  # None: not checked yet
         # decode_layers' weights argument (its DecodeWeights): the parameters and the quantized
         # weights, with int8 activations where their types have kernels, and with fp32 ones (for
@@ -169,7 +173,7 @@ class FusedDecode:
         if why is not None:
             log.info("fused decode layers off for this model: %s", why)
             return False
-        self._ops = ops = attention.ops()
+        self._ops = ops = self._given_ops or attention.ops()
         assert ops is not None  # (unsupported checked)
         none = torch.empty(0, dtype=dtype)  # an absent bias (decode.cpp reads an empty tensor as none)
         params: list[torch.Tensor] = []

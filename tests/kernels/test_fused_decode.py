@@ -258,6 +258,27 @@ def test_decode_layers_refuse_a_bad_batch_before_writing_anything():
         assert c.view(-1, kv_heads * dim)[37].any() and not c.view(-1, kv_heads * dim)[:37].any()
 
 
+def test_roofline_against_another_build_alternates_fused_steps(llama_dir, capsys, monkeypatch):
+    """``bench roofline --against DIR``: DIR's decode_layers (here this checkout's csrc/, built again
+    under names of its own, as ``bench kernels --against`` builds it) takes every other fused step,
+    and the run reports both medians and the median ratio of adjacent steps."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench import roofline
+
+    _needs_kernel(monkeypatch, torch.float32)
+    csrc = str(Path(__file__).resolve().parents[2] / "csrc")
+    parser = argparse.ArgumentParser()
+    roofline.add_arguments(parser)
+    args = parser.parse_args(["--model", llama_dir, "--context", "8", "--steps", "4", "--buffer-mib", "8", "--against", csrc, "--json"])
+    assert roofline.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fused_layers"] and result["against_fused"] and result["against"] == csrc
+    assert result["decode_step_against_ms"] > 0 and result["against_over_this"] > 0 and result["against_pairs"] == 3
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_roofline_batch_times_fused_and_layer_steps(llama_dir, capsys, dtype):
     """``bench roofline --batch N``: N requests decode together; where their layers run in one
