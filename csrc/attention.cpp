@@ -1100,47 +1100,41 @@ void run(const Problem<T>& p, int num_seqs, int num_kv_heads, T* out, float* lse
 }  // namespace
 
 // q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; returns (out [T, Hq, D], lse [T, Hq] fp32).
+void paged_attention_into(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const void* q,
+                          int64_t q_stride_t, int64_t q_stride_h, int64_t hq, const torch::Tensor& qo_indptr,
+                          const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
+                          const torch::Tensor& kv_last_page_len, double scale, bool causal, void* out, float* lse);
+
 std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                            torch::Tensor qo_indptr, torch::Tensor kv_indptr,
                                            torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                            double scale, bool causal) {
   const radixserve::PagedShape shape = radixserve::check_paged_inputs(
       q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kMaxDim);
-  const int num_seqs = shape.num_seqs, hq = shape.hq, hkv = shape.hkv, D = shape.head_dim;
+  const int hq = shape.hq, D = shape.head_dim;
   auto out = torch::empty({q.size(0), hq, D}, q.options().memory_format(torch::MemoryFormat::Contiguous));
   auto lse = torch::empty({q.size(0), hq}, q.options().dtype(torch::kFloat32));
   if (q.size(0) == 0) return {out, lse};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "float64 is not supported");
-    } else {
-      Problem<scalar_t> p{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
-                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                          static_cast<int64_t>(hkv) * D, qo_indptr.data_ptr<int32_t>(),
-                          kv_indptr.data_ptr<int32_t>(), kv_indices.data_ptr<int32_t>(),
-                          kv_last_page_len.data_ptr<int32_t>(), static_cast<int>(k_cache.size(1)),
-                          hq / hkv, D, static_cast<float>(scale * 1.4426950408889634), causal};
-      run(p, num_seqs, hkv, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
-    }
-  });
+  paged_attention_into(k_cache, v_cache, q.data_ptr(), q.stride(0), q.stride(1), hq, qo_indptr, kv_indptr,
+                       kv_indices, kv_last_page_len, scale, causal, out.data_ptr(), lse.data_ptr<float>());
   return {out, lse};
 }
 
-// decode_layers' attention (decode.cpp): paged_attention's kernel with no tensor made, on the query
-// rows at q (q_stride_t elements from token to token, heads head_dim apart: the q block of a fused
-// qkv output), into out [T, hq, head_dim] of the caches' dtype and lse [T, hq]. The caller has
-// checked the caches and the metadata as check_paged_inputs does.
+// paged_attention's kernel with no tensor made, on the query rows at q (q_stride_t elements from
+// token to token, q_stride_h from head to head: decode_layers passes the q block of a fused qkv
+// output), into out [T, hq, head_dim] of the caches' dtype and lse [T, hq]. The caller has checked
+// the caches and the metadata as check_paged_inputs does.
 void paged_attention_into(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const void* q,
-                          int64_t q_stride_t, int64_t hq, const torch::Tensor& qo_indptr,
+                          int64_t q_stride_t, int64_t q_stride_h, int64_t hq, const torch::Tensor& qo_indptr,
                           const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
                           const torch::Tensor& kv_last_page_len, double scale, bool causal, void* out, float* lse) {
   const int num_seqs = static_cast<int>(qo_indptr.size(0)) - 1, hkv = static_cast<int>(k_cache.size(2));
   const int D = static_cast<int>(k_cache.size(3));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention_into", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "float64 is not supported");
     } else {
-      Problem<scalar_t> p{static_cast<const scalar_t*>(q), q_stride_t, D,
+      Problem<scalar_t> p{static_cast<const scalar_t*>(q), q_stride_t, q_stride_h,
                           k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                           static_cast<int64_t>(hkv) * D, qo_indptr.data_ptr<int32_t>(),
                           kv_indptr.data_ptr<int32_t>(), kv_indices.data_ptr<int32_t>(),

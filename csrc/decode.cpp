@@ -45,7 +45,7 @@ std::vector<torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor k_cach
                                            torch::Tensor kv_indices, torch::Tensor kv_last_page_len,
                                            double scale, bool causal);
 void paged_attention_into(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const void* q,
-                          int64_t q_stride_t, int64_t hq, const torch::Tensor& qo_indptr,
+                          int64_t q_stride_t, int64_t q_stride_h, int64_t hq, const torch::Tensor& qo_indptr,
                           const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
                           const torch::Tensor& kv_last_page_len, double scale, bool causal, void* out, float* lse);
 torch::Tensor merge_state(torch::Tensor out_a, torch::Tensor lse_a, torch::Tensor out_b, torch::Tensor lse_b);
@@ -305,7 +305,7 @@ torch::Tensor decode_layers(const c10::intrusive_ptr<DecodeWeights>& weights, to
       std::memcpy(kd + sp[t] * slot_bytes, kp + t * row * esize, slot_bytes);
       std::memcpy(vd + sp[t] * slot_bytes, vp + t * row * esize, slot_bytes);
     }
-    paged_attention_into(k_cache, v_cache, qp, row, num_heads, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+    paged_attention_into(k_cache, v_cache, qp, row, head_dim, num_heads, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                          scale, true, attn.data_ptr(), lse.data_ptr<float>());
     if (grouped > 0) {  // level 0: each group's queries (the first rows) against its shared prefix, not causal
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
